@@ -1,0 +1,193 @@
+"""Experiment configuration: the shared defaults every config file starts from, and validation.
+
+Config files in `configs/` call `default_config()` and change what they need (derivation by
+function call, never by inheritance). `validate()` runs before any work starts; every problem it
+finds is a `ConfigError` whose message is one line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import ml_collections
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+DATA_SOURCES = ("text", "arrayrecord", "synthetic")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one line before any work starts."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every key a config may set, with defaults for a tiny byte-level model on CPU."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.total_steps = 200
+    c.global_batch_size = 16
+    # Rows one device processes at once; 0 = all its rows in one microbatch. When the mesh
+    # shrinks, more accumulation microbatches keep the global batch unchanged.
+    c.per_device_batch_size = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 256  # byte-level: nothing to download
+    c.model.d_model = 256
+    c.model.num_layers = 4
+    c.model.num_heads = 4
+    c.model.num_kv_heads = 4
+    c.model.head_dim = 64
+    c.model.d_ff = 768
+    c.model.max_seq_len = 512
+    c.model.rope_theta = 10000.0
+    c.model.norm_eps = 1e-6
+    c.model.remat = False
+    c.model.compute_dtype = "float32"
+    c.model.tie_embeddings = True
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "text"  # text | arrayrecord | synthetic
+    # text: a .txt file or directory (empty = bundled corpus); arrayrecord: a file or glob
+    c.data.path = ""
+    c.data.seq_len = 128
+    c.data.prefetch = 2  # steps loaded ahead of the one running
+    c.data.num_threads = 2
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.learning_rate = 3e-3
+    c.optimizer.warmup_steps = 20
+    c.optimizer.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
+    c.optimizer.weight_decay = 0.1
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.95
+    c.optimizer.eps = 1e-8
+    c.optimizer.grad_clip_norm = 1.0
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.replica = -1  # -1: one per slice
+    c.mesh.fsdp = -1  # -1: the devices of a slice left after tensor
+    c.mesh.tensor = 1
+
+    c.log = ml_collections.ConfigDict()
+    c.log.every_steps = 10
+    c.log.peak_flops_per_device = 0.0  # 0: guess from the device kind (for the MFU estimate)
+    c.log.progress_bar = True
+    c.log.tensorboard = True
+    return c
+
+
+def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    return json.loads(config.to_json())
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> str:
+    """Hash of what defines the trained function: model shapes, data and seed (not logging)."""
+    d = config_to_dict(config)
+    keep = {k: d[k] for k in ("model", "seed", "global_batch_size") if k in d}
+    keep["data"] = {k: d["data"].get(k) for k in ("source", "path", "seq_len")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"config.{key}={value!r} is invalid: {allowed}")
+
+
+def _check_positive(config: ml_collections.ConfigDict, *keys: str) -> None:
+    for key in keys:
+        value = _get(config, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            _fail(key, value, "must be a positive integer")
+
+
+def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def check_known_keys(config: ml_collections.ConfigDict) -> None:
+    """Reject keys the framework does not know (a typo must not be silently ignored)."""
+    known = config_to_dict(default_config())
+    given = config_to_dict(config)
+
+    def walk(g: dict, k: dict, prefix: str) -> None:
+        for key, value in g.items():
+            if key not in k:
+                allowed = ", ".join(sorted(k))
+                raise ConfigError(
+                    f"config.{prefix}{key} is not a known key; allowed here: {allowed}"
+                )
+            if isinstance(value, dict) and isinstance(k[key], dict):
+                walk(value, k[key], f"{prefix}{key}.")
+
+    walk(given, known, "")
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+    """Checks that need no devices. Device-dependent checks live in `mesh.plan_mesh`."""
+    check_known_keys(config)
+    _check_positive(
+        config,
+        "total_steps",
+        "global_batch_size",
+        "model.vocab_size",
+        "model.d_model",
+        "model.num_layers",
+        "model.num_heads",
+        "model.num_kv_heads",
+        "model.head_dim",
+        "model.d_ff",
+        "model.max_seq_len",
+        "data.seq_len",
+        "log.every_steps",
+    )
+    if config.per_device_batch_size < 0:
+        _fail("per_device_batch_size", config.per_device_batch_size, "must be >= 0 (0 = automatic)")
+    m = config.model
+    if m.compute_dtype not in COMPUTE_DTYPES:
+        _fail("model.compute_dtype", m.compute_dtype, f"allowed: {', '.join(COMPUTE_DTYPES)}")
+    if m.num_heads % m.num_kv_heads:
+        _fail("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
+    if m.head_dim % 2:
+        _fail("model.head_dim", m.head_dim, "must be even (rotary positions rotate pairs)")
+    if config.data.seq_len > m.max_seq_len:
+        _fail("data.seq_len", config.data.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
+    if config.data.source not in DATA_SOURCES:
+        _fail("data.source", config.data.source, f"allowed: {', '.join(DATA_SOURCES)}")
+    if config.data.source == "arrayrecord" and not config.data.path:
+        _fail("data.path", config.data.path, "data.source='arrayrecord' needs a file or glob")
+    if config.data.source in ("text", "arrayrecord") and config.data.path:
+        _check_data_path(config.data.path)
+    if config.data.source == "synthetic" and config.data.path:
+        _fail("data.path", config.data.path, "data.source='synthetic' takes no path")
+    if config.data.prefetch < 0 or config.data.num_threads < 1:
+        _fail("data.prefetch", config.data.prefetch, "prefetch >= 0 and num_threads >= 1")
+    o = config.optimizer
+    if not o.learning_rate > 0:
+        _fail("optimizer.learning_rate", o.learning_rate, "must be > 0")
+    if o.warmup_steps < 0:
+        _fail("optimizer.warmup_steps", o.warmup_steps, "must be >= 0")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        _fail("optimizer.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    if o.grad_clip_norm < 0:
+        _fail("optimizer.grad_clip_norm", o.grad_clip_norm, "must be >= 0 (0 = no clipping)")
+    for axis in ("replica", "fsdp", "tensor"):
+        value = config.mesh[axis]
+        if value == 0 or value < -1:
+            _fail(f"mesh.{axis}", value, "must be a positive integer or -1 (automatic)")
+    if config.mesh.tensor == -1:
+        _fail("mesh.tensor", -1, "must be a positive integer (never automatic)")
+    if m.num_heads % config.mesh.tensor or m.num_kv_heads % config.mesh.tensor:
+        _fail("mesh.tensor", config.mesh.tensor, "must divide num_heads and num_kv_heads")
+
+
+def _check_data_path(path: str) -> None:
+    import glob
+
+    if path.startswith("gs://"):
+        return
+    if not glob.glob(path) and not os.path.exists(path):
+        _fail("data.path", path, "no such file, directory or glob match")
