@@ -70,6 +70,30 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.fsdp = -1  # -1: the devices of a slice left after tensor
     c.mesh.tensor = 1
 
+    # Checkpoint tiers and policies (resilient_jax.checkpoint).
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.dir = ""  # persistent tier: "" = <workdir>/checkpoints; a path or gs:// URL
+    c.checkpoint.every_steps = 100  # persistent tier; 0 = off
+    c.checkpoint.every_minutes = 0.0  # temporary persistent saves, deleted once superseded; 0 = off
+    c.checkpoint.keep = 3
+    c.checkpoint.keep_period = 0  # also keep every K-th step for good; 0 = off
+    c.checkpoint.local_dir = "/dev/shm/resilient_jax"  # local RAM-disk tier root; "" = off
+    c.checkpoint.local_every_steps = 10  # 0 = off
+    c.checkpoint.local_keep = 2
+    c.checkpoint.auto_interval = False  # Young/Daly interval from measured save cost and MTBF
+    c.checkpoint.mtbf_s = 3600.0
+    c.checkpoint.init_from = ""  # a checkpoint dir of another run/model to initialise from
+
+    # In-band anomaly detection and self-healing (resilient_jax.health).
+    c.health = ml_collections.ConfigDict()
+    c.health.enabled = True
+    c.health.zscore = 6.0  # a loss or grad-norm this many std above its running mean is a spike
+    c.health.warmup_steps = 20  # no spike verdicts before the running statistics settle
+    c.health.ema_decay = 0.98
+    c.health.max_skips = 3  # anomalous steps skipped in a row before rolling back
+    c.health.rollback_skip_batches = 4  # data window skipped after a rollback
+    c.health.max_rollbacks = 2  # then stop with a reason
+
     c.log = ml_collections.ConfigDict()
     c.log.every_steps = 10
     c.log.peak_flops_per_device = 0.0  # 0: guess from the device kind (for the MFU estimate)

@@ -1,0 +1,104 @@
+"""Training state and its sharded initialisation.
+
+`init_state` never materialises the unsharded model on a host: `jax.eval_shape` gives the state's
+shapes and logical axes, the mesh rules turn those into shardings, and `jax.jit(init,
+out_shardings=...)` creates every array directly in its shards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh
+
+from resilient_jax import mesh as mesh_lib
+from resilient_jax.model import ModelConfig, Transformer
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer steps applied
+    params: Any
+    opt_state: Any
+    rng: (
+        jax.Array
+    )  # uint32[2]: raw PRNG key data (plain array so any checkpoint reader can load it)
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+    o = config.optimizer
+    warmup = min(o.warmup_steps, max(config.total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=o.learning_rate,
+        warmup_steps=warmup,
+        decay_steps=max(config.total_steps, warmup + 1),
+        end_value=o.learning_rate * o.min_lr_ratio,
+    )
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    o = config.optimizer
+    adamw = optax.adamw(
+        learning_rate_schedule(config),
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params),  # no decay on norms
+    )
+    if o.grad_clip_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
+    return adamw
+
+
+def make_model(config: ml_collections.ConfigDict) -> Transformer:
+    return Transformer(ModelConfig.from_config(config.model))
+
+
+def _init_fn(config: ml_collections.ConfigDict):
+    model, optimizer = make_model(config), make_optimizer(config)
+
+    def init() -> TrainState:
+        key = jax.random.key(config.seed)
+        params_key, state_key = jax.random.split(key)
+        tokens = jnp.zeros((1, config.data.seq_len), jnp.int32)
+        params = model.init(params_key, tokens)["params"]
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            rng=jax.random.key_data(state_key),
+        )
+
+    return init
+
+
+def state_shardings(config: ml_collections.ConfigDict, mesh: Mesh) -> TrainState:
+    """NamedSharding for every leaf of the state, from the parameters' logical axes."""
+    abstract = jax.eval_shape(_init_fn(config))
+    logical = nn.get_partition_spec(abstract)
+    return mesh_lib.logical_sharding(logical, mesh)
+
+
+def abstract_state(config: ml_collections.ConfigDict, mesh: Mesh) -> TrainState:
+    """Shapes, dtypes and shardings of the state: the target a checkpoint restores onto."""
+    abstract = nn.unbox(jax.eval_shape(_init_fn(config)))
+    shardings = state_shardings(config, mesh)
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+
+def init_state(config: ml_collections.ConfigDict, mesh: Mesh) -> TrainState:
+    """A fresh state from `config.seed`, created shard by shard on the mesh."""
+    init = _init_fn(config)
+    shardings = state_shardings(config, mesh)
+    with mesh:
+        return jax.jit(lambda: nn.unbox(init()), out_shardings=shardings)()
