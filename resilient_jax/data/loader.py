@@ -52,7 +52,8 @@ class BatchLoader:
         }
         self._local_rows = np.unique(np.concatenate(list(self._device_rows.values())))
         self.last_wait_s = 0.0
-        self.seek(next_batch)
+        self._skips: list[list[int]] = []
+        self.seek({"next_batch": next_batch})
 
     def _offsets(self, index: tuple[slice, ...]) -> np.ndarray:
         microbatch, row = index[0], index[1]
@@ -66,16 +67,27 @@ class BatchLoader:
         first = batch_index * self._batch
         return np.stack([self._examples[first + int(o)] for o in self._local_rows])
 
-    def seek(self, next_batch: int) -> None:
-        """Continue from `next_batch` (restores and rollbacks); drops anything prefetched."""
-        self._next = next_batch
-        batches = grain.MapDataset.range(next_batch, _HORIZON).map(self.rows_of_batch)
+    def seek(self, position: dict[str, Any]) -> None:
+        """Continue from a saved data position (restore, rollback); drops anything prefetched.
+
+        `skips` lists windows `[first, end)` of batch indices that are never used: a rollback after
+        an anomaly skips the data that caused it, and a rerun skips the same batches.
+        """
+        self._skips = sorted([int(a), int(b)] for a, b in position.get("skips", []))
+        self._next = self._skip_forward(int(position["next_batch"]))
+        batches = grain.MapDataset.range(self._next, _HORIZON).map(self.rows_of_batch)
         self._iter = iter(batches.to_iter_dataset(self._read))
 
+    def _skip_forward(self, batch_index: int) -> int:
+        for first, end in self._skips:
+            if first <= batch_index < end:
+                batch_index = end
+        return batch_index
+
     @property
-    def position(self) -> dict[str, int]:
+    def position(self) -> dict[str, Any]:
         """The data position to checkpoint: independent of mesh and process count."""
-        return {"next_batch": self._next}
+        return {"next_batch": self._next, "skips": [list(w) for w in self._skips]}
 
     def next(self) -> tuple[int, jax.Array]:
         """(batch index, global batch array [microbatches, rows, seq_len + 1] int32)."""
@@ -91,4 +103,6 @@ class BatchLoader:
 
         batch_index = self._next
         self._next += 1
+        if self._skip_forward(self._next) != self._next:
+            self.seek(self.position)
         return batch_index, jax.make_array_from_callback(self._shape, self._sharding, shard)

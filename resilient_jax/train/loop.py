@@ -1,0 +1,112 @@
+"""The train loop. Everything else (checkpoints, health, chaos, metrics, the coordinator) is a hook.
+
+Per step: ask the hooks for a fault scale, take the next batch, dispatch the jitted step, hand the
+new state to the hooks, and only then pull the *previous* step's metrics to the host, so the device
+always has the next step queued while the host logs. A hook may raise `Rollback` (restore the last
+good state and skip a data window) or `StopTraining` (end the run with an exit code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from resilient_jax.data import BatchLoader
+from resilient_jax.train.context import RunContext
+from resilient_jax.train.hooks import Hook, Rollback, StepInfo
+from resilient_jax.train.state import TrainState
+from resilient_jax.train.step import StepFn
+
+# Returns the newest good (state, data position), or None to start again from the seed.
+RestoreFn = Callable[[], tuple[TrainState, dict[str, Any]] | None]
+
+
+@dataclasses.dataclass
+class _Pending:
+    info: StepInfo
+    metrics: dict[str, jax.Array]
+    data_wait_s: float
+
+
+class Loop:
+    def __init__(
+        self,
+        ctx: RunContext,
+        step_fn: StepFn,
+        loader: BatchLoader,
+        hooks: Sequence[Hook],
+        restore: RestoreFn,
+    ) -> None:
+        self.ctx, self.step_fn, self.loader, self.hooks = ctx, step_fn, loader, list(hooks)
+        self._restore = restore
+
+    def run(self, state: TrainState) -> tuple[TrainState, StepInfo | None]:
+        """Trains from `state` (whose data position the loader already holds) to total_steps."""
+        total = self.ctx.config.total_steps
+        step = int(jax.device_get(state.step))
+        pending: _Pending | None = None
+        last_info: StepInfo | None = None
+        for hook in self.hooks:
+            hook.on_start(self.ctx, state)
+        dispatched = time.perf_counter()
+        while step < total:
+            try:
+                scale = 1.0
+                for hook in self.hooks:
+                    scale *= hook.before_step(self.ctx, step)
+                batch_index, batch = self.loader.next()
+                data_wait_s = self.loader.last_wait_s
+                state, metrics = self.step_fn(state, batch, jnp.float32(scale))
+                step += 1
+                now = time.perf_counter()
+                info = StepInfo(step, batch_index, self.loader.position, now - dispatched)
+                dispatched = now
+                for hook in self.hooks:
+                    hook.after_step(self.ctx, state, info)
+                if pending is not None:
+                    self._publish(pending)
+                pending, last_info = _Pending(info, metrics, data_wait_s), info
+            except Rollback as rollback:
+                bad = pending.info if pending is not None else last_info
+                state, step = self._roll_back(rollback, bad)
+                pending = None
+        if pending is not None:
+            try:
+                self._publish(pending)
+            except Rollback as rollback:
+                # The very last step was bad: roll back and train the remaining steps again.
+                state, _ = self._roll_back(rollback, pending.info)
+                return self.run(state)
+        for hook in self.hooks:
+            hook.on_end(self.ctx, state, last_info)
+        return state, last_info
+
+    def _publish(self, pending: _Pending) -> None:
+        metrics = {k: float(v) for k, v in jax.device_get(pending.metrics).items()}
+        metrics["data_wait_s"] = pending.data_wait_s
+        for hook in self.hooks:
+            hook.on_metrics(self.ctx, pending.info.step, metrics)
+
+    def _roll_back(self, rollback: Rollback, bad: StepInfo | None) -> tuple[TrainState, int]:
+        """Restore the newest good state and never use the offending batches again."""
+        restored = self._restore()
+        if restored is None:
+            from resilient_jax.train.state import init_state
+
+            state, position = init_state(self.ctx.config, self.ctx.mesh), {"next_batch": 0}
+        else:
+            state, position = restored
+        skips = list(self.loader.position.get("skips", []))
+        if bad is not None:
+            skips.append([bad.batch_index, bad.batch_index + rollback.skip_batches])
+        self.loader.seek({**position, "skips": skips})
+        step = int(jax.device_get(state.step))
+        self.ctx.events.emit(
+            "rollback", step=step, cause=rollback.reason, skips=skips, from_step=bad and bad.step
+        )
+        return state, step

@@ -1,0 +1,127 @@
+"""One training process from config to exit code. `launch/train.py` is a thin flag parser over this.
+
+Resume order (where it is decided): 1. validate the config and data before any work; 2. join the
+JAX job; 3. plan the mesh for the devices that are alive; 4. restore the newest verified checkpoint
+onto that mesh (or initialise from the seed); 5. position the data loader where that state left
+off; 6. compile; 7. train, the hooks saving, checking health and reporting progress.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from resilient_jax import config as config_lib
+from resilient_jax import mesh as mesh_lib
+from resilient_jax import topology as topology_lib
+from resilient_jax.data import BatchLoader, make_source
+from resilient_jax.events import EventLog
+from resilient_jax.train.context import RunContext
+from resilient_jax.train.hooks import StopTraining
+from resilient_jax.train.loop import Loop
+from resilient_jax.train.metrics import MetricsLogger
+from resilient_jax.train.state import abstract_state, init_state
+from resilient_jax.train.step import make_train_step
+
+EXIT_BAD_INPUT = 2
+
+
+class RunError(Exception):
+    """A failure with a one-line reason and the exit code to end the process with."""
+
+    def __init__(self, reason: str, exit_code: int = 1) -> None:
+        super().__init__(reason)
+        self.exit_code = exit_code
+
+
+def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        json.dump(config_lib.config_to_dict(config), f, indent=2, sort_keys=True)
+
+
+def prepare(config: ml_collections.ConfigDict, workdir: str, generation: int = 0) -> RunContext:
+    """Everything before the first step that does not touch parameters. Raises ConfigError."""
+    config_lib.validate(config)
+    topology = topology_lib.discover()
+    plan = mesh_lib.plan_mesh(config, topology, strict=generation == 0)
+    mesh = mesh_lib.make_mesh(plan, topology)
+    events = EventLog(
+        workdir,
+        process=jax.process_index(),
+        slice=topology.slice_index,
+        generation=generation,
+        pid=os.getpid(),
+    )
+    return RunContext(
+        config=config,
+        workdir=workdir,
+        topology=topology,
+        plan=plan,
+        mesh=mesh,
+        events=events,
+        abstract_state=abstract_state(config, mesh),
+        generation=generation,
+    )
+
+
+def compile_step(ctx: RunContext):
+    """Ahead-of-time compile, so compile time is measured and reported on its own."""
+    start = time.perf_counter()
+    step_fn = make_train_step(ctx.config, ctx.mesh)
+    batch = jax.ShapeDtypeStruct(
+        (
+            ctx.plan.microbatches,
+            ctx.config.global_batch_size // ctx.plan.microbatches,
+            ctx.config.data.seq_len + 1,
+        ),
+        jnp.int32,
+        sharding=mesh_lib.batch_sharding(ctx.mesh),
+    )
+    scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=mesh_lib.replicated(ctx.mesh))
+    compiled = step_fn.lower(ctx.abstract_state, batch, scale).compile()
+    ctx.events.emit("compile", duration_s=time.perf_counter() - start)
+    return compiled
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, generation: int = 0) -> int:
+    """Runs training; returns the process exit code (0 = finished)."""
+    try:
+        ctx = prepare(config, workdir, generation)
+        source = make_source(config)
+    except (config_lib.ConfigError, ValueError) as e:
+        raise RunError(str(e), EXIT_BAD_INPUT) from e
+    if jax.process_index() == 0:
+        write_config(config, workdir)
+    ctx.events.emit("process_start", topology=ctx.topology.describe(), mesh=ctx.plan.describe())
+
+    def restore():
+        return None
+
+    start = time.perf_counter()
+    restored = restore()
+    if restored is None:
+        state, position = init_state(config, ctx.mesh), {"next_batch": 0}
+        ctx.events.emit("init", duration_s=time.perf_counter() - start)
+    else:
+        state, position = restored
+    loader = BatchLoader(config, ctx.mesh, ctx.plan, source)
+    loader.seek(position)
+    step_fn = compile_step(ctx)
+    hooks = [MetricsLogger(ctx)]
+    loop = Loop(ctx, step_fn, loader, hooks, restore)
+    try:
+        loop.run(state)
+        exit_code, reason = 0, "finished"
+    except StopTraining as stop:
+        exit_code, reason = stop.exit_code, stop.reason
+    finally:
+        for hook in hooks:
+            hook.close()
+    ctx.events.emit("stop", reason=reason, exit_code=exit_code)
+    return exit_code
