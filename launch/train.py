@@ -15,13 +15,35 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from resilient_jax.train.run import RunError, train
+from resilient_jax.train.run import EXIT_BAD_INPUT, RunError, train
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py).", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, logs, metrics.")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's parser, with every bad flag, config file or override reduced to one line, exit 2."""
+    try:
+        rest = flags.FLAGS(argv)
+        _CONFIG.value.to_dict()  # config_flags loads lazily: surface a bad file here
+        return rest
+    except flags.Error as e:
+        reason = str(e)
+    except Exception as e:  # config_flags raises plain errors for bad files and unknown keys
+        cause = e.__cause__ or e.__context__ or e
+        reason = f"{type(e).__name__}: {e}" + (f" ({cause})" if cause is not e else "")
+        if "loading config file" in str(e):
+            path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+            why = "no such file" if not os.path.exists(path.split(":")[0]) else str(cause)
+            reason = f"--config={path}: cannot load the config file ({why})"
+        elif isinstance(cause, KeyError) or "override" in str(e).lower():
+            key = next((a for a in argv if a.startswith("--config.")), "")
+            reason = f"{key.split('=')[0][2:]} is not a known config key"
+    print(f"error: {reason.splitlines()[0]}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 def main(argv: list[str]) -> None:
@@ -37,4 +59,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

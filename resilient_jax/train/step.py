@@ -61,7 +61,7 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> StepFn:
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         metrics = {
             "loss": loss,
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
             "learning_rate": schedule(state.step),
         }
         return new_state, metrics

@@ -1,0 +1,86 @@
+"""Invalid configs are refused before any work, with one line naming key, value and rule."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from conftest import run_python, tiny_config
+
+from resilient_jax import mesh, topology
+from resilient_jax.config import ConfigError, validate
+
+
+def plan(config, num_devices=8):
+    return mesh.plan_mesh(config, topology.discover(jax.devices()[:num_devices]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"data.seq_len": 600}, "config.data.seq_len=600 is invalid: must be <= model.max_seq_len"),
+        ({"data.source": "web"}, "config.data.source='web' is invalid: allowed: text"),
+        ({"data.path": "/no/such/corpus.txt"}, "config.data.path='/no/such/corpus.txt'"),
+        ({"model.num_kv_heads": 3}, "config.model.num_kv_heads=3 is invalid"),
+        ({"model.compute_dtype": "float16"}, "allowed: float32, bfloat16"),
+        ({"total_steps": 0}, "config.total_steps=0 is invalid: must be a positive integer"),
+    ],
+)
+def test_invalid_values_rejected(overrides, message):
+    with pytest.raises(ConfigError, match=None) as e:
+        validate(tiny_config(**overrides))
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_key_rejected():
+    config = tiny_config()
+    config.model.widht = 3
+    with pytest.raises(ConfigError, match=r"config\.model\.widht is not a known key"):
+        validate(config)
+
+
+def test_mesh_axes_must_multiply_to_device_count():
+    with pytest.raises(ConfigError, match=r"axes must multiply to the 8 devices"):
+        plan(tiny_config(**{"mesh.fsdp": 3}))
+
+
+def test_global_batch_must_divide_over_data_parallel_devices():
+    with pytest.raises(ConfigError, match=r"global_batch_size=12 is invalid: must be a multiple"):
+        plan(tiny_config(global_batch_size=12))
+
+
+def test_per_device_batch_must_divide_each_devices_rows():
+    # 16 rows over 4 devices = 4 rows each, which 3-row microbatches cannot split.
+    with pytest.raises(ConfigError, match=r"per_device_batch_size=3 is invalid"):
+        plan(tiny_config(per_device_batch_size=3), num_devices=4)
+
+
+def test_mesh_plan_keeps_global_batch_with_fewer_devices():
+    config = tiny_config(per_device_batch_size=2)
+    assert [plan(config, n).microbatches for n in (8, 4, 2)] == [1, 2, 4]
+    assert all(plan(config, n).rows_per_device == 2 for n in (8, 4, 2))
+
+
+def test_reshape_plan_adapts_explicit_axes():
+    config = tiny_config(**{"mesh.replica": 2, "mesh.fsdp": 4, "per_device_batch_size": 3})
+    relaxed = mesh.plan_mesh(config, topology.discover(jax.devices()[:4]), strict=False)
+    assert (relaxed.replica * relaxed.fsdp, relaxed.microbatches) == (4, 2)
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--config.global_batch_size=12", "config.global_batch_size=12 is invalid"),
+        ("--config.modle.d_model=3", "config.modle.d_model is not a known config key"),
+        ("--config.data.path=/missing.txt", "config.data.path='/missing.txt' is invalid"),
+    ],
+)
+def test_launcher_exits_2_with_one_line(tmp_path, flag, message):
+    result = run_python(
+        ["launch/train.py", "--config=configs/tiny_cpu.py", f"--workdir={tmp_path}", flag],
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, result.stderr
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,0 +1,148 @@
+"""Batches are a pure function of (dataset, seed, batch index, global batch), for any process
+count or mesh; sources and the ArrayRecord converter."""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+from conftest import free_port, run_python, tiny_config
+
+from resilient_jax import mesh, topology
+from resilient_jax.data import BatchLoader, make_source
+from resilient_jax.data.convert import convert
+
+
+def loader_for(config, num_devices, next_batch=0):
+    topo = topology.discover(jax.devices()[:num_devices])
+    plan = mesh.plan_mesh(config, topo)
+    return BatchLoader(config, mesh.make_mesh(plan, topo), plan, make_source(config), next_batch)
+
+
+def global_rows(loader, steps):
+    out = []
+    for _ in range(steps):
+        index, batch = loader.next()
+        out.append((index, np.asarray(batch).reshape(-1, batch.shape[-1])))
+    return out
+
+
+def test_same_rows_for_any_mesh_and_start():
+    config = tiny_config(per_device_batch_size=1)
+    eight = global_rows(loader_for(config, 8), 4)
+    two = global_rows(loader_for(config, 2), 4)
+    resumed = global_rows(loader_for(config, 4, next_batch=2), 2)
+    for (i, a), (j, b) in zip(eight, two, strict=True):
+        assert i == j and np.array_equal(a, b)
+    assert [i for i, _ in resumed] == [2, 3]
+    assert np.array_equal(resumed[0][1], eight[2][1])
+    assert not np.array_equal(eight[0][1], eight[1][1])
+
+
+class IndexSource:
+    """Example i is the sequence [i, i, ...]: batches then show which examples they hold."""
+
+    def __init__(self, n: int, seq_len: int) -> None:
+        self.n, self.seq_len = n, seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.full(self.seq_len + 1, i % self.n, dtype=np.int32)
+
+
+def test_epochs_are_seeded_permutations_each_with_its_own_order():
+    config = tiny_config(global_batch_size=8)
+    topo = topology.discover(jax.devices()[:8])
+    plan = mesh.plan_mesh(config, topo)
+    loader = BatchLoader(config, mesh.make_mesh(plan, topo), plan, IndexSource(64, 32))
+    seen = [np.asarray(loader.next()[1])[..., 0].ravel() for _ in range(16)]
+    epoch0, epoch1 = np.concatenate(seen[:8]), np.concatenate(seen[8:])
+    assert sorted(epoch0) == sorted(epoch1) == list(range(64))
+    assert not np.array_equal(epoch0, epoch1)
+    assert not np.array_equal(epoch0, np.arange(64))
+    other_seed = BatchLoader(
+        tiny_config(global_batch_size=8, seed=1), loader._sharding.mesh, plan, IndexSource(64, 32)
+    )
+    assert not np.array_equal(np.asarray(other_seed.next()[1])[..., 0].ravel(), seen[0])
+
+
+def test_skip_windows_are_never_used():
+    config = tiny_config()
+    loader = loader_for(config, 8)
+    loader.seek({"next_batch": 1, "skips": [[2, 5]]})
+    assert [loader.next()[0] for _ in range(3)] == [1, 5, 6]
+    assert loader.position == {"next_batch": 7, "skips": [[2, 5]]}
+
+
+def test_arrayrecord_converter_round_trips(tmp_path):
+    text = tmp_path / "corpus"
+    text.mkdir()
+    (text / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    (text / "b.txt").write_text("Pack my box with five dozen liquor jugs. " * 40)
+    out = str(tmp_path / "tokens.array_record")
+    n = convert(str(text), out, seq_len=32)
+    from_text = make_source(tiny_config(**{"data.path": str(text)}))
+    from_records = make_source(tiny_config(**{"data.source": "arrayrecord", "data.path": out}))
+    assert n == len(from_text) == len(from_records) > 10
+    for i in range(n):
+        assert np.array_equal(from_text[i], from_records[i])
+    with pytest.raises(ValueError, match="holds sequences of 33 tokens"):
+        make_source(
+            tiny_config(**{"data.source": "arrayrecord", "data.path": out, "data.seq_len": 16})
+        )
+
+
+def test_converter_cli(tmp_path):
+    out = tmp_path / "bundled.array_record"
+    result = run_python(
+        ["-m", "resilient_jax.data.convert", f"--output={out}", "--seq_len=64"], timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout and out.stat().st_size > 400_000
+
+
+@pytest.mark.parametrize("num_processes", [2, 4])
+def test_global_batch_identical_across_process_counts(tmp_path, num_processes):
+    """Real JAX processes (gloo) each load only their rows; the batches match one process's."""
+    config = tiny_config(per_device_batch_size=1)
+    expected = global_rows(loader_for(config, 8), 3)
+    port = free_port()
+    procs = []
+    for pid in range(num_processes):
+        procs.append(_spawn_dump(tmp_path, port, pid, num_processes, devices=8 // num_processes))
+    for p in procs:
+        try:
+            p.wait(timeout=180)
+        except Exception:
+            for q in procs:
+                q.kill()
+            raise
+    assert [p.returncode for p in procs] == [0] * num_processes
+    got = np.load(tmp_path / "batches.npy")
+    local_rows = [np.load(tmp_path / f"rows_{pid}.npy") for pid in range(num_processes)]
+    for step, (_, rows) in enumerate(expected):
+        assert np.array_equal(got[step], rows)
+    # Each process read only its own rows: together they are the batch, with no row read twice.
+    assert sum(len(r) for r in local_rows) == config.global_batch_size
+
+
+def _spawn_dump(tmp_path, port, pid, num_processes, devices):
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    script = os.path.join(os.path.dirname(__file__), "helpers", "dump_batches.py")
+    return subprocess.Popen(
+        [sys.executable, script, str(port), str(pid), str(num_processes), str(tmp_path)],
+        env=env,
+        stdout=open(tmp_path / f"log_{pid}.txt", "w"),
+        stderr=subprocess.STDOUT,
+    )
