@@ -18,6 +18,7 @@ import optax
 from jax.sharding import Mesh
 
 from resilient_jax import mesh as mesh_lib
+from resilient_jax.health.in_band import HealthStats
 from resilient_jax.model import ModelConfig, Transformer
 
 
@@ -26,9 +27,8 @@ class TrainState:
     step: jax.Array  # int32 scalar: optimizer steps applied
     params: Any
     opt_state: Any
-    rng: (
-        jax.Array
-    )  # uint32[2]: raw PRNG key data (plain array so any checkpoint reader can load it)
+    rng: jax.Array  # uint32[2] raw key data: a plain array any checkpoint reader can load
+    health: HealthStats  # running loss / grad-norm statistics of the in-band anomaly detector
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
@@ -75,6 +75,7 @@ def _init_fn(config: ml_collections.ConfigDict):
             params=params,
             opt_state=optimizer.init(params),
             rng=jax.random.key_data(state_key),
+            health=HealthStats.init(),
         )
 
     return init

@@ -1,4 +1,5 @@
-"""The jitted training step: gradient accumulation over microbatches, clipping, AdamW.
+"""The jitted training step: gradient accumulation over microbatches, clipping, AdamW, and the
+in-band health verdict (a non-finite or spiking step leaves parameters and optimizer untouched).
 
 The batch is `[microbatches, rows, seq_len + 1]`; the step scans over microbatches, summing token
 losses and gradients, so the update is the same whatever the split (up to floating-point reduction
@@ -17,6 +18,7 @@ import optax
 from jax.sharding import Mesh
 
 from resilient_jax import mesh as mesh_lib
+from resilient_jax.health import in_band
 from resilient_jax.train.state import (
     TrainState,
     learning_rate_schedule,
@@ -56,13 +58,23 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> StepFn:
         loss, grads = loss_and_grads(state.params, batch)
         loss = loss * fault_scale
         grads = jax.tree.map(lambda g: g * fault_scale, grads)
+        grad_norm = optax.tree.norm(grads)
+        ok, health, flags = in_band.assess(state.health, loss, grad_norm, config.health)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+        params = optax.apply_updates(
+            state.params, in_band.scale_updates(updates, flags["lr_scale"])
+        )
+        params, opt_state = in_band.where_ok(
+            ok, (params, opt_state), (state.params, state.opt_state)
+        )
+        new_state = state.replace(
+            step=state.step + 1, params=params, opt_state=opt_state, health=health
+        )
         metrics = {
             "loss": loss,
-            "grad_norm": optax.tree.norm(grads),
-            "learning_rate": schedule(state.step),
+            "grad_norm": grad_norm,
+            "learning_rate": schedule(state.step) * flags["lr_scale"],
+            **flags,
         }
         return new_state, metrics
 
