@@ -83,6 +83,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.auto_interval = False  # Young/Daly interval from measured save cost and MTBF
     c.checkpoint.mtbf_s = 3600.0
     c.checkpoint.init_from = ""  # a checkpoint dir of another run/model to initialise from
+    c.checkpoint.sync_timeout_s = 300.0  # bound on waiting for peers to agree (restore, saves)
 
     # In-band anomaly detection and self-healing (resilient_jax.health).
     c.health = ml_collections.ConfigDict()
@@ -93,6 +94,37 @@ def default_config() -> ml_collections.ConfigDict:
     c.health.max_skips = 3  # anomalous steps skipped in a row before rolling back
     c.health.rollback_skip_batches = 4  # data window skipped after a rollback
     c.health.max_rollbacks = 2  # then stop with a reason
+    # PID control of the learning rate on the spike score (max of loss and grad-norm z-scores).
+    c.health.pid_enabled = False
+    c.health.pid_target_z = 2.0  # scores below this train at the full learning rate
+    c.health.pid_kp = 0.5
+    c.health.pid_ki = 0.3
+    c.health.pid_kd = 0.1
+    c.health.pid_min_scale = 0.05  # the controller never cuts the learning rate below this
+    c.health.straggler_factor = 1.5  # median step time this many times the job's is a straggler
+    c.health.straggler_window = 20  # step times per process behind a straggler verdict
+    c.health.watchdog_timeout_s = 300.0  # no step completed for this long: hang; 0 = off
+    c.health.watchdog_startup_timeout_s = 1800.0  # budget for restore + compile before step 1
+
+    # Multi-controller supervision (resilient_jax.coordinator, launch/local_cluster.py).
+    c.coordinator = ml_collections.ConfigDict()
+    c.coordinator.heartbeat_interval_s = 0.5  # worker -> supervisor
+    c.coordinator.heartbeat_timeout_s = 5.0  # no heartbeat for this long: the process is lost
+    # jax.distributed's own timeout: survivors of a dead peer are aborted after it. Longer than
+    # heartbeat_timeout_s, so the supervisor names the lost process before JAX aborts the rest.
+    c.coordinator.jax_heartbeat_timeout_s = 10
+    c.coordinator.hang_factor = 10.0  # no step for max(hang_factor x median step time,
+    c.coordinator.hang_floor_s = 60.0  # hang_floor_s) while training is a hang
+    c.coordinator.startup_timeout_s = 600.0  # JAX init + restore + compile; also saves
+    c.coordinator.min_slices = 1  # fewer healthy slices: wait for one to return, then stop
+    c.coordinator.wait_for_slices_s = 300.0
+    c.coordinator.max_restarts = 20  # failures only: preemptions and scale-ups are free
+    c.coordinator.crash_loop_limit = 3  # failures in a row that never get past the last one's step
+    c.coordinator.backoff_s = 1.0  # the 2nd failure in a row waits this, doubling each time
+    c.coordinator.backoff_max_s = 60.0
+    c.coordinator.readmit_after_s = 60.0  # an evicted slice is healthy again after this; < 0 never
+    c.coordinator.kill_grace_s = 1.0  # after a failure: SIGTERM, this long, then SIGKILL
+    c.coordinator.save_grace_s = 60.0  # asked to save and stop: SIGTERM, this long, then SIGKILL
 
     c.log = ml_collections.ConfigDict()
     c.log.every_steps = 10
@@ -206,6 +238,77 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _fail("mesh.tensor", -1, "must be a positive integer (never automatic)")
     if m.num_heads % config.mesh.tensor or m.num_kv_heads % config.mesh.tensor:
         _fail("mesh.tensor", config.mesh.tensor, "must divide num_heads and num_kv_heads")
+    _validate_health(config.health)
+    _validate_checkpoint(config.checkpoint)
+    _validate_coordinator(config.coordinator)
+
+
+def _validate_checkpoint(c: ml_collections.ConfigDict) -> None:
+    for key in ("every_steps", "keep_period", "local_every_steps"):
+        if c[key] < 0:
+            _fail(f"checkpoint.{key}", c[key], "must be >= 0 (0 = off)")
+    if c.every_minutes < 0:
+        _fail("checkpoint.every_minutes", c.every_minutes, "must be >= 0 (0 = off)")
+    for key in ("keep", "local_keep"):
+        if c[key] < 1:
+            _fail(f"checkpoint.{key}", c[key], "must be >= 1")
+    if not c.mtbf_s > 0:
+        _fail("checkpoint.mtbf_s", c.mtbf_s, "must be > 0 seconds")
+    if not c.sync_timeout_s > 0:
+        _fail("checkpoint.sync_timeout_s", c.sync_timeout_s, "must be > 0 seconds")
+
+
+def _validate_health(h: ml_collections.ConfigDict) -> None:
+    if not h.zscore > 0:
+        _fail("health.zscore", h.zscore, "must be > 0")
+    if not 0.0 < h.ema_decay < 1.0:
+        _fail("health.ema_decay", h.ema_decay, "must be in (0, 1)")
+    for key in ("warmup_steps", "rollback_skip_batches", "max_rollbacks"):
+        if h[key] < 0:
+            _fail(f"health.{key}", h[key], "must be >= 0")
+    if h.max_skips < 1:
+        _fail("health.max_skips", h.max_skips, "must be >= 1")
+    for key in ("pid_kp", "pid_ki", "pid_kd"):
+        if h[key] < 0:
+            _fail(f"health.{key}", h[key], "must be >= 0")
+    if not 0.0 < h.pid_min_scale <= 1.0:
+        _fail("health.pid_min_scale", h.pid_min_scale, "must be in (0, 1]")
+    if not h.straggler_factor > 1.0:
+        _fail("health.straggler_factor", h.straggler_factor, "must be > 1")
+    if h.straggler_window < 1:
+        _fail("health.straggler_window", h.straggler_window, "must be >= 1")
+    for key in ("watchdog_timeout_s", "watchdog_startup_timeout_s"):
+        if h[key] < 0:
+            _fail(f"health.{key}", h[key], "must be >= 0 (0 = off)")
+
+
+def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
+    for key in ("heartbeat_interval_s", "hang_floor_s", "startup_timeout_s"):
+        if not c[key] > 0:
+            _fail(f"coordinator.{key}", c[key], "must be > 0")
+    if not c.heartbeat_timeout_s >= 2 * c.heartbeat_interval_s:
+        _fail(
+            "coordinator.heartbeat_timeout_s",
+            c.heartbeat_timeout_s,
+            f"must be >= 2 x heartbeat_interval_s={c.heartbeat_interval_s}",
+        )
+    jax_timeout = c.jax_heartbeat_timeout_s
+    if not isinstance(jax_timeout, int) or not jax_timeout > c.heartbeat_timeout_s:
+        _fail(
+            "coordinator.jax_heartbeat_timeout_s",
+            jax_timeout,
+            f"must be an integer > heartbeat_timeout_s={c.heartbeat_timeout_s}",
+        )
+    if not c.hang_factor >= 1:
+        _fail("coordinator.hang_factor", c.hang_factor, "must be >= 1")
+    for key in ("min_slices", "crash_loop_limit"):
+        if c[key] < 1:
+            _fail(f"coordinator.{key}", c[key], "must be >= 1")
+    for key in ("max_restarts", "wait_for_slices_s", "backoff_s", "kill_grace_s", "save_grace_s"):
+        if c[key] < 0:
+            _fail(f"coordinator.{key}", c[key], "must be >= 0")
+    if c.backoff_max_s < c.backoff_s:
+        _fail("coordinator.backoff_max_s", c.backoff_max_s, f"must be >= backoff_s={c.backoff_s}")
 
 
 def _check_data_path(path: str) -> None:

@@ -1,0 +1,92 @@
+"""Run one experiment as a multi-process JAX job on this machine, with slices simulated.
+
+    python launch/local_cluster.py --config=configs/tiny_cpu.py --workdir=/tmp/run \
+        --num_slices=2 --processes_per_slice=1 --devices_per_process=2 [--spare_slices=1] \
+        [--chaos='lose_slice:slice=1,step=30,for=20s'] [--config.total_steps=100]
+
+Starts num_slices x processes_per_slice workers (`--worker`, by default `launch/train.py`), each
+with devices_per_process CPU devices, watches them and keeps the job training through failures
+(see `resilient_jax.coordinator`). Worker output is merged here, each line prefixed with
+`[g<generation> s<slice> p<process>]`. Ctrl-C asks the workers to save and stop. Exits 0 only when
+training completed; otherwise non-zero with a one-line reason on stderr. Events: DIR/events.jsonl.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from resilient_jax import config as config_lib
+from resilient_jax.coordinator import ClusterSpec, Supervisor
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file (configs/*.py).", lock_config=True
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory shared by all workers.")
+_NUM_SLICES = flags.DEFINE_integer("num_slices", 1, "Slices the job runs on.")
+_PROCESSES = flags.DEFINE_integer("processes_per_slice", 1, "JAX processes per slice.")
+_DEVICES = flags.DEFINE_integer("devices_per_process", 1, "CPU devices per process.")
+_SPARES = flags.DEFINE_integer("spare_slices", 0, "Idle slices that replace lost ones.")
+_CHAOS = flags.DEFINE_string("chaos", "", "Fault injection spec, passed to the workers.")
+_WORKER = flags.DEFINE_string(
+    "worker",
+    "launch/train.py",
+    "Worker program and its own flags, run with this Python: a script path or -m module.",
+)
+_TIME_LIMIT = flags.DEFINE_float("time_limit_s", 0.0, "Stop (asking for a save) after; 0 = none.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def config_overrides(argv: list[str]) -> list[str]:
+    """The `--config.key=value` flags of our command line, for the workers to get the same."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config."):
+            has_value = "=" in arg or i + 1 >= len(argv) or argv[i + 1].startswith("--")
+            out.append(arg if has_value else f"{arg}={argv[i + 1]}")
+    return out
+
+
+def worker_argv(worker: str, config_path: str, workdir: str, overrides: list[str]) -> list[str]:
+    argv = [sys.executable, *shlex.split(worker), f"--config={config_path}", f"--workdir={workdir}"]
+    argv += overrides
+    if _CHAOS.value:
+        argv.append(f"--chaos={_CHAOS.value}")
+    return argv
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    config = _CONFIG.value
+    try:
+        config_lib.validate(config)
+        if _CHAOS.value:
+            from resilient_jax import chaos
+
+            chaos.supervisor_actions(_CHAOS.value, _NUM_SLICES.value)  # reject a bad spec now
+        cluster = ClusterSpec(_NUM_SLICES.value, _PROCESSES.value, _DEVICES.value, _SPARES.value)
+    except ValueError as e:  # ConfigError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    workdir = os.path.abspath(_WORKDIR.value)
+    # As given (with any `:argument`); the workers start in our working directory.
+    config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+    supervisor = Supervisor(
+        config,
+        cluster,
+        worker_argv(_WORKER.value, config_path, workdir, config_overrides(sys.argv)),
+        workdir,
+    )
+    result = supervisor.run(time_limit_s=_TIME_LIMIT.value or None)
+    if result.exit_code:
+        print(f"error: {result.reason}", file=sys.stderr)
+    sys.exit(result.exit_code)
+
+
+if __name__ == "__main__":
+    app.run(main)

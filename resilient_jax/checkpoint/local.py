@@ -1,0 +1,430 @@
+"""The local tier: frequent saves of each process's own shards to a RAM disk (/dev/shm).
+
+Layout, under `<local_dir>/<run key>/` (the run key is a hash of the absolute workdir):
+
+    proc-<process index>-<token>/          one directory per process instance (token: random)
+        step_0000000120/                   committed: renamed from a temp dir after it is complete
+            shards.bin                     the process's shards back to back, raw C-order bytes
+            manifest.json                  step, fingerprint, data position, every piece's array,
+                                           index box, offset, size and CRC-32
+        tmp-step_0000000130-<token>/       being written (or left by a crash)
+
+A process writes one copy of each distinct shard it holds, so every slice (replica) holds a full
+copy of the state. Restore assembles each shard the new sharding needs from any pieces this host
+can read, whoever wrote them, so a surviving slice restores alone onto a smaller mesh. The blocking
+part of a save is the device-to-host copy; files are written by a background thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from resilient_jax.checkpoint.checksum import leaf_paths
+from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
+
+MANIFEST = "manifest.json"
+DATA_FILE = "shards.bin"
+STEP_PREFIX = "step_"
+TMP_PREFIX = "tmp-"
+PROC_PREFIX = "proc-"
+FORMAT_VERSION = 1
+
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
+
+
+def run_dir(local_root: str, workdir: str) -> str:
+    """This run's directory on the local tier: the same path for every restart of the run."""
+    key = hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:16]
+    return os.path.join(local_root, key)
+
+
+def step_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:010d}"
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True))
+
+
+def _size(box: Box) -> int:
+    return int(np.prod([b - a for a, b in box], dtype=np.int64)) if box else 1
+
+
+def _relative(part: Box, within: Box) -> tuple[slice, ...]:
+    """Slices selecting `part` out of an array that holds the box `within`."""
+    return tuple(slice(p0 - w0, p1 - w0) for (p0, p1), (w0, _) in zip(part, within, strict=True))
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    path: str  # the data file
+    offset: int
+    nbytes: int
+    crc32: int
+    box: Box
+
+
+@dataclasses.dataclass
+class StepFiles:
+    """One process's committed copy of one step, as its manifest describes it."""
+
+    dir: str
+    manifest: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def pieces(self, leaf: str) -> list[Piece]:
+        path = os.path.join(self.dir, DATA_FILE)
+        return [
+            Piece(path, p["offset"], p["nbytes"], p["crc32"], tuple(map(tuple, p["box"])))
+            for p in self.manifest["pieces"]
+            if p["leaf"] == leaf
+        ]
+
+
+class _Assembly:
+    """The pieces of one step available to this process, grouped by leaf and index box."""
+
+    def __init__(self, copies: list[StepFiles], wanted: dict[str, dict[str, Any]]) -> None:
+        self.copies = copies
+        self.groups: dict[str, dict[Box, list[Piece]]] = {}
+        for leaf in wanted:
+            by_box: dict[Box, list[Piece]] = {}
+            for copy in copies:
+                spec = copy.manifest["leaves"].get(leaf)
+                if spec != wanted[leaf]:
+                    continue
+                for piece in copy.pieces(leaf):
+                    by_box.setdefault(piece.box, []).append(piece)
+            self.groups[leaf] = by_box
+        self._verified: dict[Piece, bool] = {}
+
+    def plan(self, leaf: str, region: Box) -> list[tuple[Box, list[Piece]]] | None:
+        """Disjoint boxes (with their copies) tiling `region`; None if something is missing."""
+        chosen: list[tuple[Box, list[Piece]]] = []
+        covered = 0
+        for box, copies in sorted(self.groups.get(leaf, {}).items()):
+            part = _intersect(box, region) if region else ()
+            if part is None:
+                continue
+            if any(_intersect(part, other) is not None for other, _ in chosen if part):
+                continue  # a copy written under another layout; the tiling uses disjoint boxes
+            chosen.append((part, copies))
+            covered += _size(part)
+            if not region:
+                break
+        return chosen if covered == _size(region) else None
+
+    def read(self, leaf: str, region: Box, dtype: np.dtype) -> np.ndarray:
+        plan = self.plan(leaf, region)
+        if plan is None:
+            raise InvalidCheckpoint(f"{leaf}: no complete set of pieces for {region}")
+        out = np.empty([b - a for a, b in region], dtype)
+        for part, copies in plan:
+            data, box = self._first_good(leaf, copies, dtype)
+            out[_relative(part, region)] = data[_relative(part, box)]
+        return out
+
+    def _first_good(
+        self, leaf: str, copies: list[Piece], dtype: np.dtype
+    ) -> tuple[np.ndarray, Box]:
+        problems = []
+        for piece in copies:
+            try:
+                return _load_piece(piece, dtype, self._verified), piece.box
+            except InvalidCheckpoint as e:
+                problems.append(str(e))
+        raise InvalidCheckpoint(f"{leaf}: every copy is bad ({'; '.join(problems)})")
+
+
+def _load_piece(piece: Piece, dtype: np.dtype, verified: dict[Piece, bool]) -> np.ndarray:
+    try:
+        with open(piece.path, "rb") as f:
+            f.seek(piece.offset)
+            raw = f.read(piece.nbytes)
+    except OSError as e:
+        raise InvalidCheckpoint(f"{piece.path}: {e.strerror or e}") from e
+    if len(raw) != piece.nbytes:
+        raise InvalidCheckpoint(f"{piece.path} truncated at offset {piece.offset}")
+    if piece not in verified:
+        verified[piece] = zlib.crc32(raw) == piece.crc32
+    if not verified[piece]:
+        raise InvalidCheckpoint(f"{piece.path} CRC mismatch at offset {piece.offset}")
+    return np.frombuffer(raw, dtype).reshape([b - a for a, b in piece.box])
+
+
+def _host_pieces(state: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+    """One host copy of each distinct shard this process holds, with its manifest entry."""
+    entries, arrays, pending = [], [], []
+    for path, leaf in _named_leaves(state):
+        seen: set[Box] = set()
+        for shard in leaf.addressable_shards:
+            box = _box(shard.index, leaf.shape)
+            if box in seen:
+                continue
+            seen.add(box)
+            shard.data.copy_to_host_async()  # start every transfer before waiting on any
+            pending.append((path, box, shard.data))
+    for path, box, data in pending:
+        host = np.asarray(data)
+        # On CPU the host view can alias the device buffer, which the next step may donate.
+        if data.devices().pop().platform == "cpu" or not host.flags.c_contiguous:
+            host = np.array(host, copy=True, order="C")
+        entries.append({"leaf": path, "box": [list(b) for b in box]})
+        arrays.append(host)
+    return entries, arrays
+
+
+class LocalTier:
+    def __init__(
+        self,
+        root: str,
+        process_index: int,
+        keep: int,
+        on_commit: Callable[[int, float, int], None] | None = None,
+    ) -> None:
+        self.root = root
+        self.process_index = process_index
+        self.keep = keep
+        self._token = uuid.uuid4().hex[:8]
+        self.own_dir = os.path.join(root, f"{PROC_PREFIX}{process_index:05d}-{self._token}")
+        self._on_commit = on_commit
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._error_step: int | None = None
+        self._committed: list[int] = []
+        self._lock = threading.Lock()  # guards _committed (the writer thread appends)
+        try:
+            os.makedirs(self.own_dir, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"local checkpoint dir {root} is not writable: {e}") from e
+
+    # ---------------------------------------------------------------------------------- writing
+
+    def save(self, step: int, state: Any, manifest: dict[str, Any]) -> float:
+        """Copies this process's shards to host and writes them in the background.
+
+        Returns the blocking seconds. Raises the error of a failed previous save.
+        """
+        started = time.monotonic()
+        self.finish()
+        entries, arrays = _host_pieces(state)
+        blocking = time.monotonic() - started
+        manifest = {**manifest, "format": FORMAT_VERSION, "step": step}
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(step, manifest, entries, arrays, started),
+            name=f"local-ckpt-{step}",
+            daemon=True,
+        )
+        self._thread.start()
+        return blocking
+
+    def finish(self, timeout_s: float | None = None) -> None:
+        """Waits for the background write; raises `CheckpointError` if it failed."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise CheckpointError(
+                    f"local save did not finish within {timeout_s:.0f}s ({self.own_dir})"
+                )
+            self._thread = None
+        if self._error is not None:
+            error, step = self._error, self._error_step
+            self._error = None
+            raise CheckpointError(
+                f"local save of step {step} to {self.own_dir} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    def _write(
+        self,
+        step: int,
+        manifest: dict[str, Any],
+        entries: list[dict[str, Any]],
+        arrays: list[np.ndarray],
+        started: float,
+    ) -> None:
+        tmp = os.path.join(self.own_dir, f"{TMP_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.makedirs(tmp)
+            offset = 0
+            with open(os.path.join(tmp, DATA_FILE), "wb") as f:
+                for entry, array in zip(entries, arrays, strict=True):
+                    raw = array.reshape(-1).view(np.uint8)
+                    f.write(raw.data)
+                    entry.update(offset=offset, nbytes=raw.nbytes, crc32=zlib.crc32(raw))
+                    offset += raw.nbytes
+                f.flush()
+                os.fsync(f.fileno())
+            manifest = {**manifest, "pieces": entries, "bytes": offset}
+            # The manifest is the commit marker inside the directory; the rename commits it.
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            final = os.path.join(self.own_dir, step_name(step))
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            with self._lock:
+                self._committed.append(step)
+            self._collect_garbage()
+            if self._on_commit is not None:
+                self._on_commit(step, time.monotonic() - started, offset)
+        except BaseException as e:
+            self._error, self._error_step = e, step
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _collect_garbage(self) -> None:
+        """Keeps the newest `keep` own steps; drops older steps of any other process instance.
+
+        Other instances' steps older than our oldest kept step are from an earlier generation
+        or a dead process (a live peer drops them itself at the same point). Their temp dirs
+        are left alone (a live peer may be writing); restore clears those when no one writes.
+        """
+        with self._lock:
+            self._committed.sort()
+            drop, self._committed = self._committed[: -self.keep], self._committed[-self.keep :]
+            oldest = self._committed[0]
+        for step in drop:
+            shutil.rmtree(os.path.join(self.own_dir, step_name(step)), ignore_errors=True)
+        for proc in _proc_dirs(self.root):
+            if proc == self.own_dir:
+                continue
+            for step, path in _committed_dirs(proc):
+                if step < oldest:
+                    shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(proc)  # only if empty
+
+    @property
+    def committed_steps(self) -> list[int]:
+        with self._lock:
+            return sorted(self._committed)
+
+    # ---------------------------------------------------------------------------------- reading
+
+    def scan(self, fingerprint: str) -> tuple[dict[int, list[StepFiles]], list[tuple[int, str]]]:
+        """Committed copies readable here, by step; plus (step, why) for unusable ones."""
+        found: dict[int, list[StepFiles]] = {}
+        unusable: list[tuple[int, str]] = []
+        for proc in _proc_dirs(self.root):
+            for step, path in _committed_dirs(proc):
+                try:
+                    with open(os.path.join(path, MANIFEST)) as f:
+                        manifest = json.load(f)
+                except (OSError, ValueError) as e:
+                    unusable.append((step, f"{path}: manifest unreadable ({e})"))
+                    continue
+                written_by = manifest.get("fingerprint")
+                if written_by != fingerprint:
+                    unusable.append((step, f"{path}: written by config {written_by}"))
+                    continue
+                found.setdefault(step, []).append(StepFiles(path, manifest))
+        return found, unusable
+
+    def completable(
+        self, copies: list[StepFiles], abstract_state: Any, wanted: dict[str, dict[str, Any]]
+    ) -> str | None:
+        """Why this process cannot assemble its shards of `abstract_state` from `copies`, or None.
+
+        Looks at manifests only; contents are checked when read.
+        """
+        assembly = _Assembly(copies, wanted)
+        for leaf, target in _named_leaves(abstract_state):
+            for region in _needed_regions(target):
+                if assembly.plan(leaf, region) is None:
+                    return f"{leaf} region {list(region)} is in no readable copy"
+        return None
+
+    def restore(
+        self, copies: list[StepFiles], abstract_state: Any, wanted: dict[str, dict[str, Any]]
+    ) -> Any:
+        """The state on `abstract_state`'s shardings, from the pieces in `copies`.
+
+        Raises `InvalidCheckpoint` if a piece is missing, truncated or fails its CRC in every copy.
+        """
+        assembly = _Assembly(copies, wanted)
+        arrays = []
+        for leaf, target in _named_leaves(abstract_state):
+            dtype = jnp.dtype(target.dtype)
+            host = {r: assembly.read(leaf, r, dtype) for r in _needed_regions(target)}
+            arrays.append(
+                jax.make_array_from_callback(
+                    target.shape,
+                    target.sharding,
+                    lambda index, host=host, shape=target.shape: host[_box(index, shape)],
+                )
+            )
+        return jax.tree.unflatten(jax.tree.structure(abstract_state), arrays)
+
+    # ------------------------------------------------------------------------------ maintenance
+
+    def drop_after(self, step: int | None) -> None:
+        """Deletes every copy newer than `step` (an abandoned timeline) and every temp dir.
+
+        Call only while no process writes to this tier (during restore, after agreement).
+        """
+        for proc in _proc_dirs(self.root):
+            for name in os.listdir(proc):
+                if name.startswith(TMP_PREFIX):
+                    shutil.rmtree(os.path.join(proc, name), ignore_errors=True)
+            for s, path in _committed_dirs(proc):
+                if step is None or s > step:
+                    shutil.rmtree(path, ignore_errors=True)
+        with self._lock:
+            self._committed = [s for s in self._committed if step is not None and s <= step]
+
+
+def _named_leaves(tree: Any) -> list[tuple[str, Any]]:
+    return list(zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True))
+
+
+def _needed_regions(target: Any) -> list[Box]:
+    """The index boxes of `target` that this process's devices hold (each once)."""
+    shape = tuple(target.shape)
+    indices = target.sharding.addressable_devices_indices_map(shape).values()
+    return sorted({_box(index, shape) for index in indices})
+
+
+def _proc_dirs(root: str) -> list[str]:
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return [os.path.join(root, n) for n in sorted(names) if n.startswith(PROC_PREFIX)]
+
+
+def _committed_dirs(proc: str) -> list[tuple[int, str]]:
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
+            out.append((int(name[len(STEP_PREFIX) :]), os.path.join(proc, name)))
+    return sorted(out)

@@ -1,0 +1,258 @@
+"""The persistent tier: an ordinary Orbax `CheckpointManager` directory (local path or gs://).
+
+Each step holds three items: `state` (the TrainState pytree, `StandardSave`, readable by plain
+Orbax), `data` (the JSON data position) and `meta` (see `manifest`). Saves are asynchronous: the
+caller blocks only while arrays are copied off the devices; Orbax writes and commits (temp dir,
+then rename or `commit_success.txt`) in the background.
+
+Restore reads items with Orbax's handlers directly instead of `CheckpointManager.restore`, whose
+closing barrier would leave healthy processes waiting when one process fails to read its shards;
+the checkpointer agrees on success across processes itself, with a timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
+
+ITEMS = ("state", "data", "meta")
+QUARANTINE_DIR = "quarantine"
+_NAME_FORMAT = ocp.step.standard_name_format()
+
+
+@dataclasses.dataclass
+class PendingSave:
+    step: int
+    started: float  # time.monotonic() when the save call began
+    blocking_s: float
+
+
+class _KeepPolicy:
+    """Which steps survive a save (an Orbax `PreservationPolicy`).
+
+    Kept: the newest `keep` permanent steps, every `keep_period`-th step, the step being saved,
+    and the newest step known to be committed. The last matters because Orbax decides deletions
+    before the new step commits and deletes them even if that save then fails: without it, a
+    failed save could take the only good checkpoint with it. Temporary steps (wall-clock saves)
+    are therefore deleted only once a newer step has committed.
+    """
+
+    def __init__(
+        self,
+        keep: int,
+        keep_period: int,
+        is_temporary: Callable[[int], bool],
+        last_committed: Callable[[], int | None],
+    ) -> None:
+        self._keep = keep
+        self._keep_period = keep_period
+        self._is_temporary = is_temporary
+        self._last_committed = last_committed
+
+    def should_preserve(self, checkpoints: Sequence[Any], *, context: Any) -> list[bool]:
+        steps = [c.step for c in checkpoints]
+        if not steps:
+            return []
+        permanent = sorted(s for s in steps if not self._is_temporary(s))
+        keep = set(permanent[-self._keep :]) | {max(steps)}
+        committed = self._last_committed()
+        if committed is not None:
+            keep.add(committed)
+        if self._keep_period > 0:
+            keep |= {s for s in steps if s % self._keep_period == 0}
+        return [s in keep for s in steps]
+
+
+class PersistentTier:
+    def __init__(
+        self, directory: str, keep: int, keep_period: int, read_only: bool = False
+    ) -> None:
+        self.directory = epath.Path(directory)
+        self._temporary: set[int] = set()
+        self._last_committed: int | None = None
+        self.pending: PendingSave | None = None
+        n = jax.process_count()
+        policy = _KeepPolicy(
+            keep, keep_period, self._temporary.__contains__, lambda: self._last_committed
+        )
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=None if read_only else policy,
+            read_only=read_only,  # another run's directory: never clean, create or delete
+            cleanup_tmp_directories=not read_only,  # a crash mid-save leaves an Orbax temp dir
+            create=not read_only,
+            enable_async_checkpointing=True,
+            # Naming the processes makes Orbax use the coordination service's barriers, which
+            # time out, instead of a device collective that waits forever for a dead peer.
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                active_processes=set(range(n)) if n > 1 else None
+            ),
+        )
+        try:
+            self._manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        except Exception as e:
+            raise CheckpointError(
+                f"checkpoint dir {self.directory} cannot be used: {_one_line(e)}"
+            ) from e
+        steps = self.steps()
+        self._last_committed = steps[-1] if steps else None
+        for step in steps:
+            try:
+                if self.read_meta(step).get("temporary"):
+                    self._temporary.add(step)
+            except InvalidCheckpoint:
+                continue
+
+    # ---------------------------------------------------------------------------------- reading
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def step_dir(self, step: int) -> epath.Path:
+        return self.directory / _NAME_FORMAT.build_name(step)
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        return self._read_json(step, "meta")
+
+    def read_data_position(self, step: int) -> dict[str, Any]:
+        return self._read_json(step, "data")
+
+    def _read_json(self, step: int, item: str) -> dict[str, Any]:
+        path = self.step_dir(step) / item
+        try:
+            return dict(ocp.JsonCheckpointHandler().restore(path))
+        except Exception as e:
+            raise InvalidCheckpoint(f"{item} unreadable: {_one_line(e)}") from e
+
+    def restore_state(self, step: int, abstract_state: Any) -> Any:
+        """The `state` item placed on `abstract_state`'s shardings (any mesh)."""
+        step_dir = self.step_dir(step)
+        if not ocp.utils.is_checkpoint_finalized(step_dir):
+            raise InvalidCheckpoint("not committed")
+        try:
+            return ocp.StandardCheckpointHandler().restore(
+                step_dir / "state", args=ocp.args.StandardRestore(abstract_state)
+            )
+        except Exception as e:
+            raise InvalidCheckpoint(f"state unreadable: {_one_line(e)}") from e
+
+    def restore_params(self, step: int, abstract_params: Any) -> Any:
+        """Only `params` of the `state` item (initialising another run from this one)."""
+        item = {"params": abstract_params}
+        try:
+            restored = ocp.PyTreeCheckpointHandler().restore(
+                self.step_dir(step) / "state",
+                args=ocp.args.PyTreeRestore(
+                    item=item,
+                    restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                    partial_restore=True,
+                ),
+            )
+        except Exception as e:
+            raise InvalidCheckpoint(f"params unreadable: {_one_line(e)}") from e
+        return restored["params"]
+
+    # ---------------------------------------------------------------------------------- writing
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        data_position: dict[str, Any],
+        meta: dict[str, Any],
+        temporary: bool,
+    ) -> PendingSave | None:
+        """Starts an async save; returns what was started, or None if the step already exists.
+
+        The caller must have called `finish()` first, so that a failed previous save surfaces.
+        """
+        if step in self._manager.all_steps():
+            return None  # committed before (the same step replayed after a restore)
+        if temporary:
+            self._temporary.add(step)
+        started = time.monotonic()
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    data=ocp.args.JsonSave(data_position),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
+        except Exception as e:
+            raise CheckpointError(
+                f"persistent save of step {step} to {self.directory} failed: {_one_line(e)}"
+            ) from e
+        self.pending = PendingSave(step, started, time.monotonic() - started)
+        return self.pending
+
+    def poll(self) -> PendingSave | None:
+        """The pending save if it has finished since the last call (without waiting)."""
+        if self.pending is None or self._manager.is_saving_in_progress():
+            return None
+        return self.finish()
+
+    def finish(self) -> PendingSave | None:
+        """Waits for the pending save; returns it once committed, raises if it failed."""
+        pending, self.pending = self.pending, None
+        error: BaseException | None = None
+        try:
+            self._manager.wait_until_finished()
+            self._manager.check_for_errors()
+        except Exception as e:
+            error = e
+        if pending is None:
+            if error is not None:
+                raise CheckpointError(f"persistent save failed: {_one_line(error)}") from error
+            return None
+        # Orbax can log a background failure and carry on; only a finalized directory counts.
+        if error is None and not ocp.utils.is_checkpoint_finalized(self.step_dir(pending.step)):
+            error = RuntimeError("the step directory was never committed")
+        if error is not None:
+            raise CheckpointError(
+                f"persistent save of step {pending.step} to {self.directory} failed: "
+                f"{_one_line(error)}"
+            ) from error
+        self._last_committed = pending.step
+        return pending
+
+    @property
+    def last_committed(self) -> int | None:
+        return self._last_committed
+
+    def quarantine_after(self, step: int | None) -> list[int]:
+        """Moves steps newer than `step` (an abandoned timeline) out of the step list.
+
+        They are renamed into `quarantine/`, never deleted. Only process 0 moves; every process
+        must call `reload()` after all have passed this point.
+        """
+        newer = [s for s in self.steps() if step is None or s > step]
+        if jax.process_index() == 0:
+            target_root = self.directory / QUARANTINE_DIR
+            target_root.mkdir(parents=True, exist_ok=True)
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for s in newer:
+                self.step_dir(s).rename(target_root / f"{_NAME_FORMAT.build_name(s)}-{stamp}")
+        return newer
+
+    def reload(self) -> None:
+        self._manager.reload()
+        steps = self.steps()
+        self._last_committed = steps[-1] if steps else None
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]

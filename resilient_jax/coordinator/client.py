@@ -1,0 +1,207 @@
+"""Worker side of supervision: heartbeats and progress reports to the supervisor.
+
+A background thread sends one message every `heartbeat_interval_s` with the latest phase, step and
+median step time, so heartbeats keep coming while the main thread compiles, restores or saves: the
+supervisor tells "alive but slow" (heartbeats, no steps) from "dead" (no heartbeats). The main
+thread only updates a few fields under a lock; it never touches the socket, so a dead or stopped
+supervisor can never block training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import statistics
+import sys
+import threading
+from collections import deque
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import ml_collections
+
+from resilient_jax.coordinator import protocol
+from resilient_jax.train.hooks import Hook, StepInfo
+
+if TYPE_CHECKING:
+    from resilient_jax.train.context import RunContext
+    from resilient_jax.train.state import TrainState
+
+_STEP_TIME_WINDOW = 32
+_PR_SET_PDEATHSIG = 1
+
+
+class SupervisorClient(Hook):
+    """Reports this worker's liveness and progress; add it to the train loop's hooks."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        generation: int,
+        process: int,
+        slice_id: int | None,
+        interval_s: float,
+    ) -> None:
+        self._address = protocol.split_address(address)
+        self._identity = {
+            "token": token,
+            "generation": generation,
+            "process": process,
+            "slice": slice_id,
+            "pid": os.getpid(),
+        }
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._phase = protocol.PHASE_INIT
+        self._step: int | None = None
+        self._step_times: deque[float] = deque(maxlen=_STEP_TIME_WINDOW)
+        self._error: str | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # send now instead of at the next tick
+        self._sock: socket.socket | None = None
+        self._thread = threading.Thread(target=self._run, name="rj-supervisor-client", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_env(
+        cls,
+        coordinator_config: ml_collections.ConfigDict,
+        environ: Mapping[str, str] = os.environ,
+    ) -> SupervisorClient | None:
+        """A started client when a supervisor launched this process, else None."""
+        address = environ.get(protocol.ENV_SUPERVISOR_ADDRESS)
+        if not address:
+            return None
+        supervisor_pid = environ.get(protocol.ENV_SUPERVISOR_PID)
+        if supervisor_pid:
+            _die_with_parent(int(supervisor_pid))
+        slice_id = environ.get(protocol.ENV_SLICE)
+        client = cls(
+            address=address,
+            token=environ.get(protocol.ENV_RUN_TOKEN, ""),
+            generation=int(environ.get(protocol.ENV_GENERATION, "0")),
+            process=int(environ.get(protocol.ENV_PROCESS_ID, "0")),
+            slice_id=int(slice_id) if slice_id is not None else None,
+            interval_s=float(coordinator_config.heartbeat_interval_s),
+        )
+        client.install_excepthook()
+        return client
+
+    # What the worker program calls.
+
+    def set_phase(self, phase: str) -> None:
+        if phase not in protocol.PHASES:
+            raise ValueError(f"unknown phase {phase!r}; allowed: {', '.join(protocol.PHASES)}")
+        with self._lock:
+            if self._phase != protocol.PHASE_ERROR:  # an error is final
+                self._phase = phase
+
+    @contextlib.contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """Reports `phase` (e.g. "save", "restore") while the block runs, then the previous one."""
+        with self._lock:
+            previous = self._phase
+        self.set_phase(phase)
+        try:
+            yield
+        finally:
+            self.set_phase(previous)
+
+    def report_error(self, message: str) -> None:
+        """Tells the supervisor at once that this worker failed (it may hang on its way out)."""
+        with self._lock:
+            self._phase = protocol.PHASE_ERROR
+            self._error = message[: protocol.MAX_ERROR_CHARS]
+        self._wake.set()
+
+    def install_excepthook(self) -> None:
+        """Reports an uncaught exception of the main thread before Python's exit handlers run."""
+        previous = sys.excepthook
+
+        def hook(exc_type, exc, tb) -> None:
+            self.report_error(f"{exc_type.__name__}: {exc}")
+            previous(exc_type, exc, tb)
+
+        sys.excepthook = hook
+
+    def report_step(self, step: int, step_time_s: float) -> None:
+        with self._lock:
+            # The first step after start-up or a save includes compile or save time: it would
+            # inflate the median the supervisor derives its hang timeout from.
+            if self._phase == protocol.PHASE_TRAIN:
+                self._step_times.append(step_time_s)
+            if self._phase != protocol.PHASE_ERROR:
+                self._phase = protocol.PHASE_TRAIN
+            self._step = step
+
+    # Hook interface.
+
+    def on_start(self, ctx: RunContext, state: TrainState) -> None:
+        self.set_phase(protocol.PHASE_COMPILE)  # state exists; the first step compiles
+
+    def after_step(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
+        self.report_step(info.step, info.step_time_s)
+
+    def on_end(self, ctx: RunContext, state: TrainState, info: StepInfo | None) -> None:
+        self.set_phase(protocol.PHASE_DONE)
+
+    def close(self) -> None:
+        """Says goodbye (best effort) and stops the thread; never blocks for long."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=2 * self._interval_s + 1.0)
+
+    # Background thread.
+
+    def _message(self, kind: str) -> dict[str, Any]:
+        with self._lock:
+            times = list(self._step_times)
+            fields = {"phase": self._phase, "step": self._step, "error": self._error}
+        fields["step_time_s"] = statistics.median(times) if times else None
+        return {"type": kind, **self._identity, **fields}
+
+    def _run(self) -> None:
+        while True:
+            self._send(self._message(protocol.MSG_HEARTBEAT))
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+        self._send(self._message(protocol.MSG_BYE))
+        if self._sock is not None:
+            self._sock.close()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        # Timeouts bound every socket call: a supervisor that stopped reading costs one missed
+        # heartbeat, then a reconnect attempt at the next tick.
+        timeout = max(0.1, min(1.0, self._interval_s))
+        try:
+            if self._sock is None:
+                self._sock = socket.create_connection(self._address, timeout=timeout)
+                self._sock.settimeout(timeout)
+            self._sock.sendall(protocol.encode(message))
+        except OSError:
+            if self._sock is not None:
+                self._sock.close()
+            self._sock = None
+
+
+def _die_with_parent(supervisor_pid: int) -> None:
+    """Asks Linux to SIGKILL this process when the supervisor dies, so no worker outlives it.
+
+    Only when the supervisor is the direct parent: a worker command wrapped in a shell has another
+    parent, whose death says nothing about the supervisor's.
+    """
+    if not sys.platform.startswith("linux") or os.getppid() != supervisor_pid:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != supervisor_pid:  # the supervisor died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)

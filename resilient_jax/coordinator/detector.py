@@ -1,0 +1,128 @@
+"""Failure and hang detection from worker reports: a pure function of the reports and the time.
+
+Three signs, from fast to slow:
+- a process exits (the supervisor sees it at once with `poll`; not judged here) or reports an
+  error (it may be stuck on its way out);
+- a process stops sending heartbeats (`heartbeat_timeout_s`): dead, stopped or cut off;
+- the job stops making step progress while heartbeats still come: a hang. The budget is
+  `max(hang_factor x median step time, hang_floor_s)` while training, and the longer
+  `startup_timeout_s` before a generation's first step (JAX init, restore, compile) and while any
+  process reports a slow phase (save, done).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from resilient_jax.coordinator import protocol
+from resilient_jax.coordinator.server import WorkerReport
+
+CAUSE_EXIT = "exit"
+CAUSE_ERROR = "error"
+CAUSE_HEARTBEAT = "heartbeat"
+CAUSE_HANG = "hang"
+CAUSE_STARTUP = "startup_timeout"
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    heartbeat_timeout_s: float
+    hang_factor: float
+    hang_floor_s: float
+    startup_timeout_s: float
+
+    @classmethod
+    def from_config(cls, coordinator_config: ml_collections.ConfigDict) -> Thresholds:
+        c = coordinator_config
+        return cls(
+            heartbeat_timeout_s=float(c.heartbeat_timeout_s),
+            hang_factor=float(c.hang_factor),
+            hang_floor_s=float(c.hang_floor_s),
+            startup_timeout_s=float(c.startup_timeout_s),
+        )
+
+    def step_budget_s(self, median_step_time_s: float | None) -> float:
+        if median_step_time_s is None:
+            return self.hang_floor_s
+        return max(self.hang_factor * median_step_time_s, self.hang_floor_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    cause: str  # one of the CAUSE_* names
+    process: int | None  # None: the whole job is stuck and no process stands out
+    detail: str  # one line for people
+    since: float  # supervisor-clock time of the last sign of health: latency is measured from it
+    exit_code: int | None = None
+
+
+def check(
+    now: float,
+    spawned_at: dict[int, float],
+    reports: dict[int, WorkerReport],
+    thresholds: Thresholds,
+) -> Failure | None:
+    """The first failure among the running processes (`spawned_at` keys), or None."""
+    for process in sorted(spawned_at):
+        report = reports.get(process)
+        if report is None:
+            if now - spawned_at[process] > thresholds.startup_timeout_s:
+                return Failure(
+                    CAUSE_STARTUP,
+                    process,
+                    f"no heartbeat within startup_timeout_s={thresholds.startup_timeout_s:g}",
+                    since=spawned_at[process],
+                )
+            continue
+        if report.phase == protocol.PHASE_ERROR:
+            return Failure(
+                CAUSE_ERROR,
+                process,
+                f"process {process} failed: {report.error or 'error'}",
+                since=report.last_seen,
+            )
+        silent = now - report.last_seen
+        if not report.said_bye and silent > thresholds.heartbeat_timeout_s:
+            return Failure(
+                CAUSE_HEARTBEAT,
+                process,
+                f"no heartbeat for {silent:.1f}s (phase {report.phase}, step {report.step})",
+                since=report.last_seen,
+            )
+    return _check_progress(now, spawned_at, reports, thresholds)
+
+
+def _check_progress(
+    now: float,
+    spawned_at: dict[int, float],
+    reports: dict[int, WorkerReport],
+    thresholds: Thresholds,
+) -> Failure | None:
+    running = [reports[p] for p in spawned_at if p in reports]
+    if not running:
+        return None
+    progress_times = [r.last_progress for r in running if r.last_progress is not None]
+    slow_phase = any(r.phase != protocol.PHASE_TRAIN for r in running)
+    if not progress_times or slow_phase:
+        budget = thresholds.startup_timeout_s
+        budget_name = "startup_timeout_s"
+    else:
+        medians = [r.step_time_s for r in running if r.step_time_s is not None]
+        budget = thresholds.step_budget_s(max(medians) if medians else None)
+        budget_name = "hang budget"
+    last_progress = max(progress_times) if progress_times else min(spawned_at.values())
+    stalled = now - last_progress
+    if stalled <= budget:
+        return None
+    steps = {r.process: -1 if r.step is None else r.step for r in running}
+    behind = [p for p, s in sorted(steps.items()) if s < max(steps.values())]
+    phases = sorted({r.phase for r in running})
+    detail = (
+        f"no step progress for {stalled:.1f}s > {budget_name} {budget:.1f}s "
+        f"(steps {min(steps.values())}..{max(steps.values())}, phases {','.join(phases)})"
+    )
+    cause = CAUSE_HANG if progress_times else CAUSE_STARTUP
+    # In lockstep collectives the stuck process is the one behind; if all agree, none stands out.
+    return Failure(cause, behind[0] if behind else None, detail, since=last_progress)

@@ -1,0 +1,119 @@
+"""The supervisor's decisions, kept free of processes and sockets so tests can drive them directly.
+
+`SlicePool` knows which physical slices are healthy, which are evicted and when they come back.
+`RestartPolicy` counts failures and decides between "restart after a back-off" and "stop": a retry
+budget, exponential back-off, and crash-loop detection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+
+@dataclasses.dataclass
+class _SliceState:
+    healthy: bool = True
+    returns_at: float | None = None  # when an evicted slice is healthy again; None = never
+    outage_until: float | None = None  # an outage announced by fault injection
+
+
+class SlicePool:
+    """Physical slices 0..target+spares-1: the first `target` run, the rest wait as spares."""
+
+    def __init__(self, target: int, spares: int, readmit_after_s: float) -> None:
+        self.target = target
+        self._readmit_after_s = readmit_after_s
+        self._slices = {s: _SliceState() for s in range(target + spares)}
+
+    @property
+    def all_slices(self) -> list[int]:
+        return sorted(self._slices)
+
+    def healthy(self) -> list[int]:
+        return [s for s, st in sorted(self._slices.items()) if st.healthy]
+
+    def announce_outage(self, slice_id: int, until: float) -> None:
+        """Fault injection says this slice's hardware is gone until `until`."""
+        self._slices[slice_id].outage_until = until
+
+    def evict(self, slice_id: int, now: float) -> float | None:
+        """Marks the slice unhealthy; returns when it will be back (None: never)."""
+        state = self._slices[slice_id]
+        state.healthy = False
+        if state.outage_until is not None and state.outage_until > now:
+            state.returns_at = state.outage_until
+        elif self._readmit_after_s >= 0:
+            state.returns_at = now + self._readmit_after_s
+        else:
+            state.returns_at = None
+        return state.returns_at
+
+    def refresh(self, now: float) -> list[int]:
+        """Slices whose outage has ended become healthy again; returns them."""
+        back = []
+        for slice_id, state in sorted(self._slices.items()):
+            if not state.healthy and state.returns_at is not None and state.returns_at <= now:
+                state.healthy, state.returns_at, state.outage_until = True, None, None
+                back.append(slice_id)
+        return back
+
+    def next_return(self) -> float | None:
+        times = [st.returns_at for st in self._slices.values() if st.returns_at is not None]
+        return min(times) if times else None
+
+    def choose(self, current: list[int]) -> list[int]:
+        """Up to `target` healthy slices: the current ones first, then spares by id."""
+        healthy = self.healthy()
+        kept = [s for s in current if s in healthy]
+        extra = [s for s in healthy if s not in kept]
+        return (kept + extra)[: self.target]
+
+
+class RestartPolicy:
+    """Counts failures (preemptions and scale-ups are not failures) and says when to give up.
+
+    A crash loop is `crash_loop_limit` failures in a row where no generation got past the step
+    at which the previous one failed: the same step keeps failing, so restarting again is futile.
+    Back-off: the first failure of a streak restarts at once (a lost slice is the common case and
+    waiting does not help it); each further one waits `backoff_s`, doubling up to `backoff_max_s`.
+    """
+
+    def __init__(self, coordinator_config: ml_collections.ConfigDict) -> None:
+        c = coordinator_config
+        self._max_restarts = int(c.max_restarts)
+        self._crash_loop_limit = int(c.crash_loop_limit)
+        self._backoff_s = float(c.backoff_s)
+        self._backoff_max_s = float(c.backoff_max_s)
+        self.failures = 0
+        self.streak = 0
+        self.streak_step: int | None = None  # the step the last failure of the streak reached
+
+    def record_failure(self, step: int | None) -> None:
+        """`step`: the highest step the failed generation reported (None: none)."""
+        reached = -1 if step is None else step
+        if self.streak_step is not None and reached <= self.streak_step:
+            self.streak += 1
+        else:
+            self.streak, self.streak_step = 1, reached
+        self.failures += 1
+
+    def stop_reason(self) -> str | None:
+        """Why the job must stop instead of restarting, or None."""
+        if self.streak >= self._crash_loop_limit:
+            where = "start-up" if self.streak_step == -1 else f"step {self.streak_step}"
+            return (
+                f"crash loop: {self.streak} failures in a row without getting past {where} "
+                f"(crash_loop_limit={self._crash_loop_limit})"
+            )
+        if self.failures > self._max_restarts:
+            return (
+                f"retry budget spent: {self.failures} failures > max_restarts={self._max_restarts}"
+            )
+        return None
+
+    def backoff(self) -> float:
+        if self.streak <= 1:
+            return 0.0
+        return min(self._backoff_max_s, self._backoff_s * 2 ** (self.streak - 2))

@@ -1,0 +1,127 @@
+"""Worker processes: start with a per-process output prefix, signal, stop within a bound.
+
+Each worker runs in its own session (process group), so a SIGKILL to the group also reaches
+whatever the worker started (data loader processes); nothing is left behind after `stop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO
+
+
+@dataclasses.dataclass
+class WorkerProcess:
+    process: int  # JAX process id in its generation
+    slice: int  # physical slice id
+    generation: int
+    popen: subprocess.Popen[bytes]
+    started_at: float  # supervisor clock
+    reader: threading.Thread
+    exit_code: int | None = None  # Popen convention: -N = killed by signal N
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def running(self) -> bool:
+        return self.poll() is None
+
+    def poll(self) -> int | None:
+        if self.exit_code is None:
+            self.exit_code = self.popen.poll()
+        return self.exit_code
+
+    def signal(self, signum: int, group: bool = False) -> None:
+        """Sends `signum` to the worker (or its whole process group); a gone process is fine."""
+        try:
+            if group:
+                os.killpg(self.popen.pid, signum)
+            elif self.popen.poll() is None:
+                os.kill(self.popen.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class OutputSink:
+    """Merges worker output into one stream, a whole line at a time, each with its prefix."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def write_line(self, line: str) -> None:
+        with self._lock:
+            self._stream.write(line if line.endswith("\n") else line + "\n")
+            self._stream.flush()
+
+    def pump(self, pipe: IO[bytes], prefix: str) -> None:
+        for raw in iter(pipe.readline, b""):
+            self.write_line(prefix + raw.decode(errors="replace"))
+        pipe.close()
+
+
+def spawn(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    sink: OutputSink,
+    prefix: str,
+    process: int,
+    slice_id: int,
+    generation: int,
+    clock: Callable[[], float] = time.monotonic,
+    cwd: str | None = None,
+) -> WorkerProcess:
+    popen = subprocess.Popen(
+        list(argv),
+        env=dict(env),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    assert popen.stdout is not None
+    reader = threading.Thread(
+        target=sink.pump, args=(popen.stdout, prefix), name=f"rj-output-{prefix}", daemon=True
+    )
+    reader.start()
+    return WorkerProcess(process, slice_id, generation, popen, clock(), reader)
+
+
+def stop(
+    workers: Sequence[WorkerProcess],
+    grace_s: float,
+    should_hurry: Callable[[], bool] = lambda: False,
+) -> float:
+    """SIGTERM, up to `grace_s` to exit, then SIGKILL to each process group; returns seconds taken.
+
+    After a failure the grace is short: a survivor inside a collective with a dead peer never
+    returns. When asked to save and stop (preemption, scale-up), the grace covers the save.
+    `should_hurry` (e.g. a second Ctrl-C) cuts the grace short.
+    """
+    start = time.monotonic()
+    for worker in workers:
+        if worker.running:
+            worker.signal(signal.SIGTERM)
+    deadline = start + grace_s
+    while any(w.running for w in workers) and time.monotonic() < deadline and not should_hurry():
+        time.sleep(0.02)
+    for worker in workers:
+        # The group too: an exited worker's own children must not outlive it.
+        worker.signal(signal.SIGKILL, group=True)
+    for worker in workers:
+        # A process in uninterruptible I/O may outlive SIGKILL for a while: do not wait forever.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.popen.wait(timeout=5.0)
+        worker.poll()
+        worker.reader.join(timeout=1.0)
+    return time.monotonic() - start

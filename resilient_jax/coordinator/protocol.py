@@ -1,0 +1,110 @@
+"""What the supervisor and its workers agree on: environment variables, exit codes, messages.
+
+Workers learn their place in the job from environment variables the supervisor sets. They report
+to the supervisor over TCP with JSON lines, one self-contained message per line (identity, token
+and the latest progress in every line), so the supervisor keeps no per-connection state and a
+reconnecting worker needs no handshake.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import signal
+from typing import Any
+
+# Environment a supervised worker gets.
+ENV_COORDINATOR_ADDRESS = "RJ_COORDINATOR_ADDRESS"  # host:port of jax.distributed's service
+ENV_NUM_PROCESSES = "RJ_NUM_PROCESSES"
+ENV_PROCESS_ID = "RJ_PROCESS_ID"
+ENV_NUM_SLICES = "RJ_NUM_SLICES"  # read by resilient_jax.topology
+ENV_SLICE = "RJ_SLICE"  # physical slice id (what the supervisor evicts), for reports
+ENV_GENERATION = "RJ_GENERATION"
+ENV_SUPERVISOR_ADDRESS = "RJ_SUPERVISOR_ADDRESS"  # host:port of the heartbeat server
+ENV_SUPERVISOR_PID = "RJ_SUPERVISOR_PID"
+ENV_RUN_TOKEN = "RJ_RUN_TOKEN"
+# Real clusters: let jax.distributed.initialize() detect SLURM, Open MPI or Cloud TPU by itself.
+ENV_AUTO_DISTRIBUTED = "RJ_AUTO_DISTRIBUTED"
+
+# A worker that saved and stopped because it was asked to (SIGTERM: preemption, Ctrl-C, scale-up).
+# The supervisor restarts it without counting an error. The value is the checkpointer's
+# `resilient_jax.checkpoint.PREEMPTED_EXIT_CODE` (a test keeps them equal).
+EXIT_PREEMPTED = 42
+# A worker killed by SIGTERM before it could save counts as preempted too.
+PREEMPTED_STATUSES = (EXIT_PREEMPTED, -signal.SIGTERM, 128 + signal.SIGTERM)
+
+# A worker that stops the run on purpose: restarting would only repeat it, so the supervisor stops
+# too. The values are those of `resilient_jax.train.run.EXIT_BAD_INPUT` and
+# `resilient_jax.health.ANOMALY_EXIT_CODE` (a test keeps them equal; importing them here would
+# load the whole trainer into the supervisor).
+EXIT_BAD_INPUT = 2
+EXIT_HEALTH_GAVE_UP = 3
+FATAL_EXIT_CODES = {
+    EXIT_BAD_INPUT: "bad input (config, flags, data or checkpoint)",
+    EXIT_HEALTH_GAVE_UP: "health checks gave up (anomalies after the last rollback)",
+}
+
+# Phases a worker reports. Before its first step in a generation a worker is starting (JAX init,
+# restore, compile); "save" and "done" are slow on purpose. Only "train" is judged by step time.
+# "error": the worker hit an error it cannot recover from. It says so at once because it may not
+# manage to exit: JAX's exit-time shutdown barrier waits for peers that are stuck in a collective.
+PHASE_INIT = "init"
+PHASE_RESTORE = "restore"
+PHASE_COMPILE = "compile"
+PHASE_TRAIN = "train"
+PHASE_SAVE = "save"
+PHASE_DONE = "done"
+PHASE_ERROR = "error"
+PHASES = (
+    PHASE_INIT,
+    PHASE_RESTORE,
+    PHASE_COMPILE,
+    PHASE_TRAIN,
+    PHASE_SAVE,
+    PHASE_DONE,
+    PHASE_ERROR,
+)
+MAX_ERROR_CHARS = 300
+
+MSG_HEARTBEAT = "heartbeat"
+MSG_BYE = "bye"  # the worker closes its client on purpose: silence after this is no failure
+MAX_LINE_BYTES = 4096
+
+
+class ProtocolError(ValueError):
+    """A line that is not a valid message from a worker of this run."""
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return (json.dumps(message, separators=(",", ":")) + "\n").encode()
+
+
+def decode(line: bytes, token: str) -> dict[str, Any]:
+    """Parses one line and checks it carries this run's token."""
+    if len(line) > MAX_LINE_BYTES:
+        raise ProtocolError(f"message longer than {MAX_LINE_BYTES} bytes")
+    try:
+        message = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"not JSON: {e}") from e
+    if not isinstance(message, dict):
+        raise ProtocolError("not a JSON object")
+    if not hmac.compare_digest(str(message.get("token", "")), token):
+        raise ProtocolError("wrong run token")
+    for key in ("generation", "process"):
+        if not isinstance(message.get(key), int):
+            raise ProtocolError(f"missing integer {key!r}")
+    if message.get("type") not in (MSG_HEARTBEAT, MSG_BYE):
+        raise ProtocolError(f"unknown message type {message.get('type')!r}")
+    return message
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1") or host.startswith("127.")

@@ -1,0 +1,168 @@
+"""The supervisor's heartbeat server: collects what each worker last reported.
+
+One thread multiplexes every connection with `selectors`. Each received line replaces the
+worker's record; the receive time on the supervisor's own monotonic clock is what detection uses,
+so clocks of other hosts never matter. Lines without this run's token close the connection.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from resilient_jax.coordinator import protocol
+
+
+@dataclasses.dataclass
+class WorkerReport:
+    """The latest news from one worker of one generation (times on the supervisor's clock)."""
+
+    generation: int
+    process: int
+    slice: int | None
+    pid: int | None
+    phase: str
+    step: int | None
+    step_time_s: float | None  # median of recent steps, compile and save steps excluded
+    first_seen: float
+    last_seen: float
+    last_progress: float | None  # when `step` last increased
+    said_bye: bool = False
+    error: str | None = None  # what a worker in phase "error" reported
+
+
+class HeartbeatServer:
+    """Listens on `host:port` (port 0: any free port) until `close()`."""
+
+    def __init__(
+        self,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._token = token
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._reports: dict[tuple[int, int], WorkerReport] = {}
+        self._listener = socket.create_server((host, port))
+        self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._buffers: dict[socket.socket, bytes] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="rj-heartbeat-server", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def reports(self, generation: int) -> dict[int, WorkerReport]:
+        """Copies of the records of `generation`'s workers, by process id."""
+        with self._lock:
+            return {
+                process: dataclasses.replace(report)
+                for (gen, process), report in self._reports.items()
+                if gen == generation
+            }
+
+    def forget_before(self, generation: int) -> None:
+        with self._lock:
+            for key in [k for k in self._reports if k[0] < generation]:
+                del self._reports[key]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self._selector.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=0.1):
+                if key.fileobj is self._listener:
+                    self._accept()
+                else:
+                    self._read(key.fileobj)  # type: ignore[arg-type]
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        conn.setblocking(False)
+        self._buffers[conn] = b""
+        self._selector.register(conn, selectors.EVENT_READ, None)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._selector.unregister(conn)
+        self._buffers.pop(conn, None)
+        conn.close()
+
+    def _read(self, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        *lines, rest = (self._buffers[conn] + data).split(b"\n")
+        if len(rest) > protocol.MAX_LINE_BYTES:
+            self._drop(conn)
+            return
+        self._buffers[conn] = rest
+        for line in lines:
+            try:
+                message = protocol.decode(line, self._token)
+            except protocol.ProtocolError:
+                self._drop(conn)
+                return
+            self._record(message)
+
+    def _record(self, message: dict[str, Any]) -> None:
+        now = self._clock()
+        key = (message["generation"], message["process"])
+        step = message.get("step")
+        step = step if isinstance(step, int) else None
+        step_time = message.get("step_time_s")
+        step_time = float(step_time) if isinstance(step_time, (int, float)) else None
+        with self._lock:
+            report = self._reports.get(key)
+            if report is None:
+                report = WorkerReport(
+                    generation=key[0],
+                    process=key[1],
+                    slice=message.get("slice"),
+                    pid=message.get("pid"),
+                    phase=protocol.PHASE_INIT,
+                    step=None,
+                    step_time_s=None,
+                    first_seen=now,
+                    last_seen=now,
+                    last_progress=None,
+                )
+                self._reports[key] = report
+            if step is not None and (report.step is None or step > report.step):
+                report.last_progress = now
+                report.step = step
+            phase = message.get("phase")
+            if phase in protocol.PHASES:
+                report.phase = phase
+            if step_time is not None:
+                report.step_time_s = step_time
+            error = message.get("error")
+            if isinstance(error, str):
+                report.error = error[: protocol.MAX_ERROR_CHARS]
+            report.last_seen = now
+            report.said_bye = report.said_bye or message["type"] == protocol.MSG_BYE

@@ -1,0 +1,129 @@
+"""A stand-in training program that speaks the worker side of the protocol, without a model.
+
+    python -m resilient_jax.coordinator.sim_worker --config=CONFIG.py --workdir=DIR
+
+It exercises the supervisor the way `launch/train.py` does, in about a second per start: joins the
+JAX job from the environment, reports heartbeats and progress, runs one cross-process collective per
+step, saves its state every `checkpoint.every_steps`, resumes from the last save after a restart and
+handles preemption (SIGTERM: save at the step all processes agree on, exit EXIT_PREEMPTED).
+
+Its state follows the trainer's contract: step s reduces the global batch of rows
+[s*B, (s+1)*B) (B = global_batch_size), each process summing its share, so the final `value` is
+the same whatever the process count and however often the job was reshaped. `--sim_*` flags
+inject faults from inside a worker (a software error, a hung main thread).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from resilient_jax.coordinator import protocol
+from resilient_jax.coordinator.client import SupervisorClient
+from resilient_jax.coordinator.worker import initialize_from_env
+from resilient_jax.events import EventLog
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.", required=True)
+_STEP_TIME = flags.DEFINE_float("sim_step_time_s", 0.05, "Seconds of simulated work per step.")
+_CRASH_AT = flags.DEFINE_integer("sim_crash_at_step", -1, "Fail before this step.")
+_CRASH_CODE = flags.DEFINE_integer(
+    "sim_crash_exit_code", 0, "0: fail by raising; else leave at once with this exit code."
+)
+_HANG_AT = flags.DEFINE_integer("sim_hang_at_step", -1, "Hang (heartbeats go on) before this step.")
+_FAULT_PROCESS = flags.DEFINE_integer("sim_fault_process", 0, "Process the --sim_* faults hit.")
+_FAULT_GENERATION = flags.DEFINE_integer(
+    "sim_fault_generation", -1, "Generation the --sim_* faults hit (-1: every one)."
+)
+
+STATE_FILE = "sim_state.json"
+
+
+def _load(workdir: str) -> dict:
+    path = os.path.join(workdir, STATE_FILE)
+    if not os.path.exists(path):
+        return {"step": 0, "value": 0.0}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _save(workdir: str, state: dict) -> None:
+    path = os.path.join(workdir, STATE_FILE)
+    with open(path + ".tmp", "w") as f:
+        json.dump(state, f)
+    os.replace(path + ".tmp", path)  # atomic: a crash mid-save leaves the previous state
+
+
+def main(argv: list[str]) -> int:
+    del argv
+    config = _CONFIG.value
+    workdir = _WORKDIR.value
+    client = SupervisorClient.from_env(config.coordinator)
+    events = EventLog(workdir)
+    env = initialize_from_env(config.coordinator, events)
+
+    import jax  # after initialize_from_env: nothing may touch the backend before it
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    process = jax.process_index()
+    num_processes = jax.process_count()
+    events.update_common(process=process, generation=env.generation if env else 0, pid=os.getpid())
+    batch = config.global_batch_size
+    rows = batch // num_processes
+    distributed = env is not None
+
+    if client:
+        client.set_phase(protocol.PHASE_RESTORE)
+    state = _load(workdir)
+    events.emit("restore", step=state["step"])
+    if client:
+        client.set_phase(protocol.PHASE_COMPILE)
+
+    def save(step: int) -> None:
+        if process == 0:
+            _save(workdir, {"step": step, "value": state["value"]})
+            events.emit("save", step=step)
+
+    generation = env.generation if env else 0
+    faulty = process == _FAULT_PROCESS.value and _FAULT_GENERATION.value in (-1, generation)
+    last = time.monotonic()
+    for step in range(state["step"] + 1, config.total_steps + 1):
+        if faulty and step == _CRASH_AT.value:
+            if _CRASH_CODE.value:
+                os._exit(_CRASH_CODE.value)  # as a worker that stops the run on purpose does
+            raise RuntimeError(f"simulated software error before step {step}")
+        if faulty and step == _HANG_AT.value:
+            while True:  # the main thread is stuck; the client's thread keeps heartbeating
+                time.sleep(1.0)
+        first = (step - 1) * batch + process * rows
+        partial = np.float64(np.arange(first, first + rows, dtype=np.float64).sum())
+        if distributed:
+            partial = float(np.sum(multihost_utils.process_allgather(np.array([partial]))))
+        state["value"] += float(partial) * 1e-6
+        time.sleep(_STEP_TIME.value)
+        now = time.monotonic()
+        if client:
+            client.report_step(step, now - last)
+        last = now
+        every = config.checkpoint.every_steps
+        if distributed and multihost_utils.reached_preemption_sync_point(step):
+            save(step)
+            events.emit("stop", reason="preempted", step=step)
+            return protocol.EXIT_PREEMPTED
+        if every and step % every == 0:
+            save(step)
+    if client:
+        client.set_phase(protocol.PHASE_DONE)
+    save(config.total_steps)
+    if client:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(main)

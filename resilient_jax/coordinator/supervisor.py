@@ -1,0 +1,598 @@
+"""The supervisor: runs a multi-slice job's workers, detects failures, restarts on what is left.
+
+A *generation* is one start of all workers on a set of physical slices, with a fresh JAX
+coordinator port. The supervisor watches it (process exits, heartbeats, step progress) until it
+completes, fails, is preempted, or a returned slice can be re-admitted; then it stops every worker
+and starts the next generation. Workers restore from the newest checkpoint on whatever mesh the
+new topology gives (`mesh.plan_mesh(strict=False)` keeps the global batch with more microbatches).
+
+Why stop the survivors of a failure instead of keeping them: on CPU a survivor inside a gloo
+collective with a dead peer never returns, and JAX aborts survivors anyway once its coordination
+service misses the peer; a clean restart from a checkpoint is the one path that always works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+import ml_collections
+
+from resilient_jax import topology as topology_lib
+from resilient_jax.config import ConfigError
+from resilient_jax.coordinator import detector, processes, protocol
+from resilient_jax.coordinator.outages import OutageReader
+from resilient_jax.coordinator.policy import RestartPolicy, SlicePool
+from resilient_jax.coordinator.server import HeartbeatServer
+from resilient_jax.events import EventLog
+from resilient_jax.mesh import MeshPlan, plan_mesh
+
+ACTION_KINDS = ("kill", "hang", "lose_slice", "preempt")
+_ACTION_SIGNALS = {
+    "kill": signal.SIGKILL,
+    "lose_slice": signal.SIGKILL,
+    "hang": signal.SIGSTOP,
+    "preempt": signal.SIGTERM,
+}
+EXIT_INTERRUPTED = 130
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    num_slices: int
+    processes_per_slice: int = 1
+    devices_per_process: int = 1
+    spare_slices: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_slices", "processes_per_slice", "devices_per_process"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.spare_slices < 0:
+            raise ValueError(f"spare_slices={self.spare_slices} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class SupervisorAction:
+    """A fault the supervisor injects into its own workers (tests, experiments, demos).
+
+    kind: "kill" (SIGKILL), "hang" (SIGSTOP: no heartbeats, no progress), "lose_slice" (SIGKILL
+    every process of the slice; the slice stays out for `duration_s`, then may be re-admitted) or
+    "preempt" (SIGTERM, as a cloud preemption notice: the workers save and exit EXIT_PREEMPTED).
+    `process` is the index inside the slice (None: every process of it). It fires once, when any
+    worker has reported `at_step` or `at_s` seconds after the supervisor started, whichever is set.
+    """
+
+    kind: str
+    slice: int
+    process: int | None = None
+    at_step: int | None = None
+    at_s: float | None = None
+    duration_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTION_KINDS:
+            raise ValueError(f"action kind {self.kind!r}; allowed: {', '.join(ACTION_KINDS)}")
+        if (self.at_step is None) == (self.at_s is None):
+            raise ValueError("an action needs exactly one of at_step and at_s")
+
+
+@dataclasses.dataclass(frozen=True)
+class SupervisorResult:
+    exit_code: int  # 0 only when every worker of the last generation finished training
+    reason: str
+    generations: int
+    failures: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    kind: str  # complete | failure | fatal | preempted | scale_up | interrupted | time_limit
+    failure: detector.Failure | None = None
+
+
+def plan_for(config: ml_collections.ConfigDict, num_slices: int, cluster: ClusterSpec) -> MeshPlan:
+    """The mesh the trainer will build on `num_slices` slices (raises ConfigError if none fits).
+
+    `plan_mesh` only counts devices, so stand-ins replace the devices the supervisor never sees.
+    """
+    processes = num_slices * cluster.processes_per_slice
+    devices = tuple(object() for _ in range(processes * cluster.devices_per_process))
+    topo = topology_lib.Topology(
+        num_slices=num_slices,
+        num_processes=processes,
+        process_index=0,
+        devices=devices,  # type: ignore[arg-type]
+    )
+    return plan_mesh(config, topo, strict=False)
+
+
+class Supervisor:
+    """Runs `worker_argv` as S x P processes on simulated slices; `run()` returns the verdict."""
+
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        cluster: ClusterSpec,
+        worker_argv: Sequence[str],
+        workdir: str,
+        actions: Sequence[SupervisorAction] = (),
+        out: IO[str] | None = None,
+        poll_interval_s: float = 0.05,
+        cwd: str | None = None,
+    ) -> None:
+        self._config = config
+        self._c = config.coordinator
+        self._cluster = cluster
+        self._argv = list(worker_argv)
+        self._workdir = workdir
+        self._cwd = cwd
+        self._poll_s = poll_interval_s
+        self._thresholds = detector.Thresholds.from_config(self._c)
+        self._pool = SlicePool(
+            cluster.num_slices, cluster.spare_slices, float(self._c.readmit_after_s)
+        )
+        self._policy = RestartPolicy(self._c)
+        self._pending_actions = list(actions)
+        for action in actions:
+            if action.slice not in self._pool.all_slices:
+                raise ValueError(f"action {action} names slice {action.slice}, which is no slice")
+        self._sink = processes.OutputSink(out if out is not None else sys.stdout)
+        self._events = EventLog(workdir, process="supervisor", source="supervisor")
+        self._outages = OutageReader(workdir)
+        self._token = secrets.token_hex(16)
+        self._server: HeartbeatServer | None = None
+        self._workers: list[processes.WorkerProcess] = []
+        self._slices: list[int] = []
+        self._generation = -1
+        self._gen_started = 0.0
+        self._fault_times: dict[int, float] = {}  # process -> when an injected fault hit it
+        self._max_step: int | None = None  # highest step any worker reported, any generation
+        self._gen_max_step: int | None = None
+        self._signals: list[int] = []
+        self._start_time = 0.0
+
+    # Public.
+
+    def request_stop(self, signum: int) -> None:
+        """Asks the supervisor to save and stop (safe to call from a signal handler)."""
+        self._signals.append(signum)
+
+    def run(self, time_limit_s: float | None = None) -> SupervisorResult:
+        self._start_time = time.monotonic()
+        deadline = None if time_limit_s is None else self._start_time + time_limit_s
+        restore_handlers = self._install_signal_handlers()
+        self._server = HeartbeatServer(self._token)
+        try:
+            return self._supervise(deadline)
+        except OSError as e:  # the worker command cannot start (missing file, permissions)
+            return self._finish(2, f"cannot start workers: {e}")
+        finally:
+            processes.stop(self._workers, grace_s=0.0)
+            self._server.close()
+            restore_handlers()
+
+    # The loop over generations.
+
+    def _supervise(self, deadline: float | None) -> SupervisorResult:
+        slices = self._pool.choose([])
+        fitted, reason = self._fit(slices)
+        if reason or len(fitted) < len(slices):
+            return self._finish(2, reason or f"cannot run on {len(slices)} slices")
+        self._start_generation(slices)
+        while True:
+            outcome = self._watch(deadline)
+            if outcome.kind == "complete":
+                return self._finish(0, f"completed at step {self._gen_max_step}")
+            if outcome.kind in ("interrupted", "time_limit"):
+                self._stop_workers(float(self._c.save_grace_s))
+                if outcome.kind == "time_limit":
+                    return self._finish(124, "time limit reached; workers asked to save and stop")
+                name = signal.Signals(self._signals[0]).name
+                return self._finish(
+                    EXIT_INTERRUPTED, f"interrupted by {name}; workers asked to save and stop"
+                )
+            if outcome.kind == "fatal":
+                assert outcome.failure is not None and outcome.failure.exit_code is not None
+                code = outcome.failure.exit_code
+                return self._finish(
+                    code,
+                    f"process {outcome.failure.process} stopped the run: "
+                    f"{protocol.FATAL_EXIT_CODES[code]} (exit {code}); see its output",
+                )
+            if outcome.kind == "scale_up":
+                result = self._scale_up()
+            elif outcome.kind == "preempted":
+                result = self._after_preemption()
+            else:
+                assert outcome.failure is not None
+                result = self._after_failure(outcome.failure)
+            if result is not None:
+                return result
+
+    def _after_failure(self, failure: detector.Failure) -> SupervisorResult | None:
+        now = time.monotonic()
+        worker = self._worker(failure.process)
+        slice_id = worker.slice if worker else None
+        since = self._fault_times.get(failure.process, failure.since) if worker else failure.since
+        self._events.emit(
+            "failure_detected",
+            cause=failure.cause,
+            process=failure.process,
+            scope="job" if failure.process is None else "process",  # job: no process stood out
+            slice=slice_id,
+            pid=worker.pid if worker else None,
+            generation=self._generation,
+            latency_s=round(now - since, 4),
+            exit_code=failure.exit_code,
+            step=self._gen_max_step,
+            detail=failure.detail,
+        )
+        self._say(f"failure: {failure.detail} (process {failure.process}, slice {slice_id})")
+        stopping_s = self._stop_workers(float(self._c.kill_grace_s))
+        self._policy.record_failure(self._gen_max_step)
+        reason = self._policy.stop_reason()
+        if reason:
+            return self._finish(1, f"{reason}; last: {failure.detail}")
+        # A process that exited with an error code ran and reported a software error: its
+        # hardware is presumed fine and the slice is retried in place (a repeat is a crash loop).
+        # Killed by a signal, silent or stuck: the slice is lost and evicted whole.
+        software_error = failure.cause == detector.CAUSE_ERROR or (
+            failure.exit_code is not None and failure.exit_code > 0
+        )
+        if slice_id is not None and not software_error:
+            self._apply_announced_outages()
+            returns_at = self._pool.evict(slice_id, time.monotonic())
+            self._events.emit(
+                "evict",
+                slice=slice_id,
+                generation=self._generation,
+                cause=failure.cause,
+                returns_in_s=None if returns_at is None else round(returns_at - now, 3),
+            )
+            self._say(f"evicted slice {slice_id}")
+        slices, reason = self._wait_for_slices()
+        if reason:
+            code = EXIT_INTERRUPTED if self._signals else 1
+            return self._finish(code, f"{reason}; last failure: {failure.detail}")
+        backoff = self._policy.backoff()
+        if backoff and self._sleep(backoff):
+            return self._finish(EXIT_INTERRUPTED, "interrupted during back-off")
+        self._start_generation(slices, reason="failure", stopping_s=stopping_s, backoff_s=backoff)
+        return None
+
+    def _after_preemption(self) -> SupervisorResult | None:
+        # The others save at the step JAX's preemption sync agreed on; give them the time.
+        self._stop_workers(float(self._c.save_grace_s))
+        self._say("workers preempted; restarting without counting a failure")
+        slices, _ = self._fit(self._pool.choose(self._slices))
+        self._start_generation(slices, reason="preemption")
+        return None
+
+    def _scale_up(self) -> SupervisorResult | None:
+        slices, _ = self._fit(self._pool.choose(self._slices))
+        added = [s for s in slices if s not in self._slices]
+        self._events.emit(
+            "scale_up", slices=added, generation=self._generation, step=self._gen_max_step
+        )
+        self._say(f"re-admitting slices {added}: asking workers to save and stop")
+        # SIGTERM is the save-and-stop request: JAX's preemption notifier turns it into a step all
+        # processes agree on (multihost_utils.reached_preemption_sync_point), where the
+        # checkpointer saves and the worker exits with EXIT_PREEMPTED.
+        stopping_s = self._stop_workers(float(self._c.save_grace_s))
+        self._start_generation(slices, reason="scale_up", stopping_s=stopping_s)
+        return None
+
+    def _wait_for_slices(self) -> tuple[list[int], str | None]:
+        """Slices for the next generation; waits (bounded) for returns if too few are healthy."""
+        min_slices = int(self._c.min_slices)
+        give_up = time.monotonic() + float(self._c.wait_for_slices_s)
+        said = False
+        while True:
+            self._pool.refresh(time.monotonic())
+            slices, _ = self._fit(self._pool.choose(self._slices))
+            if len(slices) >= min_slices:
+                return slices, None
+            back = self._pool.next_return()
+            if back is None or back > give_up:
+                return [], (
+                    f"only {len(slices)} healthy slices, below min_slices={min_slices}, "
+                    f"and none returns within wait_for_slices_s={self._c.wait_for_slices_s:g}"
+                )
+            if not said:
+                self._say(f"{len(slices)} healthy slices < min_slices={min_slices}: waiting")
+                said = True
+            if self._sleep(min(back - time.monotonic(), 1.0)):
+                return [], "interrupted while waiting for slices"
+
+    def _fit(self, slices: list[int]) -> tuple[list[int], str | None]:
+        """The longest prefix of `slices` the config can run on (the global batch must divide)."""
+        error = "no slices"
+        for n in range(len(slices), 0, -1):
+            try:
+                plan_for(self._config, n, self._cluster)
+            except ConfigError as e:
+                error = f"cannot run on {n} slices: {e}" if n == len(slices) else error
+                continue
+            return slices[:n], None
+        return [], error
+
+    # One generation.
+
+    def _start_generation(
+        self,
+        slices: list[int],
+        reason: str | None = None,
+        stopping_s: float | None = None,
+        backoff_s: float | None = None,
+    ) -> None:
+        assert self._server is not None
+        self._generation += 1
+        self._server.forget_before(self._generation)
+        self._slices = list(slices)
+        self._fault_times = {}
+        self._gen_max_step = None
+        cluster = self._cluster
+        num_processes = len(slices) * cluster.processes_per_slice
+        if reason is not None:
+            plan = plan_for(self._config, len(slices), cluster)
+            self._events.emit(
+                "restart",
+                generation=self._generation,
+                reason=reason,
+                slices=slices,
+                num_slices=len(slices),
+                num_processes=num_processes,
+                devices=num_processes * cluster.devices_per_process,
+                mesh=plan.describe(),
+                stopping_s=None if stopping_s is None else round(stopping_s, 4),
+                backoff_s=backoff_s,
+                failures=self._policy.failures,
+            )
+            self._say(f"generation {self._generation} on slices {slices} ({reason})")
+        port = _free_port()
+        self._gen_started = time.monotonic()
+        self._workers = []
+        for index, slice_id in enumerate(slices):
+            for local in range(cluster.processes_per_slice):
+                process = index * cluster.processes_per_slice + local
+                env = self._worker_env(port, num_processes, process, len(slices), slice_id)
+                prefix = f"[g{self._generation} s{slice_id} p{process}] "
+                worker = processes.spawn(
+                    self._argv,
+                    env,
+                    self._sink,
+                    prefix,
+                    process,
+                    slice_id,
+                    self._generation,
+                    cwd=self._cwd,
+                )
+                self._workers.append(worker)
+                self._events.emit(
+                    "process_start",
+                    pid=worker.pid,
+                    process=process,
+                    slice=slice_id,
+                    generation=self._generation,
+                    num_processes=num_processes,
+                    num_slices=len(slices),
+                )
+
+    def _worker_env(
+        self, port: int, num_processes: int, process: int, num_slices: int, slice_id: int
+    ) -> dict[str, str]:
+        assert self._server is not None
+        env = dict(os.environ)
+        flags = [
+            f
+            for f in env.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")
+        ]
+        flags.append(f"--xla_force_host_platform_device_count={self._cluster.devices_per_process}")
+        env.update(
+            {
+                protocol.ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
+                protocol.ENV_NUM_PROCESSES: str(num_processes),
+                protocol.ENV_PROCESS_ID: str(process),
+                protocol.ENV_NUM_SLICES: str(num_slices),
+                protocol.ENV_SLICE: str(slice_id),
+                protocol.ENV_GENERATION: str(self._generation),
+                protocol.ENV_SUPERVISOR_ADDRESS: self._server.address,
+                protocol.ENV_SUPERVISOR_PID: str(os.getpid()),
+                protocol.ENV_RUN_TOKEN: self._token,
+                "XLA_FLAGS": " ".join(flags),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.setdefault("JAX_PLATFORMS", "cpu")  # simulated slices are host devices
+        env.pop(protocol.ENV_AUTO_DISTRIBUTED, None)
+        return env
+
+    def _watch(self, deadline: float | None) -> _Outcome:
+        """Polls the running generation until something needs a decision."""
+        assert self._server is not None
+        completed_at: float | None = None
+        while True:
+            now = time.monotonic()
+            if self._signals:
+                return _Outcome("interrupted")
+            if deadline is not None and now > deadline:
+                return _Outcome("time_limit")
+            reports = self._server.reports(self._generation)
+            steps = [r.step for r in reports.values() if r.step is not None]
+            if steps:
+                self._gen_max_step = max(steps)
+                self._max_step = max(self._max_step or 0, self._gen_max_step)
+            self._fire_actions(now)
+            returned = self._pool.refresh(now)
+            if returned:
+                self._say(f"slices {returned} are healthy again")
+            running: dict[int, float] = {}
+            for worker in self._workers:
+                code = worker.poll()
+                if code is None:
+                    running[worker.process] = worker.started_at
+                elif code == 0:
+                    completed_at = now if completed_at is None else completed_at
+                elif code in protocol.PREEMPTED_STATUSES:
+                    return _Outcome("preempted")
+                else:
+                    return _Outcome(
+                        "fatal" if code in protocol.FATAL_EXIT_CODES else "failure",
+                        detector.Failure(
+                            detector.CAUSE_EXIT,
+                            worker.process,
+                            f"process {worker.process} {_describe_exit(code)}",
+                            since=now - self._poll_s,
+                            exit_code=code,
+                        ),
+                    )
+            if not running:
+                return _Outcome("complete")
+            if completed_at is not None and now - completed_at > float(self._c.save_grace_s):
+                straggler = min(running)
+                return _Outcome(
+                    "failure",
+                    detector.Failure(
+                        detector.CAUSE_HANG,
+                        straggler,
+                        f"process {straggler} still running {now - completed_at:.1f}s after "
+                        "another finished training",
+                        since=completed_at,
+                    ),
+                )
+            failure = detector.check(now, running, reports, self._thresholds)
+            if failure is not None:
+                return _Outcome("failure", failure)
+            if completed_at is None and self._can_scale_up():
+                return _Outcome("scale_up")
+            time.sleep(self._poll_s)
+
+    def _can_scale_up(self) -> bool:
+        # Only once this generation trains: stopping it while it compiles would waste the start.
+        if self._gen_max_step is None or len(self._slices) >= self._pool.target:
+            return False
+        return len(self._fit(self._pool.choose(self._slices))[0]) > len(self._slices)
+
+    def _fire_actions(self, now: float) -> None:
+        due = [
+            a
+            for a in self._pending_actions
+            if (a.at_s is not None and now - self._start_time >= a.at_s)
+            or (a.at_step is not None and (self._max_step or 0) >= a.at_step)
+        ]
+        for action in due:
+            self._pending_actions.remove(action)
+            targets = [
+                w
+                for w in self._workers
+                if w.slice == action.slice
+                and (
+                    action.process is None
+                    or w.process % self._cluster.processes_per_slice == action.process
+                )
+            ]
+            if action.kind == "lose_slice":
+                duration = action.duration_s
+                if duration is None:
+                    duration = float(self._c.readmit_after_s)
+                if duration >= 0:
+                    self._pool.announce_outage(action.slice, now + duration)
+            signum = _ACTION_SIGNALS[action.kind]
+            for worker in targets:
+                # A preemption notice goes to the worker alone, as a scheduler would send it.
+                worker.signal(signum, group=action.kind != "preempt")
+                self._fault_times[worker.process] = now
+            self._events.emit(
+                "fault_injected",
+                kind=action.kind,
+                slice=action.slice,
+                processes=[w.process for w in targets],
+                pids=[w.pid for w in targets],
+                generation=self._generation,
+                step=self._max_step,
+            )
+            self._say(
+                f"injected {action.kind} on slice {action.slice} "
+                f"(processes {[w.process for w in targets]})"
+            )
+
+    def _apply_announced_outages(self) -> None:
+        """Outages the chaos hook announced in the event log, mapped to physical slices."""
+        for outage in self._outages.read_new():
+            if outage.generation not in (None, self._generation):
+                continue
+            if 0 <= outage.slice_index < len(self._slices):
+                remaining = outage.until - time.time()
+                physical = self._slices[outage.slice_index]
+                self._pool.announce_outage(physical, time.monotonic() + remaining)
+
+    def _stop_workers(self, grace_s: float) -> float:
+        return processes.stop(self._workers, grace_s, should_hurry=lambda: len(self._signals) > 1)
+
+    # Helpers.
+
+    def _worker(self, process: int | None) -> processes.WorkerProcess | None:
+        return next((w for w in self._workers if w.process == process), None)
+
+    def _finish(self, exit_code: int, reason: str) -> SupervisorResult:
+        self._stop_workers(0.0)
+        self._events.emit(
+            "stop",
+            reason=reason,
+            exit_code=exit_code,
+            generation=self._generation,
+            step=self._gen_max_step,
+            failures=self._policy.failures,
+        )
+        self._say(f"stop (exit {exit_code}): {reason}")
+        return SupervisorResult(exit_code, reason, self._generation + 1, self._policy.failures)
+
+    def _say(self, message: str) -> None:
+        self._sink.write_line(f"[supervisor] {message}")
+
+    def _sleep(self, seconds: float) -> bool:
+        """Sleeps up to `seconds`; True if a stop was requested meanwhile."""
+        end = time.monotonic() + max(0.0, seconds)
+        while time.monotonic() < end:
+            if self._signals:
+                return True
+            time.sleep(min(self._poll_s, max(0.0, end - time.monotonic())))
+        return bool(self._signals)
+
+    def _install_signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for signum in previous:
+            signal.signal(signum, lambda s, _frame: self.request_stop(s))
+
+        def restore() -> None:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+        return restore
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -1,0 +1,567 @@
+"""Goodput: the share of a run's wall-clock time spent on steps that count, and where the rest went.
+
+    python -m resilient_jax.goodput WORKDIR    # table on stdout, WORKDIR/goodput.json, timeline.png
+
+Input is `WORKDIR/events.jsonl` (`resilient_jax.events`). Every event has `time` (unix seconds, at
+the *end* of the phase it reports) and `type`. What this module reads, by type:
+
+    process_start    generation            a process began; the first one is the run's start
+    jax_init, init   duration_s            joining the JAX job; initialising state from the seed
+    compile          duration_s            compiling the step
+    restore          duration_s, step      restoring a checkpoint (any tier)
+    save             duration_s, step      saving: the time the loop was *blocked*, not the
+                                           background write
+    step             step, duration_s,     one training step: `step` its number, `duration_s` the
+                     data_wait_s           host time it took (its interval ends at `time`),
+                                           `data_wait_s` the part spent waiting for the batch.
+                                           Without a finite `duration_s` the step is taken to
+                                           start at the lane's previous event.
+    anomaly          step                  that step was skipped by the health check
+    rollback                               the loop restored a checkpoint after anomalies
+    failure_detected latency_s             a failure was noticed `latency_s` after it happened
+    restart          generation            the supervisor (re)started the job
+    evict, scale_up                        the job is being reshaped
+    stop             exit_code             the process ended
+
+Lanes and the wall clock. All processes append to one file; an event's lane is its `process`
+field. Time is accounted on one lane, process 0's (which lives as long as the job does: when it
+dies, everyone restarts), joined by events without `process` or with `process: "supervisor"`
+(the supervisor's, and single-process runs that set none). Failures and restarts count from any
+lane. The wall clock runs from the earliest moment any event covers to the last event.
+
+Accounting. Each event with a duration covers an interval; where intervals overlap, the higher
+category in `PRIORITY` wins (a blocking save inside a step's host time is save time, not step
+time). A step whose number occurs again later was lost: its first run counts as `lost_progress`,
+or as `anomaly` when a rollback came in between; a skipped step counts as `anomaly`. A counted
+step's data wait is `data_loading`, and the part of its compute time above `straggler_factor`
+times the generation's typical (25th percentile) step is `stragglers` (a slowdown present for a
+whole generation is invisible to this). Uncovered time is classified by what surrounds it: before
+the first step, `initialisation` (or `restart` in a later generation); after a failure until the
+next step, `restart`; between a last step and a failure, `lost_progress`; before a rollback,
+`anomaly`; otherwise `idle`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+import itertools
+import json
+import math
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from resilient_jax.events import read_events
+
+GOODPUT_FILE = "goodput.json"
+TIMELINE_FILE = "timeline.png"
+DEFAULT_STRAGGLER_FACTOR = 1.5
+_MIN_STEPS_FOR_REFERENCE = 4
+
+PRODUCTIVE = "productive"
+# Highest first: where intervals overlap, the earlier category in this list takes the time.
+PRIORITY = (
+    "failure_detection",
+    "checkpoint_restore",
+    "checkpoint_save",
+    "compilation",
+    "initialisation",
+    "restart",
+    "anomaly",
+    "lost_progress",
+    "data_loading",
+    "stragglers",
+    PRODUCTIVE,
+)
+# Reading order for reports: the life of a run, roughly.
+BADPUT = (
+    "initialisation",
+    "compilation",
+    "data_loading",
+    "checkpoint_save",
+    "checkpoint_restore",
+    "lost_progress",
+    "failure_detection",
+    "restart",
+    "anomaly",
+    "stragglers",
+    "idle",
+)
+LABELS = {
+    PRODUCTIVE: "productive steps",
+    "initialisation": "initialisation",
+    "compilation": "compilation",
+    "data_loading": "data loading",
+    "checkpoint_save": "checkpoint save (blocking)",
+    "checkpoint_restore": "checkpoint restore",
+    "lost_progress": "progress lost, recomputed",
+    "failure_detection": "failure detection",
+    "restart": "restart / re-initialisation",
+    "anomaly": "anomalies (skips, rollbacks)",
+    "stragglers": "stragglers",
+    "idle": "idle",
+}
+_RANK = {c: len(PRIORITY) - i for i, c in enumerate(PRIORITY)}
+_PHASES = {"compile": "compilation", "restore": "checkpoint_restore", "save": "checkpoint_save"}
+_INIT_TYPES = ("jax_init", "init")
+_RESHAPE_TYPES = ("evict", "scale_up")
+
+
+@dataclasses.dataclass
+class Goodput:
+    wall_s: float
+    seconds: dict[str, float]  # every category of PRIORITY and "idle"; they sum to wall_s
+    steps_counted: int
+    steps_lost: int
+    steps_skipped: int
+    generations: int
+    failures: int
+    segments: list[tuple[float, float, str]]  # (start, end, category) tiling the wall clock
+
+    @property
+    def goodput(self) -> float:
+        return self.seconds[PRODUCTIVE] / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        badput = {c: self.seconds[c] for c in BADPUT}
+        return {
+            "goodput": self.goodput,
+            "wall_s": self.wall_s,
+            "productive_s": self.seconds[PRODUCTIVE],
+            "badput_s": badput,
+            "badput": {c: s / self.wall_s if self.wall_s else 0.0 for c, s in badput.items()},
+            "steps": {
+                "counted": self.steps_counted,
+                "lost": self.steps_lost,
+                "skipped": self.steps_skipped,
+            },
+            "generations": self.generations,
+            "failures": self.failures,
+            "wall_clock_lane": "process 0 (with supervisor events)",
+        }
+
+
+def _lane(event: dict[str, Any]) -> str:
+    process = event.get("process")
+    return "supervisor" if process is None else str(process)
+
+
+def _is_reference(event: dict[str, Any]) -> bool:
+    return _lane(event) in ("0", "supervisor")
+
+
+def _number(value: Any, default: float = 0.0) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return default
+    return number if math.isfinite(number) else default
+
+
+def _interval(event: dict[str, Any]) -> tuple[float, float]:
+    end = float(event["time"])
+    return end - max(0.0, _number(event.get("duration_s"))), end
+
+
+# ----------------------------------------------------------------------- markers & gaps
+
+
+@dataclasses.dataclass(frozen=True)
+class _Marker:
+    time: float
+    kind: str  # start | restart | progress | fail | rollback
+
+
+def _markers(events: Sequence[dict[str, Any]]) -> list[_Marker]:
+    out = []
+    first_start = True
+    for e in events:
+        kind = None
+        t = float(e["time"])
+        typ = e["type"]
+        if (typ == "process_start" and _is_reference(e)) or typ == "restart":
+            later = _number(e.get("generation")) > 0 or not first_start
+            kind, first_start = ("restart" if later else "start"), False
+        elif typ == "step" and _is_reference(e):
+            kind = "progress"
+        elif typ == "failure_detected":
+            kind, t = "fail", t - max(0.0, _number(e.get("latency_s")))
+        elif typ in _RESHAPE_TYPES or (typ == "stop" and _number(e.get("exit_code")) != 0):
+            kind = "fail"
+        elif typ == "rollback" or (typ == "anomaly" and e.get("action") == "rollback"):
+            kind = "rollback"
+        if kind:
+            out.append(_Marker(t, kind))
+    out.sort(key=lambda m: m.time)
+    return out
+
+
+_STATE_AFTER = {
+    "start": "init",
+    "restart": "restarting",
+    "fail": "restarting",
+    "progress": "running",
+    "rollback": "running",
+}
+
+
+class _Gaps:
+    """Classifies time no event covers from the markers around it."""
+
+    def __init__(self, markers: list[_Marker]) -> None:
+        self._times = [m.time for m in markers]
+        self._kinds = [m.kind for m in markers]
+
+    def category(self, start: float, end: float) -> str:
+        before = bisect.bisect_right(self._times, start)
+        state = _STATE_AFTER[self._kinds[before - 1]] if before else "init"
+        if state == "init":
+            return "initialisation"
+        if state == "restarting":
+            return "restart"
+        after = bisect.bisect_left(self._times, end)
+        upcoming = self._kinds[after] if after < len(self._kinds) else None
+        return {"fail": "lost_progress", "rollback": "anomaly", "restart": "restart"}.get(
+            upcoming or "", "idle"
+        )
+
+
+# ---------------------------------------------------------------------------- the steps
+
+
+@dataclasses.dataclass
+class _Step:
+    number: int
+    start: float
+    end: float
+    data_wait: float
+    generation: int
+    fate: str = PRODUCTIVE  # or lost_progress / anomaly
+
+
+def _steps(events: Sequence[dict[str, Any]], markers: list[_Marker]) -> list[_Step]:
+    steps: list[_Step] = []
+    starts = [m.time for m in markers if m.kind in ("start", "restart")]
+    previous_end: float | None = None
+    for e in events:
+        if not _is_reference(e):
+            continue
+        if e["type"] == "step":
+            end = float(e["time"])
+            duration = _number(e.get("duration_s"), -1.0)
+            start = end - duration if duration >= 0 else (previous_end or end)
+            wait = min(max(0.0, _number(e.get("data_wait_s"))), end - start)
+            generation = bisect.bisect_right(starts, start)
+            steps.append(_Step(int(e["step"]), start, end, wait, generation))
+        previous_end = float(e["time"])
+    return steps
+
+
+def _mark_fates(
+    steps: list[_Step], events: Sequence[dict[str, Any]], markers: list[_Marker]
+) -> None:
+    rollbacks = [m.time for m in markers if m.kind == "rollback"]
+    by_number: dict[int, list[_Step]] = collections.defaultdict(list)
+    for s in steps:
+        by_number[s.number].append(s)
+    for runs in by_number.values():
+        for first, again in itertools.pairwise(runs):
+            between = bisect.bisect_right(rollbacks, first.end) < bisect.bisect_left(
+                rollbacks, again.end
+            )
+            first.fate = "anomaly" if between else "lost_progress"
+    for e in events:
+        if e["type"] != "anomaly" or "step" not in e:
+            continue
+        runs = by_number.get(int(e["step"]), [])
+        if runs:
+            nearest = min(runs, key=lambda s: abs(s.end - float(e["time"])))
+            nearest.fate = "anomaly"
+
+
+def _percentile25(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 4]
+
+
+def _step_intervals(steps: list[_Step], straggler_factor: float) -> list[tuple[float, float, str]]:
+    compute_by_gen: dict[int, list[float]] = collections.defaultdict(list)
+    for s in steps:
+        if s.fate == PRODUCTIVE:
+            compute_by_gen[s.generation].append(s.end - s.start - s.data_wait)
+    reference = {
+        g: _percentile25(c) for g, c in compute_by_gen.items() if len(c) >= _MIN_STEPS_FOR_REFERENCE
+    }
+    out = []
+    for s in steps:
+        if s.fate != PRODUCTIVE:
+            out.append((s.start, s.end, s.fate))
+            continue
+        compute_start = s.start + s.data_wait
+        out.append((s.start, compute_start, "data_loading"))
+        ref = reference.get(s.generation)
+        if ref is not None and s.end - compute_start > straggler_factor * ref:
+            out.append((compute_start, compute_start + ref, PRODUCTIVE))
+            out.append((compute_start + ref, s.end, "stragglers"))
+        else:
+            out.append((compute_start, s.end, PRODUCTIVE))
+    return out
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+def _phase_intervals(events: Sequence[dict[str, Any]]) -> list[tuple[float, float, str]]:
+    out = []
+    for e in events:
+        typ = e["type"]
+        if typ == "failure_detected":
+            t = float(e["time"])
+            out.append((t - max(0.0, _number(e.get("latency_s"))), t, "failure_detection"))
+        elif not _is_reference(e):
+            continue
+        elif typ in _PHASES:
+            out.append((*_interval(e), _PHASES[typ]))
+        elif typ in _INIT_TYPES:
+            later = _number(e.get("generation")) > 0
+            out.append((*_interval(e), "restart" if later else "initialisation"))
+    return out
+
+
+def _sweep(
+    intervals: Iterable[tuple[float, float, str]], t0: float, t1: float
+) -> list[tuple[float, float, str | None]]:
+    """Tiles [t0, t1] with the highest-priority category covering each piece (None: nothing)."""
+    edges: list[tuple[float, int, str]] = []
+    for start, end, category in intervals:
+        start, end = max(start, t0), min(end, t1)
+        if end > start:
+            edges += [(start, 1, category), (end, -1, category)]
+    edges.sort(key=lambda e: e[0])
+    active: collections.Counter[str] = collections.Counter()
+    pieces: list[tuple[float, float, str | None]] = []
+    cursor = t0
+    for time, delta, category in [*edges, (t1, 0, "")]:
+        if time > cursor:
+            live = [c for c, n in active.items() if n > 0]
+            top = max(live, key=_RANK.__getitem__) if live else None
+            if pieces and pieces[-1][2] == top and pieces[-1][1] == cursor:
+                pieces[-1] = (pieces[-1][0], time, top)
+            else:
+                pieces.append((cursor, time, top))
+            cursor = time
+        if delta:
+            active[category] += delta
+    return pieces
+
+
+def _count_failures(events: Sequence[dict[str, Any]]) -> int:
+    """Failure reports, counting overlapping reports of one failure (several observers) once."""
+    spans = sorted(
+        (float(e["time"]) - max(0.0, _number(e.get("latency_s"))), float(e["time"]))
+        for e in events
+        if e["type"] == "failure_detected"
+    )
+    count, reach = 0, -math.inf
+    for start, end in spans:
+        if start > reach:
+            count += 1
+        reach = max(reach, end)
+    return count
+
+
+def compute(
+    events: Iterable[dict[str, Any]], straggler_factor: float = DEFAULT_STRAGGLER_FACTOR
+) -> Goodput:
+    """Goodput and badput breakdown of one run's events."""
+    events = sorted((e for e in events if "time" in e and "type" in e), key=lambda e: e["time"])
+    if not events:
+        raise ValueError("no events: nothing to account")
+    t0 = min(_interval(e)[0] for e in events)
+    t1 = max(float(e["time"]) for e in events)
+    markers = _markers(events)
+    steps = _steps(events, markers)
+    _mark_fates(steps, events, markers)
+    intervals = _phase_intervals(events) + _step_intervals(steps, straggler_factor)
+    gaps = _Gaps(markers)
+    seconds = dict.fromkeys((*PRIORITY, "idle"), 0.0)
+    segments = []
+    for start, end, category in _sweep(intervals, t0, t1):
+        category = category or gaps.category(start, end)
+        seconds[category] += end - start
+        segments.append((start, end, category))
+    generations = {_number(e.get("generation")) for e in events if _is_reference(e)}
+    return Goodput(
+        wall_s=t1 - t0,
+        seconds=seconds,
+        steps_counted=sum(s.fate == PRODUCTIVE for s in steps),
+        steps_lost=sum(s.fate == "lost_progress" for s in steps),
+        steps_skipped=sum(s.fate == "anomaly" for s in steps),
+        generations=max(1, len(generations)),
+        failures=_count_failures(events),
+        segments=segments,
+    )
+
+
+# ------------------------------------------------------------------------------ reports
+
+
+def format_table(result: Goodput) -> str:
+    wall = result.wall_s or 1.0
+    lines = [f"goodput {100 * result.goodput:.1f}% of {result.wall_s:.1f} s wall clock"]
+    for category in (PRODUCTIVE, *BADPUT):
+        seconds = result.seconds[category]
+        lines.append(f"  {LABELS[category]:<30} {seconds:10.2f} s {100 * seconds / wall:6.1f}%")
+    lines.append(
+        f"steps: {result.steps_counted} counted, {result.steps_lost} lost, "
+        f"{result.steps_skipped} skipped; {result.generations} generation(s), "
+        f"{result.failures} failure(s)"
+    )
+    return "\n".join(lines)
+
+
+def summary_line(result: Goodput, top: int = 3) -> str:
+    """One line for the end of a run: goodput and the largest badput categories."""
+    wall = result.wall_s or 1.0
+    worst = sorted(((result.seconds[c], c) for c in BADPUT), reverse=True)[:top]
+    parts = ", ".join(f"{LABELS[c]} {100 * s / wall:.1f}%" for s, c in worst if s > 0)
+    return f"goodput {100 * result.goodput:.1f}% of {result.wall_s:.1f} s" + (
+        f" (badput: {parts})" if parts else ""
+    )
+
+
+def print_summary(workdir: str, file: Any = None) -> Goodput | None:
+    """For the loop's end: prints the one-line summary of the run so far, if it has events."""
+    events = list(read_events(workdir))
+    if not events:
+        return None
+    result = compute(events, _straggler_factor(workdir))
+    print(summary_line(result), file=file or sys.stderr, flush=True)
+    return result
+
+
+_CATEGORY_COLOURS = {
+    PRODUCTIVE: "#2ca02c",
+    "initialisation": "#7f7f7f",
+    "compilation": "#ff7f0e",
+    "data_loading": "#bcbd22",
+    "checkpoint_save": "#1f77b4",
+    "checkpoint_restore": "#9467bd",
+    "lost_progress": "#d62728",
+    "failure_detection": "#8c564b",
+    "restart": "#e377c2",
+    "anomaly": "#ff9896",
+    "stragglers": "#17becf",
+    "idle": "#f0f0f0",
+}
+_LANE_BARS = {
+    "step": PRODUCTIVE,
+    "compile": "compilation",
+    "save": "checkpoint_save",
+    "restore": "checkpoint_restore",
+    "jax_init": "initialisation",
+    "init": "initialisation",
+}
+_LANE_MARKS = {
+    "failure_detected": ("X", "#d62728"),
+    "chaos": ("*", "black"),
+    "anomaly": ("v", "#ff7f0e"),
+    "stop": ("s", "#7f7f7f"),
+}
+_VERTICAL = {"restart": "#e377c2", "evict": "#8c564b", "scale_up": "#2ca02c"}
+
+
+def _lane_order(lane: str) -> tuple[int, int]:
+    return (0, 0) if lane == "supervisor" else (1, int(lane) if lane.isdigit() else 0)
+
+
+def plot_timeline(events: Sequence[dict[str, Any]], result: Goodput, path: str) -> None:
+    """A lane per process (steps, saves, restores, compiles, failures, chaos) under the
+    accounting lane (how each moment of the wall clock was classified)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    t0 = result.segments[0][0] if result.segments else 0.0
+    lanes = sorted({_lane(e) for e in events}, key=_lane_order)
+    rows = ["accounting", *[f"process {x}" if x != "supervisor" else x for x in lanes]]
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len(rows)))
+    for start, end, category in result.segments:
+        ax.broken_barh(
+            [(start - t0, end - start)], (-0.4, 0.8), color=_CATEGORY_COLOURS[category], lw=0
+        )
+    for row, lane in enumerate(lanes, start=1):
+        mine = [e for e in events if _lane(e) == lane]
+        for typ, category in _LANE_BARS.items():
+            bars = [(s - t0, e_ - s) for s, e_ in (_interval(e) for e in mine if e["type"] == typ)]
+            if bars:
+                ax.broken_barh(bars, (row - 0.35, 0.7), color=_CATEGORY_COLOURS[category], lw=0)
+        for typ, (marker, colour) in _LANE_MARKS.items():
+            xs = [float(e["time"]) - t0 for e in mine if e["type"] == typ]
+            if xs:
+                ax.plot(xs, [row] * len(xs), marker, color=colour, ms=8, ls="none", label=typ)
+    for e in events:
+        colour = _VERTICAL.get(e["type"])
+        if colour:
+            ax.axvline(float(e["time"]) - t0, color=colour, ls="--", lw=1)
+    ax.set_yticks(range(len(rows)), rows)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the run began")
+    ax.set_title(f"goodput {100 * result.goodput:.1f}% of {result.wall_s:.1f} s")
+    used = [c for c in (PRODUCTIVE, *BADPUT) if result.seconds[c] > 0]
+    handles = [Patch(color=_CATEGORY_COLOURS[c], label=LABELS[c]) for c in used]
+    seen: dict[str, Any] = {}
+    for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+        seen.setdefault(label, handle)
+    ax.legend(
+        handles=handles + list(seen.values()),
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _straggler_factor(workdir: str) -> float:
+    try:
+        with open(os.path.join(workdir, "config.json")) as f:
+            return float(json.load(f)["health"]["straggler_factor"])
+    except (OSError, KeyError, ValueError, TypeError):
+        return DEFAULT_STRAGGLER_FACTOR
+
+
+def report(workdir: str) -> Goodput:
+    """Computes goodput for a run directory and writes goodput.json and timeline.png there."""
+    events = list(read_events(workdir))
+    if not events:
+        raise ValueError(f"{workdir}: no events.jsonl with events")
+    result = compute(events, _straggler_factor(workdir))
+    with open(os.path.join(workdir, GOODPUT_FILE), "w") as f:
+        json.dump(result.to_json(), f, indent=2)
+    plot_timeline(events, result, os.path.join(workdir, TIMELINE_FILE))
+    return result
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) != 2 or argv[1].startswith("-"):
+        print("usage: python -m resilient_jax.goodput WORKDIR", file=sys.stderr)
+        return 2
+    try:
+        result = report(argv[1])
+    except ValueError as e:
+        print(f"goodput: {e}", file=sys.stderr)
+        return 1
+    print(format_table(result))
+    print(f"wrote {os.path.join(argv[1], GOODPUT_FILE)} and {TIMELINE_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,492 @@
+"""Checkpoint engine in one process on 8 simulated devices: tiers, resharding, verification,
+fallback, refusal, policies, failures. Multi-process and kill tests: test_checkpoint_process.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import textwrap
+import uuid
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import run_python, tiny_config
+
+from resilient_jax import mesh as mesh_lib
+from resilient_jax import topology as topology_lib
+from resilient_jax.checkpoint import (
+    PREEMPTED_EXIT_CODE,
+    CheckpointError,
+    Checkpointer,
+    SavePolicy,
+    young_daly_interval_s,
+)
+from resilient_jax.checkpoint import checksum, local
+from resilient_jax.checkpoint.persistent import _KeepPolicy
+from resilient_jax.checkpoint.policy import AUTO, EVERY_MINUTES, EVERY_STEPS, FINAL
+from resilient_jax.events import EventLog, read_events
+from resilient_jax.train.context import RunContext
+from resilient_jax.train.hooks import StepInfo, StopTraining
+from resilient_jax.train.state import abstract_state, init_state
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_config(local_root: str = "", **overrides):
+    config = tiny_config()
+    config.total_steps = 100
+    config.checkpoint.every_steps = 0
+    config.checkpoint.local_every_steps = 0
+    config.checkpoint.local_dir = local_root
+    config.checkpoint.sync_timeout_s = 30.0
+    for key, value in overrides.items():
+        node = config
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return config
+
+
+def make_ctx(config, workdir: str, devices: int = 8, replica: int = -1, fsdp: int = -1):
+    config = config.copy_and_resolve_references()
+    config.mesh.replica, config.mesh.fsdp = replica, fsdp
+    topology = topology_lib.discover(jax.devices()[:devices])
+    plan = mesh_lib.plan_mesh(config, topology)
+    mesh = mesh_lib.make_mesh(plan, topology)
+    return RunContext(
+        config, workdir, topology, plan, mesh, EventLog(workdir), abstract_state(config, mesh)
+    )
+
+
+@jax.jit
+def _bump(state):
+    """A new state in which every leaf changed (floats and integers alike)."""
+    return jax.tree.map(lambda x: x + (0.25 if jnp.issubdtype(x.dtype, jnp.floating) else 1), state)
+
+
+def position(step: int) -> dict:
+    return {"next_batch": step, "skips": [[1, 3]]}
+
+
+def run_steps(ck: Checkpointer, ctx, state, first: int, last: int, clock=None, tick_s=0.0):
+    """Steps `first..last` through the hook; returns the final state and host copies by step."""
+    host = {}
+    for step in range(first, last + 1):
+        state = _bump(state)
+        if clock is not None:
+            clock.now += tick_s
+        ck.after_step(ctx, state, StepInfo(step, step - 1, position(step), 0.01))
+        host[step] = jax.tree.map(np.asarray, state)
+    return state, host
+
+
+def assert_bitwise(restored, expected) -> None:
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), restored, expected)
+    assert all(jax.tree.leaves(same))
+
+
+def events(workdir: str, kind: str) -> list[dict]:
+    return [e for e in read_events(workdir) if e["type"] == kind]
+
+
+@pytest.fixture
+def local_root():
+    root = f"/dev/shm/rj-test-{uuid.uuid4().hex[:8]}"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def state0(tmp_path_factory):
+    ctx = make_ctx(make_config(), str(tmp_path_factory.mktemp("init")))
+    return init_state(ctx.config, ctx.mesh)
+
+
+def _saved_run(workdir: str, local_root: str, state0, last: int = 4, **overrides):
+    """A run that saved steps up to `last` (persistent every 2 steps unless overridden)."""
+    overrides = {"checkpoint.every_steps": 2, **overrides}
+    config = make_config(local_root, **overrides)
+    ctx = make_ctx(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    assert ck.restore_latest(ctx) is None
+    ck.on_start(ctx, state0)
+    state, host = run_steps(ck, ctx, state0, 1, last)
+    ck.wait_until_finished()
+    ck.close()
+    return config, state, host
+
+
+# ------------------------------------------------------------------------------- round trips
+
+
+def test_checksum_is_sharding_independent_and_matches_host(state0):
+    device = checksum.tree_digests(state0)
+    host = {
+        path: checksum.host_digest(np.asarray(leaf))
+        for path, leaf in zip(checksum.leaf_paths(state0), jax.tree.leaves(state0), strict=True)
+    }
+    assert device == host
+    replicated = jax.device_put(
+        state0, jax.sharding.NamedSharding(state0.step.sharding.mesh, jax.sharding.PartitionSpec())
+    )
+    assert checksum.tree_digests(replicated) == device
+    changed = np.asarray(state0.params["embed"]).copy()
+    changed[3, 5] = np.nextafter(changed[3, 5], np.float32(1))
+    assert checksum.host_digest(changed) != device[".params['embed']"]
+
+
+@pytest.mark.parametrize("devices,replica,fsdp", [(8, -1, -1), (4, -1, -1), (8, 2, 4), (8, 8, 1)])
+def test_local_tier_round_trip_onto_other_meshes(
+    tmp_path, local_root, state0, devices, replica, fsdp
+):
+    workdir = str(tmp_path)
+    config, _, host = _saved_run(
+        workdir,
+        local_root,
+        state0,
+        **{"checkpoint.local_every_steps": 1, "checkpoint.every_steps": 0},
+    )
+    ctx = make_ctx(config, workdir, devices, replica, fsdp)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert (restored.tier, restored.step) == ("local", 4)
+    assert restored.data_position == position(4)
+    assert_bitwise(restored.state, host[4])
+    for leaf, target in zip(
+        jax.tree.leaves(restored.state), jax.tree.leaves(ctx.abstract_state), strict=True
+    ):
+        assert leaf.sharding == target.sharding
+    (event,) = events(workdir, "restore")
+    assert event["tier"] == "local" and event["step"] == 4 and event["duration_s"] > 0
+
+
+def test_persistent_round_trip_onto_fewer_devices_and_replicas(tmp_path, state0):
+    workdir = str(tmp_path)
+    config, _, host = _saved_run(workdir, "", state0)
+    saves = [e for e in events(workdir, "save") if e["tier"] == "persistent"]
+    assert [e["step"] for e in saves] == [2, 4] and all(e["duration_s"] > 0 for e in saves)
+    assert {e["step"] for e in events(workdir, "save_committed")} == {2, 4}
+    for devices, replica, fsdp in [(4, -1, -1), (8, 2, 4)]:
+        ctx = make_ctx(config, workdir, devices, replica, fsdp)
+        ck = Checkpointer(ctx, handle_sigterm=False)
+        restored = ck.restore_latest(ctx)
+        ck.close()
+        assert (restored.tier, restored.step) == ("persistent", 4)
+        assert restored.data_position == position(4)
+        assert_bitwise(restored.state, host[4])
+    meta = json.load(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")))
+    assert meta["checksums"][".params['embed']"] == checksum.host_digest(host[4].params["embed"])
+    assert meta["mesh"]["fsdp"] == 8 and meta["temporary"] is False
+
+
+def test_plain_orbax_reads_state_without_this_package(tmp_path, state0):
+    workdir = str(tmp_path)
+    _, _, host = _saved_run(workdir, "", state0)
+    out = str(tmp_path / "plain.npz")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import numpy as np
+        import jax
+        import orbax.checkpoint as ocp
+        path = {os.path.join(workdir, "checkpoints", "4", "state")!r}
+        ckptr = ocp.PyTreeCheckpointer()
+        meta = ckptr.metadata(path).item_metadata.tree
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+        tree = ckptr.restore(path, restore_args=args)
+        flat = {{jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}}
+        np.savez({out!r}, **flat)
+        assert not any(m.startswith("resilient_jax") for m in sys.modules)
+        """
+    )
+    result = run_python(["-c", script], timeout=120, env={"XLA_FLAGS": ""})
+    assert result.returncode == 0, result.stderr[-2000:]
+    plain = np.load(out)
+    assert np.array_equal(plain["['params']['embed']"], host[4].params["embed"])
+    assert int(plain["['step']"]) == int(host[4].step)
+
+
+# ---------------------------------------------------------------------- verification, fallback
+
+
+def _corrupt(path: str) -> None:
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        chunk = f.read(16)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def test_corrupt_persistent_array_falls_back_and_quarantines(tmp_path, state0):
+    workdir = str(tmp_path)
+    config, _, host = _saved_run(workdir, "", state0)
+    data_files = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(os.path.join(workdir, "checkpoints", "4", "state"))
+        for name in names
+        if os.sep + "d" in root
+    ]
+    assert data_files
+    for path in data_files:
+        _corrupt(path)
+    ctx = make_ctx(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert (restored.tier, restored.step) == ("persistent", 2)
+    assert_bitwise(restored.state, host[2])
+    (invalid,) = events(workdir, "checkpoint_invalid")
+    assert invalid["tier"] == "persistent" and invalid["step"] == 4 and invalid["cause"]
+    # Moved aside, never deleted; and gone from the step list so step 4 can be saved again.
+    quarantined = os.listdir(os.path.join(workdir, "checkpoints", "quarantine"))
+    assert len(quarantined) == 1 and quarantined[0].startswith("4-")
+    assert not os.path.exists(os.path.join(workdir, "checkpoints", "4"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_local_piece_falls_back_to_older_step(tmp_path, local_root, state0, damage):
+    workdir = str(tmp_path)
+    config, _, host = _saved_run(
+        workdir,
+        local_root,
+        state0,
+        last=3,
+        **{"checkpoint.local_every_steps": 1, "checkpoint.every_steps": 0},
+    )
+    (proc,) = [p for p in os.listdir(local.run_dir(local_root, workdir))]
+    data = os.path.join(
+        local.run_dir(local_root, workdir), proc, local.step_name(3), local.DATA_FILE
+    )
+    if damage == "flip":
+        _corrupt(data)
+    else:
+        os.truncate(data, os.path.getsize(data) // 2)
+    ctx = make_ctx(config, workdir, 4)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert (restored.tier, restored.step) == ("local", 2)
+    assert_bitwise(restored.state, host[2])
+    (invalid,) = events(workdir, "checkpoint_invalid")
+    assert invalid["step"] == 3
+    assert ("CRC" if damage == "flip" else "truncated") in invalid["cause"]
+
+
+def test_refuses_other_model_and_config_unless_init_from(tmp_path, state0):
+    workdir = str(tmp_path / "a")
+    config, _, host = _saved_run(workdir, "", state0)
+    wider = make_config(**{"model.d_model": 96})
+    with pytest.raises(CheckpointError, match="different model"):
+        Checkpointer(make_ctx(wider, workdir), handle_sigterm=False)
+    reseeded = make_config(**{"seed": 7})
+    with pytest.raises(CheckpointError, match="fingerprint"):
+        Checkpointer(make_ctx(reseeded, workdir), handle_sigterm=False)
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]  # untouched
+
+    # init_from naming this very directory accepts the other config and resumes from it.
+    same_dir = make_config(
+        **{"seed": 7, "checkpoint.init_from": os.path.join(workdir, "checkpoints")}
+    )
+    ctx = make_ctx(same_dir, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    assert ck.restore_latest(ctx).step == 4
+    ck.close()
+
+    # init_from another run: a fresh run takes its parameters only.
+    other = str(tmp_path / "b")
+    fresh = make_config(**{"seed": 7, "checkpoint.init_from": os.path.join(workdir, "checkpoints")})
+    ctx = make_ctx(fresh, other)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert (restored.tier, restored.step, restored.data_position) == ("init_from", 0, None)
+    assert_bitwise(restored.state.params, host[4].params)
+    assert int(restored.state.step) == 0
+
+    wider_from = make_config(
+        **{"model.d_model": 96, "checkpoint.init_from": os.path.join(workdir, "checkpoints")}
+    )
+    ctx = make_ctx(wider_from, str(tmp_path / "c"))
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    with pytest.raises(CheckpointError, match="different model"):
+        ck.restore_latest(ctx)
+    ck.close()
+
+
+def test_rollback_restores_exact_step_and_quarantines_newer(tmp_path, local_root, state0):
+    workdir = str(tmp_path)
+    config, _, host = _saved_run(
+        workdir,
+        local_root,
+        state0,
+        last=6,
+        **{"checkpoint.local_every_steps": 1, "checkpoint.local_keep": 2},
+    )
+    ctx = make_ctx(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    assert ck.latest_step() == 6 and ck.latest_step(max_step=5) == 5
+    restored = ck.restore_latest(ctx, max_step=5)
+    assert (restored.tier, restored.step) == ("local", 5)
+    restored = ck.restore_step(ctx, 2)
+    assert (restored.tier, restored.step) == ("persistent", 2)
+    assert_bitwise(restored.state, host[2])
+    assert ck.latest_step() == 2
+    ck.close()
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "quarantine"]
+
+
+# -------------------------------------------------------------------------------- policies
+
+
+def test_policy_every_n_steps_and_final():
+    config = make_config(
+        "/dev/shm/x", **{"checkpoint.every_steps": 4, "checkpoint.local_every_steps": 2}
+    )
+    policy = SavePolicy(config.checkpoint, total_steps=10, clock=FakeClock())
+    decisions = {s: policy.decide(s, None) for s in range(1, 11)}
+    assert [s for s, d in decisions.items() if d.persistent] == [4, 8, 10]
+    assert [s for s, d in decisions.items() if d.local] == [2, 4, 6, 8, 10]
+    assert decisions[4].reason == EVERY_STEPS and decisions[10].reason == FINAL
+    assert not decisions[3]
+
+
+def test_policy_every_minutes_is_temporary_with_injected_clock():
+    clock = FakeClock()
+    config = make_config(**{"checkpoint.every_steps": 100, "checkpoint.every_minutes": 2.0})
+    policy = SavePolicy(config.checkpoint, total_steps=1000, clock=clock)
+    clock.now += 119
+    assert policy.clock_reason() is None
+    clock.now += 2
+    assert policy.clock_reason() == EVERY_MINUTES
+    decision = policy.decide(7, EVERY_MINUTES)
+    assert decision.persistent and decision.temporary
+    assert not policy.decide(100, EVERY_MINUTES).temporary  # a periodic step is kept
+    policy.record_persistent_save(0.5)
+    assert policy.clock_reason() is None
+
+
+def test_policy_young_daly_interval():
+    assert young_daly_interval_s(2.0, 3600.0) == pytest.approx(120.0)
+    clock = FakeClock()
+    config = make_config(
+        **{
+            "checkpoint.auto_interval": True,
+            "checkpoint.mtbf_s": 3600.0,
+            "checkpoint.every_steps": 5,
+        }
+    )
+    policy = SavePolicy(config.checkpoint, total_steps=1000, clock=clock)
+    assert policy.clock_reason() == AUTO  # no cost measured yet: save once to measure it
+    assert not policy.decide(5, None).persistent  # the interval replaces every_steps
+    policy.record_persistent_save(2.0)
+    assert policy.auto_interval_s() == pytest.approx(120.0)
+    clock.now += 119
+    assert policy.clock_reason() is None
+    clock.now += 2
+    assert policy.clock_reason() == AUTO
+    policy.record_persistent_save(8.0)  # the estimate follows the measured cost
+    assert 120.0 < policy.auto_interval_s() < young_daly_interval_s(8.0, 3600.0)
+
+
+def test_keep_policy_drops_superseded_temporary_steps():
+    class Info:
+        def __init__(self, step):
+            self.step = step
+
+    temporary = {3, 13}
+    policy = _KeepPolicy(2, 0, temporary.__contains__, lambda: 13)
+    steps = [3, 10, 13, 20, 30]
+    kept = policy.should_preserve([Info(s) for s in steps], context=None)
+    assert [s for s, k in zip(steps, kept, strict=True) if k] == [13, 20, 30]
+    policy = _KeepPolicy(1, 10, temporary.__contains__, lambda: None)
+    kept = policy.should_preserve([Info(s) for s in steps], context=None)
+    assert [s for s, k in zip(steps, kept, strict=True) if k] == [10, 20, 30]
+
+
+def test_wall_clock_save_is_temporary_and_deleted_once_superseded(tmp_path, state0):
+    workdir = str(tmp_path)
+    clock = FakeClock()
+    config = make_config(**{"checkpoint.every_steps": 10, "checkpoint.every_minutes": 1.0})
+    ctx = make_ctx(config, workdir)
+    ck = Checkpointer(ctx, clock=clock, handle_sigterm=False)
+    ck.on_start(ctx, state0)
+    state, _ = run_steps(ck, ctx, state0, 1, 3)
+    clock.now += 61  # a minute passes during step 4
+    state, _ = run_steps(ck, ctx, state, 4, 20)
+    ck.wait_until_finished()
+    saves = {e["step"]: e for e in events(workdir, "save")}
+    assert sorted(saves) == [4, 10, 20] and saves[4]["temporary"] is True
+    assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))) == [10, 20]
+    ck.close()
+
+
+# -------------------------------------------------------------------------- failures, stops
+
+
+def test_failed_background_save_raises_at_next_save(tmp_path, local_root, state0):
+    workdir = str(tmp_path)
+    config = make_config(local_root, **{"checkpoint.local_every_steps": 1})
+    ctx = make_ctx(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.on_start(ctx, state0)
+    state, _ = run_steps(ck, ctx, state0, 1, 1)
+    ck.wait_until_finished()
+    own = ck._local.own_dir
+    shutil.rmtree(own)
+    open(own, "w").close()  # the next background write cannot create its directory
+    state, _ = run_steps(ck, ctx, state, 2, 2)  # returns at once; the write fails behind it
+    with pytest.raises(CheckpointError, match="local save of step 2"):
+        run_steps(ck, ctx, state, 3, 3)
+    (failed,) = events(workdir, "save_failed")
+    assert failed["tier"] == "local"
+    os.remove(own)
+    ck.close()
+
+
+def test_failed_final_save_raises(tmp_path, state0):
+    workdir = str(tmp_path)
+    ctx = make_ctx(make_config(), workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.on_start(ctx, state0)
+    state, _ = run_steps(ck, ctx, state0, 1, 1)
+    directory = os.path.join(workdir, "checkpoints")
+    shutil.rmtree(directory)
+    open(directory, "w").close()  # nothing can be written below it any more
+    with pytest.raises(CheckpointError, match="step 1"):
+        ck.on_end(ctx, state, StepInfo(1, 0, position(1), 0.01))
+    assert events(workdir, "save_failed")
+    ck.close()
+
+
+def test_sigterm_saves_and_stops_with_preempted_exit_code(tmp_path, state0):
+    workdir = str(tmp_path)
+    ctx = make_ctx(make_config(), workdir)
+    before = signal.getsignal(signal.SIGTERM)
+    ck = Checkpointer(ctx, handle_sigterm=True)
+    try:
+        ck.on_start(ctx, state0)
+        state, _ = run_steps(ck, ctx, state0, 1, 2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(StopTraining) as stop:
+            run_steps(ck, ctx, state, 3, 3)
+    finally:
+        ck.close()
+    assert stop.value.exit_code == PREEMPTED_EXIT_CODE
+    assert os.listdir(os.path.join(workdir, "checkpoints")) == ["3"]
+    assert events(workdir, "preemption")[0]["step"] == 3
+    assert signal.getsignal(signal.SIGTERM) == before

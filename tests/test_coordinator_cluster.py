@@ -1,0 +1,331 @@
+"""The supervisor with real worker processes on CPU: the simulated worker
+(`resilient_jax.coordinator.sim_worker`: JAX distributed init from the environment, one gloo
+collective per step, heartbeats, saves every few steps, preemption handling).
+
+Every run is bounded by the supervisor's time limit, and every test checks that no worker it
+started is still alive afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction
+from resilient_jax.events import read_events
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOTAL_STEPS = 30
+BATCH = 8
+
+BASE = {
+    "total_steps": TOTAL_STEPS,
+    "global_batch_size": BATCH,
+    "checkpoint.every_steps": 5,
+    "coordinator.heartbeat_interval_s": 0.2,
+    "coordinator.heartbeat_timeout_s": 1.5,
+    "coordinator.jax_heartbeat_timeout_s": 4,
+    "coordinator.hang_floor_s": 3.0,
+    "coordinator.startup_timeout_s": 30.0,
+    "coordinator.kill_grace_s": 0.5,
+    "coordinator.save_grace_s": 10.0,
+    "coordinator.backoff_s": 0.1,
+    "coordinator.readmit_after_s": -1.0,
+}
+
+
+def expected_value(total_steps: int = TOTAL_STEPS) -> float:
+    """The simulated state after `total_steps`, however the job was reshaped on the way."""
+    value = 0.0
+    for step in range(total_steps):
+        value += float(sum(range(step * BATCH, (step + 1) * BATCH))) * 1e-6
+    return value
+
+
+def write_config(path, overrides: dict) -> str:
+    lines = [f"    c.{key} = {value!r}" for key, value in {**BASE, **overrides}.items()]
+    path.write_text(
+        "from resilient_jax.config import default_config\n\n\n"
+        "def get_config():\n    c = default_config()\n" + "\n".join(lines) + "\n    return c\n"
+    )
+    return str(path)
+
+
+def sim_argv(config_path: str, workdir: str, *flags: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "resilient_jax.coordinator.sim_worker",
+        f"--config={config_path}",
+        f"--workdir={workdir}",
+        "--sim_step_time_s=0.05",
+        *flags,
+    ]
+
+
+def worker_pids(workdir) -> list[int]:
+    return [
+        e["pid"]
+        for e in read_events(str(workdir))
+        if e["type"] == "process_start" and e.get("source") == "supervisor"
+    ]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture
+def cluster_dir(tmp_path):
+    """A run directory; afterwards no worker started in it may survive (killed if one does)."""
+    workdir = tmp_path / "run"
+    yield workdir
+    survivors = [pid for pid in worker_pids(workdir) if alive(pid)]
+    for pid in survivors:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    assert not survivors, f"worker processes left behind: {survivors}"
+
+
+def run(workdir, cluster, actions=(), sim_flags=(), time_limit_s=60.0, **overrides):
+    config_path = write_config(workdir.parent / "config.py", overrides)
+    config = runpy.run_path(config_path)["get_config"]()
+    out = io.StringIO()
+    supervisor = Supervisor(
+        config,
+        cluster,
+        sim_argv(config_path, str(workdir), *sim_flags),
+        str(workdir),
+        actions=actions,
+        out=out,
+    )
+    result = supervisor.run(time_limit_s=time_limit_s)
+    events = [e for e in read_events(str(workdir)) if e.get("source") == "supervisor"]
+    state_path = workdir / "sim_state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else None
+    return result, events, out.getvalue(), state
+
+
+def of_type(events, kind):
+    return [e for e in events if e["type"] == kind]
+
+
+@pytest.mark.timeout(120)
+def test_undisturbed_run_completes(cluster_dir):
+    result, events, output, state = run(cluster_dir, ClusterSpec(2, 1, 1))
+    assert (result.exit_code, result.generations, result.failures) == (0, 1, 0)
+    assert state == {"step": TOTAL_STEPS, "value": pytest.approx(expected_value(), rel=1e-12)}
+    starts = of_type(events, "process_start")
+    assert [(e["process"], e["slice"], e["generation"]) for e in starts] == [(0, 0, 0), (1, 1, 0)]
+    assert "[g0 s0 p0] " in output and "[g0 s1 p1] " in output
+    assert of_type(events, "stop")[0]["exit_code"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_slice_is_evicted_and_job_finishes_on_the_rest(cluster_dir):
+    kill = SupervisorAction("kill", slice=1, at_step=10)
+    result, events, _, state = run(cluster_dir, ClusterSpec(2, 1, 1), actions=[kill])
+    assert result.exit_code == 0, result.reason
+    (failure,) = of_type(events, "failure_detected")
+    assert (failure["cause"], failure["slice"], failure["exit_code"]) == ("exit", 1, -9)
+    assert failure["latency_s"] < 1.0
+    assert of_type(events, "evict")[0]["slice"] == 1
+    (restart,) = of_type(events, "restart")
+    assert (restart["slices"], restart["num_slices"], restart["num_processes"]) == ([0], 1, 1)
+    assert state == {"step": TOTAL_STEPS, "value": pytest.approx(expected_value(), rel=1e-12)}
+
+
+@pytest.mark.timeout(120)
+def test_death_of_process_zero_is_survived(cluster_dir):
+    # Process 0 hosts JAX's coordination service: its death takes every process down.
+    kill = SupervisorAction("kill", slice=0, process=0, at_step=10)
+    result, events, output, state = run(cluster_dir, ClusterSpec(2, 1, 1), actions=[kill])
+    assert result.exit_code == 0, result.reason
+    (failure,) = of_type(events, "failure_detected")
+    assert (failure["process"], failure["slice"]) == (0, 0)
+    (restart,) = of_type(events, "restart")
+    assert restart["slices"] == [1]
+    assert "[g1 s1 p0] " in output  # physical slice 1 now runs process 0
+    assert state["value"] == pytest.approx(expected_value(), rel=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_stopped_worker_is_detected_by_missing_heartbeats(cluster_dir):
+    stop = SupervisorAction("hang", slice=1, at_step=10)  # SIGSTOP: a frozen host
+    result, events, _, state = run(cluster_dir, ClusterSpec(2, 1, 1), actions=[stop])
+    assert result.exit_code == 0, result.reason
+    (failure,) = of_type(events, "failure_detected")
+    assert (failure["cause"], failure["slice"]) == ("heartbeat", 1)
+    assert 1.5 <= failure["latency_s"] < 3.0  # heartbeat_timeout_s plus at most a beat or two
+    assert of_type(events, "restart")[0]["slices"] == [0]
+    assert state["value"] == pytest.approx(expected_value(), rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_stalled_progress_is_a_hang_and_restarts_in_place(cluster_dir):
+    # The main thread of process 1 stops at step 12 while its heartbeats go on: only the
+    # progress check can see it, and as every process waits in the same step none is blamed.
+    result, events, _, state = run(
+        cluster_dir,
+        ClusterSpec(2, 1, 1),
+        sim_flags=["--sim_hang_at_step=12", "--sim_fault_process=1", "--sim_fault_generation=0"],
+    )
+    assert result.exit_code == 0, result.reason
+    (failure,) = of_type(events, "failure_detected")
+    assert (failure["cause"], failure["scope"]) == ("hang", "job")
+    assert failure["latency_s"] >= 3.0  # hang_floor_s: 10 x 0.05 s median is below it
+    assert of_type(events, "evict") == []
+    assert of_type(events, "restart")[0]["slices"] == [0, 1]
+    assert state["value"] == pytest.approx(expected_value(), rel=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_spare_slice_takes_over(cluster_dir):
+    kill = SupervisorAction("kill", slice=1, at_step=10)
+    result, events, output, _ = run(
+        cluster_dir, ClusterSpec(2, 1, 1, spare_slices=1), actions=[kill]
+    )
+    assert result.exit_code == 0, result.reason
+    (restart,) = of_type(events, "restart")
+    assert (restart["slices"], restart["num_slices"]) == ([0, 2], 2)
+    assert "[g1 s2 p1] " in output
+
+
+@pytest.mark.timeout(120)
+def test_returning_slice_is_readmitted(cluster_dir):
+    lose = SupervisorAction("lose_slice", slice=1, at_step=8, duration_s=1.0)
+    result, events, _, state = run(
+        cluster_dir, ClusterSpec(2, 1, 1), actions=[lose], total_steps=80
+    )
+    assert result.exit_code == 0, result.reason
+    assert result.failures == 1
+    (scale_up,) = of_type(events, "scale_up")
+    assert scale_up["slices"] == [1]
+    restarts = of_type(events, "restart")
+    assert [(r["reason"], r["slices"]) for r in restarts] == [
+        ("failure", [0]),
+        ("scale_up", [0, 1]),
+    ]
+    # The one-slice generation saved at the step its preemption sync agreed on, and stopped.
+    worker_stops = [e for e in read_events(str(cluster_dir)) if e.get("reason") == "preempted"]
+    assert worker_stops and {e["generation"] for e in worker_stops} == {1}
+    assert state["value"] == pytest.approx(expected_value(80), rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_preempted_worker_restarts_without_counting_a_failure(cluster_dir):
+    preempt = SupervisorAction("preempt", slice=1, at_step=10)
+    result, events, _, state = run(cluster_dir, ClusterSpec(2, 1, 1), actions=[preempt])
+    assert (result.exit_code, result.failures) == (0, 0), result.reason
+    assert of_type(events, "failure_detected") == []
+    (restart,) = of_type(events, "restart")
+    assert (restart["reason"], restart["slices"]) == ("preemption", [0, 1])
+    assert state["value"] == pytest.approx(expected_value(), rel=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_crash_loop_stops_with_a_reason(cluster_dir):
+    result, events, _, _ = run(
+        cluster_dir,
+        ClusterSpec(2, 1, 1),
+        sim_flags=["--sim_crash_at_step=12", "--sim_fault_process=1"],
+        **{"coordinator.crash_loop_limit": 3},
+    )
+    assert result.exit_code == 1
+    assert "crash loop: 3 failures in a row without getting past step 11" in result.reason
+    # Reported by the worker itself: it cannot exit while its peer waits in a collective.
+    assert "process 1 failed: RuntimeError: simulated software error before step 12" in (
+        result.reason
+    )
+    failures = of_type(events, "failure_detected")
+    assert [(f["cause"], f["process"]) for f in failures] == [("error", 1)] * 3
+    assert of_type(events, "evict") == []  # a software error: the slice is retried in place
+    (stop,) = of_type(events, "stop")
+    assert stop["exit_code"] == 1 and stop["reason"] == result.reason
+
+
+@pytest.mark.timeout(120)
+def test_below_min_slices_with_no_return_stops_with_a_reason(cluster_dir):
+    kill = SupervisorAction("kill", slice=1, at_step=5)
+    result, events, _, _ = run(
+        cluster_dir, ClusterSpec(2, 1, 1), actions=[kill], **{"coordinator.min_slices": 2}
+    )
+    assert result.exit_code == 1
+    assert result.reason.startswith("only 1 healthy slices, below min_slices=2")
+    assert of_type(events, "restart") == []
+
+
+@pytest.mark.timeout(120)
+def test_worker_that_stops_the_run_on_purpose_is_not_restarted(cluster_dir):
+    result, events, _, _ = run(
+        cluster_dir,
+        ClusterSpec(2, 1, 1),
+        sim_flags=["--sim_crash_at_step=5", "--sim_fault_process=1", "--sim_crash_exit_code=3"],
+    )
+    assert result.exit_code == 3
+    assert "process 1 stopped the run: health checks gave up" in result.reason
+    assert of_type(events, "restart") == []
+
+
+@pytest.mark.timeout(120)
+def test_local_cluster_cli_ctrl_c_saves_and_stops(tmp_path):
+    workdir = tmp_path / "run"
+    config_path = write_config(tmp_path / "config.py", {})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(REPO, "launch", "local_cluster.py"),
+            f"--config={config_path}",
+            f"--workdir={workdir}",
+            "--num_slices=2",
+            "--worker=-m resilient_jax.coordinator.sim_worker --sim_step_time_s=0.05",
+            "--config.total_steps=100000",
+            "--config.coordinator.kill_grace_s",
+            "0.25",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (workdir / "sim_state.json").exists() and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        survivors = [pid for pid in worker_pids(workdir) if alive(pid)]
+        for pid in survivors:
+            os.killpg(pid, signal.SIGKILL)
+    assert not survivors
+    assert proc.returncode == 130, stderr
+    assert "error: interrupted by SIGINT; workers asked to save and stop" in stderr
+    assert "[g0 s0 p0] " in stdout and "[g0 s1 p1] " in stdout
+    events = list(read_events(str(workdir)))
+    stop = [e for e in events if e["type"] == "stop" and e.get("source") == "supervisor"]
+    assert stop[0]["exit_code"] == 130
+    saved = [e for e in events if e["type"] == "stop" and e.get("reason") == "preempted"]
+    assert {e["process"] for e in saved} == {0, 1}  # both workers saved at the agreed step
+    config_json = json.loads((workdir / "sim_state.json").read_text())
+    assert config_json["step"] == saved[0]["step"]

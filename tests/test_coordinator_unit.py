@@ -1,0 +1,370 @@
+"""Coordinator pieces without worker processes: protocol, heartbeat server and client over real
+sockets, detection, restart policy, slice pool, config validation, worker environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import jax
+import pytest
+
+from resilient_jax import config as config_lib
+from resilient_jax.coordinator import detector, protocol
+from resilient_jax.coordinator.client import SupervisorClient
+from resilient_jax.coordinator.outages import OutageReader
+from resilient_jax.coordinator.policy import RestartPolicy, SlicePool
+from resilient_jax.coordinator.server import HeartbeatServer, WorkerReport
+from resilient_jax.coordinator.supervisor import ClusterSpec, SupervisorAction, plan_for
+from resilient_jax.coordinator.worker import initialize_from_env, read_env
+
+TOKEN = "t0ken"
+
+
+def wait_for(predicate, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+# Protocol.
+
+
+def test_message_round_trip_and_rejections():
+    message = {"type": "heartbeat", "token": TOKEN, "generation": 1, "process": 3, "step": 7}
+    assert protocol.decode(protocol.encode(message).strip(), TOKEN) == message
+    with pytest.raises(protocol.ProtocolError, match="token"):
+        protocol.decode(protocol.encode({**message, "token": "other"}), TOKEN)
+    with pytest.raises(protocol.ProtocolError, match="JSON"):
+        protocol.decode(b"{not json", TOKEN)
+    with pytest.raises(protocol.ProtocolError, match="process"):
+        protocol.decode(protocol.encode({**message, "process": "3"}), TOKEN)
+    with pytest.raises(protocol.ProtocolError, match="type"):
+        protocol.decode(protocol.encode({**message, "type": "shell"}), TOKEN)
+    with pytest.raises(protocol.ProtocolError, match="longer"):
+        protocol.decode(b"x" * (protocol.MAX_LINE_BYTES + 1), TOKEN)
+
+
+def test_exit_codes_match_the_trainer_and_health():
+    from resilient_jax.checkpoint import PREEMPTED_EXIT_CODE
+    from resilient_jax.health import ANOMALY_EXIT_CODE
+    from resilient_jax.train.run import EXIT_BAD_INPUT
+
+    assert protocol.EXIT_PREEMPTED == PREEMPTED_EXIT_CODE
+    assert protocol.EXIT_BAD_INPUT == EXIT_BAD_INPUT
+    assert protocol.EXIT_HEALTH_GAVE_UP == ANOMALY_EXIT_CODE
+    assert protocol.EXIT_PREEMPTED not in protocol.FATAL_EXIT_CODES
+
+
+# Heartbeat server and client.
+
+
+def test_client_reports_phases_steps_and_median_to_server():
+    server = HeartbeatServer(TOKEN)
+    client = SupervisorClient(
+        server.address, TOKEN, generation=2, process=1, slice_id=4, interval_s=0.05
+    )
+    try:
+        first = wait_for(lambda: server.reports(2).get(1))
+        assert (first.phase, first.step, first.slice, first.pid) == ("init", None, 4, os.getpid())
+        client.set_phase(protocol.PHASE_COMPILE)
+        client.report_step(11, 9.0)  # the compile step: excluded from the median
+        for step, seconds in ((12, 0.1), (13, 0.3), (14, 0.2)):
+            client.report_step(step, seconds)
+        report = wait_for(lambda: (r := server.reports(2).get(1)) and r.step == 14 and r)
+        assert report.phase == protocol.PHASE_TRAIN
+        assert report.step_time_s == pytest.approx(0.2)
+        assert report.last_progress is not None
+        assert server.reports(1) == {}
+        with client.phase(protocol.PHASE_SAVE):
+            wait_for(lambda: server.reports(2)[1].phase == protocol.PHASE_SAVE)
+        wait_for(lambda: server.reports(2)[1].phase == protocol.PHASE_TRAIN)
+        with pytest.raises(ValueError, match="phase"):
+            client.set_phase("lunch")
+    finally:
+        client.close()
+        assert wait_for(lambda: server.reports(2)[1].said_bye)
+        server.close()
+
+
+def test_reported_error_is_a_failure_at_once():
+    server = HeartbeatServer(TOKEN)
+    client = SupervisorClient(server.address, TOKEN, 0, 1, 1, interval_s=10.0)
+    try:
+        wait_for(lambda: server.reports(0).get(1))
+        client.report_error("ValueError: " + "x" * 1000)
+        client.report_step(5, 0.1)  # an error is final
+        report = wait_for(lambda: (r := server.reports(0)[1]).phase == "error" and r, 2.0)
+        assert report.error.startswith("ValueError: x") and len(report.error) == 300
+        failure = detector.check(time.monotonic(), {1: 0.0}, {1: report}, THRESHOLDS)
+        assert (failure.cause, failure.process) == ("error", 1)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_server_ignores_clients_without_the_token():
+    server = HeartbeatServer(TOKEN)
+    intruder = SupervisorClient(server.address, "guess", 0, 0, 0, interval_s=0.05)
+    try:
+        time.sleep(0.3)
+        assert server.reports(0) == {}
+    finally:
+        intruder.close()
+        server.close()
+
+
+def test_dead_supervisor_never_blocks_the_worker():
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    client = SupervisorClient(address, TOKEN, 0, 0, 0, interval_s=0.05)
+    start = time.monotonic()
+    for step in range(1000):
+        client.report_step(step, 0.01)
+    client.close()
+    assert time.monotonic() - start < 1.5
+
+
+def test_client_from_env_only_when_supervised():
+    c = config_lib.default_config().coordinator
+    assert SupervisorClient.from_env(c, environ={}) is None
+    server = HeartbeatServer(TOKEN)
+    env = {
+        protocol.ENV_SUPERVISOR_ADDRESS: server.address,
+        protocol.ENV_RUN_TOKEN: TOKEN,
+        protocol.ENV_GENERATION: "3",
+        protocol.ENV_PROCESS_ID: "1",
+        protocol.ENV_SLICE: "2",
+    }
+    client = SupervisorClient.from_env(c, environ=env)
+    try:
+        report = wait_for(lambda: server.reports(3).get(1))
+        assert report.slice == 2
+    finally:
+        client.close()
+        server.close()
+
+
+# Detection.
+
+
+def report(process: int, now: float, **fields) -> WorkerReport:
+    values = dict(
+        generation=0,
+        process=process,
+        slice=process,
+        pid=100 + process,
+        phase=protocol.PHASE_TRAIN,
+        step=10,
+        step_time_s=0.1,
+        first_seen=now - 50,
+        last_seen=now,
+        last_progress=now,
+    )
+    values.update(fields)
+    return WorkerReport(**values)
+
+
+THRESHOLDS = detector.Thresholds(
+    heartbeat_timeout_s=5.0, hang_factor=10.0, hang_floor_s=3.0, startup_timeout_s=60.0
+)
+
+
+def test_detector_healthy_job_passes():
+    now = 1000.0
+    reports = {0: report(0, now), 1: report(1, now - 1.0)}
+    assert detector.check(now, {0: now - 50, 1: now - 50}, reports, THRESHOLDS) is None
+
+
+def test_detector_missing_heartbeat_names_the_process():
+    now = 1000.0
+    reports = {0: report(0, now), 1: report(1, now, last_seen=now - 6.0)}
+    failure = detector.check(now, {0: 0.0, 1: 0.0}, reports, THRESHOLDS)
+    assert (failure.cause, failure.process, failure.since) == ("heartbeat", 1, now - 6.0)
+    reports[1].said_bye = True  # a goodbye explains the silence
+    assert detector.check(now, {0: 0.0, 1: 0.0}, reports, THRESHOLDS) is None
+
+
+def test_detector_never_heard_from_within_startup_budget():
+    now = 1000.0
+    assert detector.check(now, {0: now - 59}, {}, THRESHOLDS) is None
+    failure = detector.check(now, {0: now - 61}, {}, THRESHOLDS)
+    assert (failure.cause, failure.process) == ("startup_timeout", 0)
+
+
+def test_detector_hang_budget_from_median_step_time():
+    now = 1000.0
+    spawned = {0: now - 100, 1: now - 100}
+    # median 0.5 s -> budget max(10 x 0.5, 3) = 5 s
+    reports = {p: report(p, now, last_progress=now - 4.9, step_time_s=0.5) for p in (0, 1)}
+    assert detector.check(now, spawned, reports, THRESHOLDS) is None
+    reports = {p: report(p, now, last_progress=now - 5.1, step_time_s=0.5) for p in (0, 1)}
+    failure = detector.check(now, spawned, reports, THRESHOLDS)
+    assert (failure.cause, failure.process) == ("hang", None)  # all agree: no one stands out
+    reports[1].step = 9  # the one behind is the stuck one
+    assert detector.check(now, spawned, reports, THRESHOLDS).process == 1
+
+
+def test_detector_slow_phases_get_the_startup_budget():
+    now = 1000.0
+    spawned = {0: now - 100, 1: now - 100}
+    reports = {p: report(p, now, last_progress=now - 30) for p in (0, 1)}
+    reports[0].phase = protocol.PHASE_SAVE
+    assert detector.check(now, spawned, reports, THRESHOLDS) is None
+    # Before the first step: compile and restore get the startup budget, then it is a stall.
+    starting = {p: report(p, now, step=None, last_progress=None, phase="compile") for p in (0, 1)}
+    assert detector.check(now, {0: now - 59, 1: now - 59}, starting, THRESHOLDS) is None
+    failure = detector.check(now, {0: now - 61, 1: now - 61}, starting, THRESHOLDS)
+    assert failure.cause == "startup_timeout"
+
+
+# Policy.
+
+
+def coordinator_config(**overrides):
+    c = config_lib.default_config().coordinator
+    c.update(overrides)
+    return c
+
+
+def test_restart_policy_crash_loop_and_backoff():
+    policy = RestartPolicy(coordinator_config(crash_loop_limit=3, backoff_s=1.0, backoff_max_s=3.0))
+    policy.record_failure(50)
+    assert (policy.streak, policy.backoff(), policy.stop_reason()) == (1, 0.0, None)
+    policy.record_failure(48)  # restored from 40, failed before getting past 50
+    assert (policy.streak, policy.backoff()) == (2, 1.0)
+    policy.record_failure(70)  # got past 50: a new streak
+    assert (policy.streak, policy.backoff()) == (1, 0.0)
+    policy.record_failure(70)
+    policy.record_failure(None)
+    assert policy.backoff() == 2.0
+    assert "crash loop: 3 failures in a row without getting past step 70" in policy.stop_reason()
+
+
+def test_restart_policy_retry_budget():
+    policy = RestartPolicy(coordinator_config(max_restarts=2, crash_loop_limit=10))
+    for step in (10, 20):
+        policy.record_failure(step)
+        assert policy.stop_reason() is None
+    policy.record_failure(30)
+    assert "max_restarts=2" in policy.stop_reason()
+
+
+def test_slice_pool_evict_return_and_choose():
+    pool = SlicePool(target=2, spares=1, readmit_after_s=10.0)
+    assert pool.choose([]) == [0, 1]
+    assert pool.evict(1, now=100.0) == 110.0
+    assert pool.choose([0, 1]) == [0, 2]  # the spare steps in
+    pool.announce_outage(0, until=130.0)
+    assert pool.evict(0, now=101.0) == 130.0  # an announced outage beats the cooldown
+    assert pool.choose([0, 2]) == [2]
+    assert pool.next_return() == 110.0
+    assert pool.refresh(now=111.0) == [1]
+    assert pool.choose([2]) == [2, 1]
+    never = SlicePool(target=1, spares=0, readmit_after_s=-1.0)
+    assert never.evict(0, now=0.0) is None and never.refresh(now=1e9) == []
+
+
+# Config, environment, plans.
+
+
+def test_coordinator_config_validation():
+    config = config_lib.default_config()
+    config_lib.validate(config)
+    config.coordinator.jax_heartbeat_timeout_s = 5
+    with pytest.raises(config_lib.ConfigError, match=r"coordinator\.jax_heartbeat_timeout_s"):
+        config_lib.validate(config)
+    config = config_lib.default_config()
+    config.coordinator.min_slices = 0
+    with pytest.raises(config_lib.ConfigError, match=r"coordinator\.min_slices"):
+        config_lib.validate(config)
+    config = config_lib.default_config()
+    config.coordinator.heartbeat_timeout_s = 0.6
+    with pytest.raises(config_lib.ConfigError, match="heartbeat_interval_s"):
+        config_lib.validate(config)
+
+
+def test_read_env():
+    assert read_env({}) is None
+    env = read_env(
+        {
+            protocol.ENV_COORDINATOR_ADDRESS: "127.0.0.1:1234",
+            protocol.ENV_NUM_PROCESSES: "4",
+            protocol.ENV_PROCESS_ID: "3",
+            protocol.ENV_NUM_SLICES: "2",
+            protocol.ENV_SLICE: "5",
+            protocol.ENV_GENERATION: "7",
+        }
+    )
+    assert (env.processes_per_slice, env.slice_index, env.slice, env.generation) == (2, 1, 5, 7)
+    with pytest.raises(ValueError, match="RJ_NUM_PROCESSES"):
+        read_env({protocol.ENV_COORDINATOR_ADDRESS: "127.0.0.1:1"})
+    with pytest.raises(ValueError, match="inconsistent"):
+        read_env(
+            {
+                protocol.ENV_COORDINATOR_ADDRESS: "127.0.0.1:1",
+                protocol.ENV_NUM_PROCESSES: "3",
+                protocol.ENV_PROCESS_ID: "0",
+                protocol.ENV_NUM_SLICES: "2",
+            }
+        )
+
+
+def test_initialize_from_env_does_nothing_for_a_single_process():
+    c = config_lib.default_config().coordinator
+    assert initialize_from_env(c, environ={}) is None
+    assert not jax.distributed.is_initialized()
+
+
+def test_plan_for_keeps_the_global_batch_with_fewer_slices():
+    config = config_lib.default_config()
+    config.global_batch_size = 8
+    config.per_device_batch_size = 2
+    cluster = ClusterSpec(num_slices=2, processes_per_slice=1, devices_per_process=2)
+    full, half = plan_for(config, 2, cluster), plan_for(config, 1, cluster)
+    assert (full.replica, full.fsdp, full.microbatches) == (2, 2, 1)
+    assert (half.replica, half.fsdp, half.microbatches) == (1, 2, 2)
+    config.global_batch_size = 6
+    with pytest.raises(config_lib.ConfigError, match="global_batch_size"):
+        plan_for(config, 2, ClusterSpec(2, 1, 2))
+
+
+def test_actions_and_cluster_are_checked():
+    with pytest.raises(ValueError, match="kind"):
+        SupervisorAction("reboot", slice=0, at_step=1)
+    with pytest.raises(ValueError, match="exactly one"):
+        SupervisorAction("kill", slice=0)
+    with pytest.raises(ValueError, match="num_slices"):
+        ClusterSpec(num_slices=0)
+
+
+def test_outage_reader_reads_lose_slice_events_incrementally(tmp_path):
+    path = tmp_path / "events.jsonl"
+    lines = [
+        {
+            "time": 100.0,
+            "type": "chaos",
+            "kind": "lose_slice",
+            "slice": 1,
+            "for_s": 20.0,
+            "generation": 2,
+        },
+        {"time": 101.0, "type": "chaos", "kind": "nan", "step": 3},
+        {"time": 102.0, "type": "step", "step": 4},
+    ]
+    path.write_text("".join(json.dumps(e) + "\n" for e in lines) + '{"time": 103, "type": "cha')
+    reader = OutageReader(str(tmp_path))
+    (outage,) = reader.read_new()
+    assert (outage.generation, outage.slice_index, outage.until) == (2, 1, 120.0)
+    with open(path, "a") as f:  # the torn line completes
+        f.write('os", "kind": "lose_slice", "slice": 0, "for_s": 1}\n')
+    (outage,) = reader.read_new()
+    assert (outage.generation, outage.slice_index, outage.until) == (None, 0, 104.0)
+    assert reader.read_new() == []
