@@ -38,6 +38,7 @@ def main(argv: list[str]) -> None:
     import jax.numpy as jnp
 
     from resilient_jax.data import BatchLoader, make_source
+    from resilient_jax.events import EventLog
     from resilient_jax.model import ModelConfig
     from resilient_jax.train.loop import Loop
     from resilient_jax.train.metrics import MetricsLogger, peak_flops_per_device
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> None:
     config.log.every_steps = 1
     config.total_steps = 10**9  # the schedule's horizon; blocks stop the loop themselves
     workdir = tempfile.mkdtemp(prefix="bench_step_")
-    ctx = prepare(config, workdir)
+    ctx = prepare(config, workdir, EventLog(workdir))
     step_fn = compile_step(ctx)
     loader = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config))
     state = init_state(config, ctx.mesh)

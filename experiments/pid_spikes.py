@@ -1,7 +1,7 @@
 """Does the in-band health check, and the PID learning-rate controller on top of it, keep a spiky
 run on track?
 
-    python experiments/pid_spikes.py            # ~1 minute on 2 CPU cores
+    python experiments/pid_spikes.py            # about 2.5 minutes on 2 CPU cores
     -> experiments/results/pid_spikes.json, experiments/results/pid_spikes.png
 
 A tiny byte-level transformer on the bundled corpus, deliberately unstable: a learning rate well
@@ -18,6 +18,15 @@ Reported per variant: the held-out loss at the end, how the training loss moved 
 after each spike compared with the 20 before (`loss_change_after_spike`: negative = still
 improving), steps skipped, and the mean learning-rate scale. For reference the unprotected run is
 also trained with the default optimizer's gradient clipping at 1.0.
+
+Result (400 steps, 2-core CPU; held-out loss): unprotected 1.969, PID only 1.923, skip 1.593,
+skip + PID 1.588, clipping at 1.0 alone 1.587. With AdamW a x50 gradient does not throw the weights
+far (Adam normalises the step); it inflates the second-moment estimate, which then shrinks every
+later update for a long time, so the unprotected run stalls after each spike. Refusing the update
+(skip), or clipping before the optimizer, keeps the moments clean and recovers the whole loss. The
+PID controller scales updates *after* the optimizer has absorbed the spike, so alone it recovers
+little, and on top of skipping it is neutral here: its place is the sub-threshold regime (scores
+between `pid_target_z` and `zscore`), which is why it is off by default.
 """
 
 from __future__ import annotations
@@ -114,7 +123,7 @@ def train(config, mesh, data, held_out, spikes: dict[int, float]) -> dict[str, o
         scale = jnp.float32(spikes.get(s + 1, 1.0))
         params, opt_state, stats, metrics = step_fn(params, opt_state, stats, data[s], scale)
         for key, value in jax.device_get(metrics).items():
-            history.setdefault(key, []).append(float(value))
+            history.setdefault(key, []).append(round(float(value), 5))
     elapsed = time.perf_counter() - start
     eval_loss = float(np.mean([eval_fn(params, batch) for batch in held_out]))
     return {

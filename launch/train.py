@@ -21,6 +21,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py).", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, logs, metrics.")
+_CHAOS = flags.DEFINE_string(
+    "chaos", "", "Faults to inject, e.g. 'nan:step=15;kill:process=1,step=40' (see chaos.py)."
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -51,7 +54,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
     try:
-        code = train(_CONFIG.value, os.path.abspath(_WORKDIR.value))
+        code = train(_CONFIG.value, os.path.abspath(_WORKDIR.value), chaos=_CHAOS.value)
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         code = e.exit_code

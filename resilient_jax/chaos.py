@@ -402,7 +402,8 @@ class ChaosHook(Hook):
         self._last_sleep = 0.0
 
     def on_start(self, ctx: RunContext, state: TrainState) -> None:
-        self._open(ctx)
+        if self.faults:
+            self._open(ctx)  # pins the run's start time for random schedules
 
     def _open(self, ctx: RunContext) -> FiredRecord:
         if self._record is None:
@@ -414,6 +415,8 @@ class ChaosHook(Hook):
     def before_step(self, ctx: RunContext, step: int) -> float:
         # The loop passes the steps completed so far; faults name the step about to be taken,
         # the number its metrics and `step` event will carry.
+        if not self.faults:
+            return 1.0
         step += 1
         record = self._open(ctx)
         self._slow_down()

@@ -6,7 +6,8 @@ Input is `WORKDIR/events.jsonl` (`resilient_jax.events`). Every event has `time`
 the *end* of the phase it reports) and `type`. What this module reads, by type:
 
     process_start    generation            a process began; the first one is the run's start
-    jax_init, init   duration_s            joining the JAX job; initialising state from the seed
+    jax_init, init   duration_s,           joining the JAX job; initialising state from the seed
+                     generation            (in a generation > 0 both count as restart)
     compile          duration_s            compiling the step
     restore          duration_s, step      restoring a checkpoint (any tier)
     save             duration_s, step      saving: the time the loop was *blocked*, not the
@@ -16,12 +17,13 @@ the *end* of the phase it reports) and `type`. What this module reads, by type:
                                            `data_wait_s` the part spent waiting for the batch.
                                            Without a finite `duration_s` the step is taken to
                                            start at the lane's previous event.
-    anomaly          step                  that step was skipped by the health check
+    anomaly          step, action          that step was skipped by the health check;
+                                           `action: "rollback"` also marks a rollback
     rollback                               the loop restored a checkpoint after anomalies
     failure_detected latency_s             a failure was noticed `latency_s` after it happened
     restart          generation            the supervisor (re)started the job
     evict, scale_up                        the job is being reshaped
-    stop             exit_code             the process ended
+    stop             exit_code             the process ended (non-zero: a failure)
 
 Lanes and the wall clock. All processes append to one file; an event's lane is its `process`
 field. Time is accounted on one lane, process 0's (which lives as long as the job does: when it
@@ -33,12 +35,12 @@ Accounting. Each event with a duration covers an interval; where intervals overl
 category in `PRIORITY` wins (a blocking save inside a step's host time is save time, not step
 time). A step whose number occurs again later was lost: its first run counts as `lost_progress`,
 or as `anomaly` when a rollback came in between; a skipped step counts as `anomaly`. A counted
-step's data wait is `data_loading`, and the part of its compute time above `straggler_factor`
-times the generation's typical (25th percentile) step is `stragglers` (a slowdown present for a
-whole generation is invisible to this). Uncovered time is classified by what surrounds it: before
-the first step, `initialisation` (or `restart` in a later generation); after a failure until the
-next step, `restart`; between a last step and a failure, `lost_progress`; before a rollback,
-`anomaly`; otherwise `idle`.
+step's data wait is `data_loading`; when its compute time exceeds `straggler_factor` times the
+generation's typical (25th percentile) step, the excess over the typical step is `stragglers` (a
+slowdown present for a whole generation is invisible to this). Uncovered time is classified by
+what surrounds it: before the first step, `initialisation` (or `restart` in a later generation);
+after a failure until the next step, `restart`; between a last step and a failure,
+`lost_progress`; before a rollback, `anomaly`; otherwise `idle`.
 """
 
 from __future__ import annotations
@@ -114,9 +116,9 @@ _RESHAPE_TYPES = ("evict", "scale_up")
 class Goodput:
     wall_s: float
     seconds: dict[str, float]  # every category of PRIORITY and "idle"; they sum to wall_s
-    steps_counted: int
-    steps_lost: int
-    steps_skipped: int
+    steps_counted: int  # step runs whose time counts as productive
+    steps_lost: int  # step runs recomputed later (after a failure or a rollback)
+    steps_skipped: int  # step runs whose update the health check refused
     generations: int
     failures: int
     segments: list[tuple[float, float, str]]  # (start, end, category) tiling the wall clock
@@ -161,9 +163,13 @@ def _number(value: Any, default: float = 0.0) -> float:
     return number if math.isfinite(number) else default
 
 
-def _interval(event: dict[str, Any]) -> tuple[float, float]:
+def _interval(event: dict[str, Any], previous_end: float | None = None) -> tuple[float, float]:
+    """The time an event covers; without a duration, from `previous_end` (when given)."""
     end = float(event["time"])
-    return end - max(0.0, _number(event.get("duration_s"))), end
+    duration = _number(event.get("duration_s"), -1.0)
+    if duration < 0:
+        return (end if previous_end is None else previous_end), end
+    return end - duration, end
 
 
 # ----------------------------------------------------------------------- markers & gaps
@@ -240,6 +246,8 @@ class _Step:
     data_wait: float
     generation: int
     fate: str = PRODUCTIVE  # or lost_progress / anomaly
+    rerun: bool = False  # the same step number ran again later
+    skipped: bool = False  # the health check refused its update
 
 
 def _steps(events: Sequence[dict[str, Any]], markers: list[_Marker]) -> list[_Step]:
@@ -250,9 +258,7 @@ def _steps(events: Sequence[dict[str, Any]], markers: list[_Marker]) -> list[_St
         if not _is_reference(e):
             continue
         if e["type"] == "step":
-            end = float(e["time"])
-            duration = _number(e.get("duration_s"), -1.0)
-            start = end - duration if duration >= 0 else (previous_end or end)
+            start, end = _interval(e, previous_end)
             wait = min(max(0.0, _number(e.get("data_wait_s"))), end - start)
             generation = bisect.bisect_right(starts, start)
             steps.append(_Step(int(e["step"]), start, end, wait, generation))
@@ -273,13 +279,14 @@ def _mark_fates(
                 rollbacks, again.end
             )
             first.fate = "anomaly" if between else "lost_progress"
+            first.rerun = True
     for e in events:
         if e["type"] != "anomaly" or "step" not in e:
             continue
         runs = by_number.get(int(e["step"]), [])
         if runs:
             nearest = min(runs, key=lambda s: abs(s.end - float(e["time"])))
-            nearest.fate = "anomaly"
+            nearest.fate, nearest.skipped = "anomaly", True
 
 
 def _percentile25(values: list[float]) -> float:
@@ -398,8 +405,8 @@ def compute(
         wall_s=t1 - t0,
         seconds=seconds,
         steps_counted=sum(s.fate == PRODUCTIVE for s in steps),
-        steps_lost=sum(s.fate == "lost_progress" for s in steps),
-        steps_skipped=sum(s.fate == "anomaly" for s in steps),
+        steps_lost=sum(s.rerun for s in steps),
+        steps_skipped=sum(s.skipped for s in steps),
         generations=max(1, len(generations)),
         failures=_count_failures(events),
         segments=segments,
@@ -497,10 +504,15 @@ def plot_timeline(events: Sequence[dict[str, Any]], result: Goodput, path: str) 
         )
     for row, lane in enumerate(lanes, start=1):
         mine = [e for e in events if _lane(e) == lane]
-        for typ, category in _LANE_BARS.items():
-            bars = [(s - t0, e_ - s) for s, e_ in (_interval(e) for e in mine if e["type"] == typ)]
-            if bars:
-                ax.broken_barh(bars, (row - 0.35, 0.7), color=_CATEGORY_COLOURS[category], lw=0)
+        bars: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+        previous_end = None
+        for e in mine:
+            if e["type"] in _LANE_BARS:
+                start, end = _interval(e, previous_end if e["type"] == "step" else None)
+                bars[_LANE_BARS[e["type"]]].append((start - t0, end - start))
+            previous_end = float(e["time"])
+        for category, spans in bars.items():
+            ax.broken_barh(spans, (row - 0.35, 0.7), color=_CATEGORY_COLOURS[category], lw=0)
         for typ, (marker, colour) in _LANE_MARKS.items():
             xs = [float(e["time"]) - t0 for e in mine if e["type"] == typ]
             if xs:
@@ -513,7 +525,7 @@ def plot_timeline(events: Sequence[dict[str, Any]], result: Goodput, path: str) 
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the run began")
     ax.set_title(f"goodput {100 * result.goodput:.1f}% of {result.wall_s:.1f} s")
-    used = [c for c in (PRODUCTIVE, *BADPUT) if result.seconds[c] > 0]
+    used = [c for c in (PRODUCTIVE, *BADPUT) if result.seconds[c] > 1e-3 * result.wall_s]
     handles = [Patch(color=_CATEGORY_COLOURS[c], label=LABELS[c]) for c in used]
     seen: dict[str, Any] = {}
     for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):

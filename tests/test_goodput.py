@@ -89,7 +89,7 @@ def test_steps_rerun_after_a_rollback_count_as_anomaly():
     assert result.seconds["anomaly"] == pytest.approx(2.0)  # first runs of steps 2 and 3
     assert result.seconds["productive"] == pytest.approx(3.0)  # steps 1, 2, 3 once each
     assert result.seconds["checkpoint_restore"] == pytest.approx(1.0)
-    assert (result.steps_counted, result.steps_skipped) == (3, 2)
+    assert (result.steps_counted, result.steps_lost, result.steps_skipped) == (3, 2, 1)
 
 
 def test_a_step_without_duration_starts_at_the_previous_event():

@@ -105,6 +105,12 @@ def test_loss_spike_is_flagged_only_after_warmup():
     assert float(stats.skipped) == 1.0 and float(stats.consecutive) == 0.0
 
 
+def test_no_warmup_still_learns_from_the_first_steps():
+    losses, grads = calm(5)
+    _, stats, history = run_steps(health_config(warmup_steps=0), losses, grads)
+    assert sum(h["skipped"] for h in history) == 0.0 and float(stats.count) == 5.0
+
+
 def test_grad_norm_spike_is_flagged():
     losses, grads = calm(30)
     grads[28] = 50.0

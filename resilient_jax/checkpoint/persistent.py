@@ -88,6 +88,9 @@ class PersistentTier:
             read_only=read_only,  # another run's directory: never clean, create or delete
             cleanup_tmp_directories=not read_only,  # a crash mid-save leaves an Orbax temp dir
             create=not read_only,
+            # Orbax's asynchronous directory creation leaves a thread waiting 300 s for a signal
+            # when creation fails, which would hold a failed run at exit; mkdir is cheap.
+            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
             enable_async_checkpointing=True,
             # Naming the processes makes Orbax use the coordination service's barriers, which
             # time out, instead of a device collective that waits forever for a dead peer.

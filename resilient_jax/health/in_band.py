@@ -31,6 +31,9 @@ from resilient_jax.health import pid
 LOSS_STD_FLOOR_REL = 0.005  # of the running mean loss
 LOG_GRAD_STD_FLOOR = 0.02  # in log units: a 2% change in gradient norm
 _TINY = 1e-30
+# A variance needs two samples; with fewer, every step would look like a spike and, never being
+# learned from, keep the statistics empty for good.
+MIN_SAMPLES = 2
 
 
 @flax.struct.dataclass
@@ -99,7 +102,7 @@ def assess(
         _zscore(log_grad, stats.log_grad_mean, stats.log_grad_var, jnp.float32(LOG_GRAD_STD_FLOOR)),
         0.0,
     )
-    warm = stats.count >= cfg.warmup_steps
+    warm = stats.count >= max(cfg.warmup_steps, MIN_SAMPLES)
     loss_spike = warm & finite & (loss_z > cfg.zscore)
     grad_spike = warm & finite & (grad_z > cfg.zscore)
     anomaly = ~finite | loss_spike | grad_spike

@@ -9,8 +9,9 @@ full learning rate and a run whose gradients jump trains more gently until the j
 The proportional and derivative terms act on the excess of the score over the target only. The
 integral term takes the signed error, so it remembers recent spikes and keeps the rate low for a
 few steps after one while calm steps drain it; it is clamped to [0, INTEGRAL_MAX] so a long calm
-stretch cannot bank "credit" that would later cancel a real spike (anti-windup). The error is clamped to ERROR_MAX so one NaN step or a huge outlier
-cannot drive the rate to the floor for hundreds of steps.
+stretch cannot bank "credit" that would later cancel a real spike (anti-windup). The error is
+clamped to ERROR_MAX so one NaN step or a huge outlier cannot drive the rate to the floor for
+hundreds of steps.
 
 Pure and jittable: all state lives in two float32 scalars of `HealthStats`.
 """

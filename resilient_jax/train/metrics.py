@@ -90,7 +90,13 @@ class MetricsLogger(Hook):
             row["tokens_per_s"] = self._tokens_per_step / step_time
             if self._peak:
                 row["mfu"] = self._flops_per_step / step_time / self._peak
-        ctx.events.emit("step", step=step, duration_s=step_time, loss=metrics.get("loss"))
+        ctx.events.emit(
+            "step",
+            step=step,
+            duration_s=step_time,
+            data_wait_s=metrics.get("data_wait_s"),
+            loss=metrics.get("loss"),
+        )
         self.last = row
         if step % self._every == 0 or step == self._total:
             self._write(row)

@@ -17,12 +17,15 @@ import jax.numpy as jnp
 import ml_collections
 
 from resilient_jax import config as config_lib
+from resilient_jax import goodput
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import topology as topology_lib
+from resilient_jax.chaos import ChaosHook
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.events import EventLog
+from resilient_jax.health import HealthMonitor, Watchdog
 from resilient_jax.train.context import RunContext
-from resilient_jax.train.hooks import StopTraining
+from resilient_jax.train.hooks import Hook, StopTraining
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.state import abstract_state, init_state
@@ -45,19 +48,15 @@ def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
         json.dump(config_lib.config_to_dict(config), f, indent=2, sort_keys=True)
 
 
-def prepare(config: ml_collections.ConfigDict, workdir: str, generation: int = 0) -> RunContext:
-    """Everything before the first step that does not touch parameters. Raises ConfigError."""
-    config_lib.validate(config)
+def prepare(
+    config: ml_collections.ConfigDict, workdir: str, events: EventLog, generation: int = 0
+) -> RunContext:
+    """Topology, mesh and state shapes: everything before the first step that touches no
+    parameters. Raises ConfigError when the config does not fit the devices."""
     topology = topology_lib.discover()
     plan = mesh_lib.plan_mesh(config, topology, strict=generation == 0)
     mesh = mesh_lib.make_mesh(plan, topology)
-    events = EventLog(
-        workdir,
-        process=jax.process_index(),
-        slice=topology.slice_index,
-        generation=generation,
-        pid=os.getpid(),
-    )
+    events.update_common(process=jax.process_index(), slice=topology.slice_index)
     return RunContext(
         config=config,
         workdir=workdir,
@@ -74,12 +73,9 @@ def compile_step(ctx: RunContext):
     """Ahead-of-time compile, so compile time is measured and reported on its own."""
     start = time.perf_counter()
     step_fn = make_train_step(ctx.config, ctx.mesh)
+    rows = ctx.config.global_batch_size // ctx.plan.microbatches
     batch = jax.ShapeDtypeStruct(
-        (
-            ctx.plan.microbatches,
-            ctx.config.global_batch_size // ctx.plan.microbatches,
-            ctx.config.data.seq_len + 1,
-        ),
+        (ctx.plan.microbatches, rows, ctx.config.data.seq_len + 1),
         jnp.int32,
         sharding=mesh_lib.batch_sharding(ctx.mesh),
     )
@@ -89,16 +85,39 @@ def compile_step(ctx: RunContext):
     return compiled
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, generation: int = 0) -> int:
-    """Runs training; returns the process exit code (0 = finished)."""
+def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> int:
+    """Runs training; returns the process exit code (0 = finished). Raises RunError on bad input."""
     try:
-        ctx = prepare(config, workdir, generation)
+        config_lib.validate(config)
+        faults = ChaosHook(chaos) if chaos else None
+    except (config_lib.ConfigError, ValueError) as e:
+        raise RunError(str(e), EXIT_BAD_INPUT) from e
+    events = EventLog(workdir, pid=os.getpid())
+    watchdog = Watchdog.from_config(config.health, events)
+    watchdog.start()  # from here on, a hang anywhere (init, restore, a collective) ends the process
+    hooks: list[Hook] = [watchdog]
+    try:
+        return _train(config, workdir, events, hooks, faults)
+    finally:
+        for hook in hooks:
+            hook.close()
+
+
+def _train(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    events: EventLog,
+    hooks: list[Hook],
+    faults: ChaosHook | None,
+) -> int:
+    try:
+        ctx = prepare(config, workdir, events)
         source = make_source(config)
     except (config_lib.ConfigError, ValueError) as e:
         raise RunError(str(e), EXIT_BAD_INPUT) from e
     if jax.process_index() == 0:
         write_config(config, workdir)
-    ctx.events.emit("process_start", topology=ctx.topology.describe(), mesh=ctx.plan.describe())
+    events.emit("process_start", topology=ctx.topology.describe(), mesh=ctx.plan.describe())
 
     def restore():
         return None
@@ -107,21 +126,22 @@ def train(config: ml_collections.ConfigDict, workdir: str, generation: int = 0) 
     restored = restore()
     if restored is None:
         state, position = init_state(config, ctx.mesh), {"next_batch": 0}
-        ctx.events.emit("init", duration_s=time.perf_counter() - start)
+        events.emit("init", duration_s=time.perf_counter() - start)
     else:
         state, position = restored
     loader = BatchLoader(config, ctx.mesh, ctx.plan, source)
     loader.seek(position)
     step_fn = compile_step(ctx)
-    hooks = [MetricsLogger(ctx)]
-    loop = Loop(ctx, step_fn, loader, hooks, restore)
+    # MetricsLogger first: a step that triggers a rollback still gets its `step` event.
+    hooks[:0] = [MetricsLogger(ctx), HealthMonitor()]
+    if faults is not None:
+        hooks.append(faults)
     try:
-        loop.run(state)
+        Loop(ctx, step_fn, loader, hooks, restore).run(state)
         exit_code, reason = 0, "finished"
     except StopTraining as stop:
         exit_code, reason = stop.exit_code, stop.reason
-    finally:
-        for hook in hooks:
-            hook.close()
-    ctx.events.emit("stop", reason=reason, exit_code=exit_code)
+    events.emit("stop", reason=reason, exit_code=exit_code)
+    if jax.process_index() == 0:
+        goodput.print_summary(workdir)
     return exit_code
