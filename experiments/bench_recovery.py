@@ -52,6 +52,7 @@ _FAULT = flags.DEFINE_integer("fault_step", 33, "The slice-1 worker is killed at
 _LOCAL_EVERY = flags.DEFINE_integer("local_every", 5, "RAM-tier save interval (steps).")
 _PERSISTENT_EVERY = flags.DEFINE_integer("persistent_every", 20, "Persistent save interval.")
 _JAX_TIMEOUTS = flags.DEFINE_list("jax_timeouts", ["3", "6", "10"], "For the baseline model.")
+_WORKER = flags.DEFINE_string("worker", "launch/train.py", "The worker program.")
 _OUT = flags.DEFINE_string(
     "out", os.path.join(REPO, "experiments", "results", "bench_recovery.json"), "Result file."
 )
@@ -108,7 +109,7 @@ def run_scenario(
     workdir = tempfile.mkdtemp(prefix=f"rj_bench_{name}_")
     argv = [
         sys.executable,
-        "launch/train.py",
+        _WORKER.value,
         f"--config={CONFIG_FILE}",
         f"--workdir={workdir}",
         *(f"--config.{k}={v}" for k, v in overrides.items()),

@@ -123,7 +123,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.coordinator.backoff_s = 1.0  # the 2nd failure in a row waits this, doubling each time
     c.coordinator.backoff_max_s = 60.0
     c.coordinator.readmit_after_s = 60.0  # an evicted slice is healthy again after this; < 0 never
-    c.coordinator.kill_grace_s = 1.0  # after a failure: SIGTERM, this long, then SIGKILL
+    c.coordinator.kill_grace_s = 0.5  # after a failure: SIGTERM, this long, then SIGKILL
     c.coordinator.save_grace_s = 60.0  # asked to save and stop: SIGTERM, this long, then SIGKILL
 
     c.log = ml_collections.ConfigDict()

@@ -20,14 +20,17 @@ from resilient_jax import mesh as mesh_lib
 from resilient_jax import topology as topology_lib
 from resilient_jax.checkpoint import (
     PREEMPTED_EXIT_CODE,
-    CheckpointError,
     Checkpointer,
+    CheckpointError,
     SavePolicy,
+    checksum,
+    local,
     young_daly_interval_s,
 )
-from resilient_jax.checkpoint import checksum, local
-from resilient_jax.checkpoint.persistent import _KeepPolicy
+from resilient_jax.checkpoint.__main__ import main as inspect_main
+from resilient_jax.checkpoint.persistent import RUN_ID_FILE, _KeepPolicy
 from resilient_jax.checkpoint.policy import AUTO, EVERY_MINUTES, EVERY_STEPS, FINAL
+from resilient_jax.config import fingerprint
 from resilient_jax.events import EventLog, read_events
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import StepInfo, StopTraining
@@ -96,6 +99,12 @@ def run_steps(ck: Checkpointer, ctx, state, first: int, last: int, clock=None, t
 def assert_bitwise(restored, expected) -> None:
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), restored, expected)
     assert all(jax.tree.leaves(same))
+
+
+def step_dirs(workdir: str) -> list[str]:
+    """What the persistent directory holds besides its run-id file."""
+    names = os.listdir(os.path.join(workdir, "checkpoints"))
+    return sorted((n for n in names if n != RUN_ID_FILE), key=lambda n: (not n.isdigit(), n))
 
 
 def events(workdir: str, kind: str) -> list[dict]:
@@ -188,7 +197,8 @@ def test_persistent_round_trip_onto_fewer_devices_and_replicas(tmp_path, state0)
         assert (restored.tier, restored.step) == ("persistent", 4)
         assert restored.data_position == position(4)
         assert_bitwise(restored.state, host[4])
-    meta = json.load(open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")))
+    with open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")) as f:
+        meta = json.load(f)
     assert meta["checksums"][".params['embed']"] == checksum.host_digest(host[4].params["embed"])
     assert meta["mesh"]["fsdp"] == 8 and meta["temporary"] is False
 
@@ -208,7 +218,8 @@ def test_plain_orbax_reads_state_without_this_package(tmp_path, state0):
         meta = ckptr.metadata(path).item_metadata.tree
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
         tree = ckptr.restore(path, restore_args=args)
-        flat = {{jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}}
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        flat = {{jax.tree_util.keystr(p): v for p, v in leaves}}
         np.savez({out!r}, **flat)
         assert not any(m.startswith("resilient_jax") for m in sys.modules)
         """
@@ -232,18 +243,34 @@ def _corrupt(path: str) -> None:
         f.write(bytes(b ^ 0xFF for b in chunk))
 
 
-def test_corrupt_persistent_array_falls_back_and_quarantines(tmp_path, state0):
+@pytest.mark.parametrize("damage", ["array_files", "silent_change"])
+def test_corrupt_persistent_step_falls_back_and_quarantines(tmp_path, state0, capsys, damage):
     workdir = str(tmp_path)
     config, _, host = _saved_run(workdir, "", state0)
-    data_files = [
-        os.path.join(root, name)
-        for root, _, names in os.walk(os.path.join(workdir, "checkpoints", "4", "state"))
-        for name in names
-        if os.sep + "d" in root
-    ]
-    assert data_files
-    for path in data_files:
-        _corrupt(path)
+    step_dir = os.path.join(workdir, "checkpoints", "4")
+    if damage == "array_files":
+        data_files = [
+            os.path.join(root, name)
+            for root, _, names in os.walk(os.path.join(step_dir, "state"))
+            for name in names
+            if os.sep + "d" in root
+        ]
+        assert data_files
+        for path in data_files:
+            _corrupt(path)
+    else:
+        # Contents that still decode but differ from what was saved: only the digest notices.
+        # (Rewriting the recorded digest is equivalent, and independent of Orbax's file format.)
+        meta_file = os.path.join(step_dir, "meta", "metadata")
+        with open(meta_file) as f:
+            meta = json.load(f)
+        meta["checksums"][".params['embed']"] = "0" * 16
+        with open(meta_file, "w") as f:
+            json.dump(meta, f)
+    assert inspect_main(["inspect", workdir, "--json"]) == 1
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows[2]["status"] == "ok" and rows[2]["fingerprint"] == fingerprint(config)
+    assert rows[4]["status"] != "ok"
     ctx = make_ctx(config, workdir)
     ck = Checkpointer(ctx, handle_sigterm=False)
     restored = ck.restore_latest(ctx)
@@ -252,6 +279,8 @@ def test_corrupt_persistent_array_falls_back_and_quarantines(tmp_path, state0):
     assert_bitwise(restored.state, host[2])
     (invalid,) = events(workdir, "checkpoint_invalid")
     assert invalid["tier"] == "persistent" and invalid["step"] == 4 and invalid["cause"]
+    if damage == "silent_change":
+        assert "checksum mismatch" in invalid["cause"] and "embed" in invalid["cause"]
     # Moved aside, never deleted; and gone from the step list so step 4 can be saved again.
     quarantined = os.listdir(os.path.join(workdir, "checkpoints", "quarantine"))
     assert len(quarantined) == 1 and quarantined[0].startswith("4-")
@@ -259,7 +288,7 @@ def test_corrupt_persistent_array_falls_back_and_quarantines(tmp_path, state0):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_corrupt_local_piece_falls_back_to_older_step(tmp_path, local_root, state0, damage):
+def test_corrupt_local_piece_falls_back_to_older_step(tmp_path, local_root, state0, damage, capsys):
     workdir = str(tmp_path)
     config, _, host = _saved_run(
         workdir,
@@ -276,6 +305,9 @@ def test_corrupt_local_piece_falls_back_to_older_step(tmp_path, local_root, stat
         _corrupt(data)
     else:
         os.truncate(data, os.path.getsize(data) // 2)
+    assert inspect_main(["inspect", workdir, "--local-dir", local_root]) == 1
+    out = capsys.readouterr().out
+    assert "bad piece" in out and "local step 2" in out
     ctx = make_ctx(config, workdir, 4)
     ck = Checkpointer(ctx, handle_sigterm=False)
     restored = ck.restore_latest(ctx)
@@ -287,16 +319,36 @@ def test_corrupt_local_piece_falls_back_to_older_step(tmp_path, local_root, stat
     assert ("CRC" if damage == "flip" else "truncated") in invalid["cause"]
 
 
+def test_local_copies_of_a_deleted_workdir_are_not_restored(tmp_path, local_root, state0):
+    workdir = str(tmp_path / "run")
+    config, _, _ = _saved_run(
+        workdir,
+        local_root,
+        state0,
+        **{"checkpoint.local_every_steps": 1, "checkpoint.every_steps": 0},
+    )
+    shutil.rmtree(workdir)  # the user starts over in the same place; the RAM disk remembers
+    ctx = make_ctx(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    assert ck.restore_latest(ctx) is None
+    ck.close()
+    causes = [e["cause"] for e in events(workdir, "checkpoint_invalid")]
+    assert causes and all("earlier run" in c for c in causes)
+    run_dir = local.run_dir(local_root, workdir)
+    left = [n for proc in os.listdir(run_dir) for n in os.listdir(os.path.join(run_dir, proc))]
+    assert left == []  # and they were dropped
+
+
 def test_refuses_other_model_and_config_unless_init_from(tmp_path, state0):
     workdir = str(tmp_path / "a")
-    config, _, host = _saved_run(workdir, "", state0)
+    _, _, host = _saved_run(workdir, "", state0)
     wider = make_config(**{"model.d_model": 96})
     with pytest.raises(CheckpointError, match="different model"):
         Checkpointer(make_ctx(wider, workdir), handle_sigterm=False)
     reseeded = make_config(**{"seed": 7})
     with pytest.raises(CheckpointError, match="fingerprint"):
         Checkpointer(make_ctx(reseeded, workdir), handle_sigterm=False)
-    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "4"]  # untouched
+    assert step_dirs(workdir) == ["2", "4"]  # untouched
 
     # init_from naming this very directory accepts the other config and resumes from it.
     same_dir = make_config(
@@ -347,7 +399,7 @@ def test_rollback_restores_exact_step_and_quarantines_newer(tmp_path, local_root
     assert_bitwise(restored.state, host[2])
     assert ck.latest_step() == 2
     ck.close()
-    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2", "quarantine"]
+    assert step_dirs(workdir) == ["2", "quarantine"]
 
 
 # -------------------------------------------------------------------------------- policies
@@ -431,7 +483,7 @@ def test_wall_clock_save_is_temporary_and_deleted_once_superseded(tmp_path, stat
     ck.wait_until_finished()
     saves = {e["step"]: e for e in events(workdir, "save")}
     assert sorted(saves) == [4, 10, 20] and saves[4]["temporary"] is True
-    assert sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))) == [10, 20]
+    assert step_dirs(workdir) == ["10", "20"]
     ck.close()
 
 
@@ -487,6 +539,6 @@ def test_sigterm_saves_and_stops_with_preempted_exit_code(tmp_path, state0):
     finally:
         ck.close()
     assert stop.value.exit_code == PREEMPTED_EXIT_CODE
-    assert os.listdir(os.path.join(workdir, "checkpoints")) == ["3"]
+    assert step_dirs(workdir) == ["3"]
     assert events(workdir, "preemption")[0]["step"] == 3
     assert signal.getsignal(signal.SIGTERM) == before

@@ -67,7 +67,7 @@ def local_root():
 
 
 def test_save_torn_by_sigkill_falls_back_and_cleans_temp_dirs(tmp_path, local_root):
-    from test_checkpoint import events, make_config, make_ctx
+    from test_checkpoint import events, make_config, make_ctx, step_dirs
 
     from resilient_jax.checkpoint import Checkpointer, local
 
@@ -86,7 +86,9 @@ def test_save_torn_by_sigkill_falls_back_and_cleans_temp_dirs(tmp_path, local_ro
         def temp_dirs() -> tuple[list[str], list[str]]:
             orbax = [n for n in os.listdir(ckpt_dir) if "tmp" in n]
             mine = [
-                n for p in os.listdir(run_dir) for n in os.listdir(os.path.join(run_dir, p))
+                n
+                for p in os.listdir(run_dir)
+                for n in os.listdir(os.path.join(run_dir, p))
                 if n.startswith(local.TMP_PREFIX)
             ]
             return orbax, mine
@@ -111,41 +113,54 @@ def test_save_torn_by_sigkill_falls_back_and_cleans_temp_dirs(tmp_path, local_ro
     while time.monotonic() < deadline and temp_dirs() != ([], []):
         time.sleep(0.1)
     assert temp_dirs() == ([], [])
-    assert sorted(os.listdir(ckpt_dir)) == ["2"]
+    assert step_dirs(workdir) == ["2"]
     assert [e["step"] for e in events(workdir, "restore")] == [2]
 
 
-def test_two_slices_restore_together_then_survivor_alone(tmp_path, local_root):
-    workdir = str(tmp_path)
+def test_two_slices_save_agree_and_restore_then_survivor_alone(tmp_path, local_root):
     from conftest import free_port
-
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "RJ_NUM_SLICES": "2"}
-    port = str(free_port())
-    saved = _result(_run_group([["save", workdir, local_root, port, "2"]] * 2, env)[0])
+    from test_checkpoint import events
 
     from resilient_jax.checkpoint import local
+
+    workdir = str(tmp_path)
+    two = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "RJ_NUM_SLICES": "2"}
+    one = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "RJ_NUM_SLICES": "1"}
+    saved = _result(_run_group([["save", workdir, local_root, str(free_port()), "2"]] * 2, two)[0])
+
+    # Wall-clock saves (every 6 ms here) happened at the same steps on both processes.
+    saves = [e for e in events(workdir, "save") if e["tier"] == "persistent"]
+    by_process = {p: [e["step"] for e in saves if e["process"] == p] for p in (0, 1)}
+    assert by_process[0] == by_process[1] == [2, 3, 4, 5]
+    assert [e["step"] for e in saves if e.get("temporary") and e["process"] == 0] == [3, 5]
 
     run_dir = local.run_dir(local_root, workdir)
     procs = sorted(os.listdir(run_dir))
     assert len(procs) == 2  # one full copy per slice
     for proc in procs:
-        assert local.step_name(2) in os.listdir(os.path.join(run_dir, proc))
+        assert local.step_name(5) in os.listdir(os.path.join(run_dir, proc))
 
     port = str(free_port())
-    outputs = _run_group([["restore", workdir, local_root, port, "2"]] * 2, env)
-    for output in outputs:
+    for output in _run_group([["restore", workdir, local_root, port, "2"]] * 2, two):
         result = _result(output)
-        assert (result["tier"], result["step"]) == ("local", 2)
+        assert (result["tier"], result["step"]) == ("local", 5)
         assert result["digests"] == saved["digests"]
 
     # Slice 1 is gone with its RAM disk; slice 0 restores alone onto its 4 devices.
     shutil.rmtree(os.path.join(run_dir, procs[1]))
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "RJ_NUM_SLICES": "1"}
-    (output,) = _run_group([["restore", workdir, local_root, "0", "1"]], env)
+    (output,) = _run_group([["restore", workdir, local_root, "0", "1"]], one)
     result = _result(output)
-    assert (result["tier"], result["step"]) == ("local", 2)
+    assert (result["tier"], result["step"]) == ("local", 5)
     assert result["digests"] == saved["digests"]
     assert result["mesh"]["replica"] == 1 and result["mesh"]["fsdp"] == 4
+
+    # Without any local copy, both processes restore the persistent tier and verify checksums.
+    shutil.rmtree(local_root)
+    port = str(free_port())
+    for output in _run_group([["restore", workdir, "", port, "2"]] * 2, two):
+        result = _result(output)
+        assert (result["tier"], result["step"]) == ("persistent", 5)
+        assert result["digests"] == saved["digests"]
 
 
 # --------------------------------------------------------------------------------- the workers
@@ -173,6 +188,7 @@ def _worker(mode: str, workdir: str, local_root: str, port: str = "0", procs: st
     overrides = {"checkpoint.every_steps": 2, "checkpoint.local_every_steps": 2}
     if mode == "save":
         overrides["checkpoint.local_every_steps"] = 1
+        overrides["checkpoint.every_minutes"] = 0.0001
     config = make_config(local_root, **overrides)
     ctx = make_ctx(config, workdir, devices=len(jax.devices()))
     ctx.events = EventLog(workdir, process=jax.process_index())
@@ -186,7 +202,7 @@ def _worker(mode: str, workdir: str, local_root: str, port: str = "0", procs: st
         return
     state = init_state(ctx.config, ctx.mesh)
     ck.on_start(ctx, state)
-    state, _ = run_steps(ck, ctx, state, 1, 2)
+    state, _ = run_steps(ck, ctx, state, 1, 5 if mode == "save" else 2)
     ck.wait_until_finished()
     if mode == "save":
         digests = checksum.tree_digests(state)

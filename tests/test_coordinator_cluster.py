@@ -169,7 +169,8 @@ def test_stopped_worker_is_detected_by_missing_heartbeats(cluster_dir):
     assert result.exit_code == 0, result.reason
     (failure,) = of_type(events, "failure_detected")
     assert (failure["cause"], failure["slice"]) == ("heartbeat", 1)
-    assert 1.5 <= failure["latency_s"] < 3.0  # heartbeat_timeout_s plus at most a beat or two
+    # heartbeat_timeout_s after the last heartbeat, which may precede the fault by one interval
+    assert 1.5 - 0.2 <= failure["latency_s"] < 3.0
     assert of_type(events, "restart")[0]["slices"] == [0]
     assert state["value"] == pytest.approx(expected_value(), rel=1e-12)
 
@@ -207,9 +208,14 @@ def test_spare_slice_takes_over(cluster_dir):
 
 @pytest.mark.timeout(120)
 def test_returning_slice_is_readmitted(cluster_dir):
-    lose = SupervisorAction("lose_slice", slice=1, at_step=8, duration_s=1.0)
+    # The worker announces the outage in the event log (as the chaos hook's lose_slice does) and
+    # dies; the supervisor keeps the slice out that long (the cooldown alone would be forever).
+    lose = ["--sim_crash_at_step=8", "--sim_fault_process=1", "--sim_fault_generation=0"]
     result, events, _, state = run(
-        cluster_dir, ClusterSpec(2, 1, 1), actions=[lose], total_steps=80
+        cluster_dir,
+        ClusterSpec(2, 1, 1),
+        sim_flags=[*lose, "--sim_lose_slice_for_s=1.0"],
+        total_steps=80,
     )
     assert result.exit_code == 0, result.reason
     assert result.failures == 1
@@ -224,6 +230,17 @@ def test_returning_slice_is_readmitted(cluster_dir):
     worker_stops = [e for e in read_events(str(cluster_dir)) if e.get("reason") == "preempted"]
     assert worker_stops and {e["generation"] for e in worker_stops} == {1}
     assert state["value"] == pytest.approx(expected_value(80), rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_slice_lost_by_the_supervisor_returns_after_its_outage(cluster_dir):
+    lose = SupervisorAction("lose_slice", slice=1, at_step=8, duration_s=1.0)
+    result, events, _, _ = run(cluster_dir, ClusterSpec(2, 1, 1), actions=[lose], total_steps=80)
+    assert result.exit_code == 0, result.reason
+    assert [r["reason"] for r in of_type(events, "restart")] == ["failure", "scale_up"]
+    (evict,) = of_type(events, "evict")
+    assert evict["returns_in_s"] < 1.0
 
 
 @pytest.mark.slow

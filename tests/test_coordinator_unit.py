@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
 
 import jax
@@ -143,11 +144,14 @@ def test_client_from_env_only_when_supervised():
         protocol.ENV_PROCESS_ID: "1",
         protocol.ENV_SLICE: "2",
     }
+    excepthook = sys.excepthook
     client = SupervisorClient.from_env(c, environ=env)
     try:
         report = wait_for(lambda: server.reports(3).get(1))
         assert report.slice == 2
+        assert sys.excepthook is not excepthook  # uncaught errors get reported
     finally:
+        sys.excepthook = excepthook
         client.close()
         server.close()
 

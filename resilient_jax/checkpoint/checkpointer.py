@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import os
 import threading
 import time
@@ -40,6 +41,7 @@ from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
 from resilient_jax.checkpoint.local import LocalTier, StepFiles, run_dir
 from resilient_jax.checkpoint.persistent import PersistentTier
 from resilient_jax.checkpoint.policy import FINAL, PREEMPTION, Decision, SavePolicy
+from resilient_jax.checkpoint.policy import LOCAL as LOCAL_RULE
 from resilient_jax.checkpoint.preemption import PreemptionNotice
 from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.train.context import RunContext
@@ -103,7 +105,6 @@ class Checkpointer(Hook):
         handle_sigterm: bool = True,
     ) -> None:
         c = ctx.config.checkpoint
-        self._ctx = ctx
         self._events = ctx.events
         self._clock = clock
         self._fingerprint = config_lib.fingerprint(ctx.config)
@@ -116,6 +117,9 @@ class Checkpointer(Hook):
         self._accept_other_config = _same_dir(c.init_from, self.persistent_dir)
         self._persistent = PersistentTier(self.persistent_dir, c.keep, c.keep_period)
         self._check_persistent_dir()
+        is_primary = jax.process_index() == 0
+        run_id = self._persistent.run_id(create=True) if is_primary else None
+        self._run_id: str = self._sync.all_gather("run_id", run_id)[0]
         self._local: LocalTier | None = None
         if c.local_dir and c.local_every_steps > 0:
             self._local = LocalTier(
@@ -186,7 +190,7 @@ class Checkpointer(Hook):
         """
         steps = list(self._committed_persistent_steps())
         if self._local is not None:
-            steps += list(self._local.scan(self._fingerprint)[0])
+            steps += list(self._local.scan(self._fingerprint, self._run_id)[0])
         steps = [s for s in steps if max_step is None or s <= max_step]
         return max(steps) if steps else None
 
@@ -240,6 +244,8 @@ class Checkpointer(Hook):
         if self._deferred_error is not None:
             error, self._deferred_error = self._deferred_error, None
             raise error
+        # Written by background threads later: a copy, in case the loader mutates its dict.
+        info = dataclasses.replace(info, data_position=json.loads(json.dumps(info.data_position)))
         if d.local and self._local is not None:
             self._save_local(ctx, state, info, d)
         if d.persistent:
@@ -249,6 +255,7 @@ class Checkpointer(Hook):
         assert self._local is not None
         local_manifest = {
             "fingerprint": self._fingerprint,
+            "run_id": self._run_id,
             "timeline": self._timeline,
             "time": time.time(),
             "data_position": info.data_position,
@@ -265,7 +272,7 @@ class Checkpointer(Hook):
             self._report_failure(LOCAL, e)
             raise
         self._events.emit(
-            "save", tier=LOCAL, step=info.step, duration_s=blocking, reason=d.reason or "local"
+            "save", tier=LOCAL, step=info.step, duration_s=blocking, reason=LOCAL_RULE
         )
 
     def _save_persistent(
@@ -447,7 +454,7 @@ class Checkpointer(Hook):
         """Local copies this process can assemble completely, keyed by (step, timeline)."""
         if self._local is None:
             return {}
-        found, unusable = self._local.scan(self._fingerprint)
+        found, unusable = self._local.scan(self._fingerprint, self._run_id)
         for step, why in unusable:
             if fits(step):
                 self._events.emit("checkpoint_invalid", tier=LOCAL, step=step, cause=why)

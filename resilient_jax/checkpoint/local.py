@@ -327,8 +327,10 @@ class LocalTier:
 
     # ---------------------------------------------------------------------------------- reading
 
-    def scan(self, fingerprint: str) -> tuple[dict[int, list[StepFiles]], list[tuple[int, str]]]:
-        """Committed copies readable here, by step; plus (step, why) for unusable ones."""
+    def scan(
+        self, fingerprint: str, run_id: str
+    ) -> tuple[dict[int, list[StepFiles]], list[tuple[int, str]]]:
+        """Committed copies of this run readable here, by step; plus (step, why) for others."""
         found: dict[int, list[StepFiles]] = {}
         unusable: list[tuple[int, str]] = []
         for proc in _proc_dirs(self.root):
@@ -342,6 +344,9 @@ class LocalTier:
                 written_by = manifest.get("fingerprint")
                 if written_by != fingerprint:
                     unusable.append((step, f"{path}: written by config {written_by}"))
+                    continue
+                if manifest.get("run_id") != run_id:
+                    unusable.append((step, f"{path}: left by an earlier run of this workdir"))
                     continue
                 found.setdefault(step, []).append(StepFiles(path, manifest))
         return found, unusable
@@ -395,6 +400,9 @@ class LocalTier:
             for s, path in _committed_dirs(proc):
                 if step is None or s > step:
                     shutil.rmtree(path, ignore_errors=True)
+            if proc != self.own_dir:
+                with contextlib.suppress(OSError):
+                    os.rmdir(proc)  # only if empty
         with self._lock:
             self._committed = [s for s in self._committed if step is not None and s <= step]
 

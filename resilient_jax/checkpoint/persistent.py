@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,9 @@ from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
 
 ITEMS = ("state", "data", "meta")
 QUARANTINE_DIR = "quarantine"
+# Identifies this directory's history; local-tier copies carry it, so copies left on a RAM disk
+# by an earlier run in a workdir that was since deleted and recreated are never restored.
+RUN_ID_FILE = "resilient_jax_run_id"
 _NAME_FORMAT = ocp.step.standard_name_format()
 
 
@@ -87,7 +91,7 @@ class PersistentTier:
             preservation_policy=None if read_only else policy,
             read_only=read_only,  # another run's directory: never clean, create or delete
             cleanup_tmp_directories=not read_only,  # a crash mid-save leaves an Orbax temp dir
-            create=not read_only,
+            create=False,  # made below: Orbax refuses to create it when processes are named
             # Orbax's asynchronous directory creation leaves a thread waiting 300 s for a signal
             # when creation fails, which would hold a failed run at exit; mkdir is cheap.
             async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
@@ -99,6 +103,8 @@ class PersistentTier:
             ),
         )
         try:
+            if not read_only:
+                self.directory.mkdir(parents=True, exist_ok=True)
             self._manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
         except Exception as e:
             raise CheckpointError(
@@ -112,6 +118,17 @@ class PersistentTier:
                     self._temporary.add(step)
             except InvalidCheckpoint:
                 continue
+
+    def run_id(self, create: bool) -> str | None:
+        """The directory's run id; with `create`, made now if the directory has none yet."""
+        path = self.directory / RUN_ID_FILE
+        if path.exists():
+            return path.read_text().strip()
+        if not create:
+            return None
+        run_id = uuid.uuid4().hex
+        path.write_text(run_id)
+        return run_id
 
     # ---------------------------------------------------------------------------------- reading
 
@@ -239,7 +256,7 @@ class PersistentTier:
         must call `reload()` after all have passed this point.
         """
         newer = [s for s in self.steps() if step is None or s > step]
-        if jax.process_index() == 0:
+        if newer and jax.process_index() == 0:
             target_root = self.directory / QUARANTINE_DIR
             target_root.mkdir(parents=True, exist_ok=True)
             stamp = time.strftime("%Y%m%d-%H%M%S")

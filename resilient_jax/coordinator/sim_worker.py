@@ -10,13 +10,14 @@ handles preemption (SIGTERM: save at the step all processes agree on, exit EXIT_
 Its state follows the trainer's contract: step s reduces the global batch of rows
 [s*B, (s+1)*B) (B = global_batch_size), each process summing its share, so the final `value` is
 the same whatever the process count and however often the job was reshaped. `--sim_*` flags
-inject faults from inside a worker (a software error, a hung main thread).
+inject faults from inside a worker (a software error, a hung main thread, a lost slice).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 from absl import app, flags
@@ -33,6 +34,12 @@ _STEP_TIME = flags.DEFINE_float("sim_step_time_s", 0.05, "Seconds of simulated w
 _CRASH_AT = flags.DEFINE_integer("sim_crash_at_step", -1, "Fail before this step.")
 _CRASH_CODE = flags.DEFINE_integer(
     "sim_crash_exit_code", 0, "0: fail by raising; else leave at once with this exit code."
+)
+_LOSE_SLICE_FOR = flags.DEFINE_float(
+    "sim_lose_slice_for_s",
+    0.0,
+    "> 0: instead of failing, announce a slice outage of this length and SIGKILL this process, "
+    "as the chaos hook's lose_slice does.",
 )
 _HANG_AT = flags.DEFINE_integer("sim_hang_at_step", -1, "Hang (heartbeats go on) before this step.")
 _FAULT_PROCESS = flags.DEFINE_integer("sim_fault_process", 0, "Process the --sim_* faults hit.")
@@ -94,6 +101,12 @@ def main(argv: list[str]) -> int:
     last = time.monotonic()
     for step in range(state["step"] + 1, config.total_steps + 1):
         if faulty and step == _CRASH_AT.value:
+            if _LOSE_SLICE_FOR.value > 0:
+                slice_index = env.slice_index if env else 0
+                events.emit(
+                    "chaos", kind="lose_slice", slice=slice_index, for_s=_LOSE_SLICE_FOR.value
+                )
+                os.kill(os.getpid(), signal.SIGKILL)
             if _CRASH_CODE.value:
                 os._exit(_CRASH_CODE.value)  # as a worker that stops the run on purpose does
             raise RuntimeError(f"simulated software error before step {step}")

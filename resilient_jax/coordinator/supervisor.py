@@ -153,7 +153,6 @@ class Supervisor:
         self._workers: list[processes.WorkerProcess] = []
         self._slices: list[int] = []
         self._generation = -1
-        self._gen_started = 0.0
         self._fault_times: dict[int, float] = {}  # process -> when an injected fault hit it
         self._max_step: int | None = None  # highest step any worker reported, any generation
         self._gen_max_step: int | None = None
@@ -359,7 +358,6 @@ class Supervisor:
             )
             self._say(f"generation {self._generation} on slices {slices} ({reason})")
         port = _free_port()
-        self._gen_started = time.monotonic()
         self._workers = []
         for index, slice_id in enumerate(slices):
             for local in range(cluster.processes_per_slice):

@@ -1,0 +1,265 @@
+"""What checkpointing costs the training loop, per tier, against a synchronous Orbax save.
+
+    python experiments/bench_checkpoint.py [--config=configs/tiny_cpu.py] [--rounds=5]
+    -> experiments/results/bench_checkpoint.json
+
+One process, one state (the config's model with its AdamW state), on `--cpu_devices` simulated
+devices when running on CPU. Three measurements:
+
+1. Blocking time per save, interleaved round by round in rotating order: the checkpointer's local
+   tier (RAM disk), its persistent tier (async Orbax plus per-array digests), a plain async
+   Orbax `CheckpointManager` save, and a plain synchronous Orbax save
+   (`Checkpointer(StandardCheckpointHandler)`) of the same state. "hook" is
+   the wall time `after_step` took (what the loop waits for); "commit" is when the data was
+   durable. Each save follows a fresh train step that is waited for first, so the numbers are
+   the save alone (part 2 shows what waiting for the step costs inside the loop).
+2. Throughput: blocks of training steps with a local save after every step against blocks with
+   no saves, alternating; a save block includes waiting for its last write.
+3. Restore time per tier onto the same mesh and onto half the devices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_cpu.py", "Experiment config.")
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "Measured save rounds (after one warm-up round).")
+_BLOCKS = flags.DEFINE_integer("blocks", 3, "Throughput blocks per side.")
+_STEPS = flags.DEFINE_integer("steps", 6, "Steps per throughput block.")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Simulated devices when on CPU.")
+_OUT = flags.DEFINE_string("out", "experiments/results/bench_checkpoint.json", "Result file.")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    os.environ.setdefault(
+        "XLA_FLAGS", f"--xla_force_host_platform_device_count={_CPU_DEVICES.value}"
+    )
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from resilient_jax import mesh as mesh_lib
+    from resilient_jax import topology as topology_lib
+    from resilient_jax.checkpoint import Checkpointer, checksum, young_daly_interval_s
+    from resilient_jax.data import BatchLoader, make_source
+    from resilient_jax.events import EventLog, read_events
+    from resilient_jax.train.context import RunContext
+    from resilient_jax.train.hooks import StepInfo
+    from resilient_jax.train.run import compile_step, prepare
+    from resilient_jax.train.state import abstract_state, init_state
+
+    base = _CONFIG.value
+    base.total_steps = 10**9  # no final-step save inside the benchmark
+    base.log.progress_bar = False
+    base.log.tensorboard = False
+    root = tempfile.mkdtemp(prefix="bench_ckpt_")
+    local_root = f"/dev/shm/bench_ckpt_{uuid.uuid4().hex[:8]}"
+
+    def context(name: str, local: bool, persistent_every: int, devices=None) -> RunContext:
+        config = base.copy_and_resolve_references()
+        config.checkpoint.local_dir = local_root if local else ""
+        config.checkpoint.local_every_steps = 1 if local else 0
+        config.checkpoint.every_steps = persistent_every
+        workdir = os.path.join(root, name)
+        if devices is None:
+            return prepare(config, workdir, EventLog(workdir))
+        topology = topology_lib.discover(devices)
+        plan = mesh_lib.plan_mesh(config, topology)
+        mesh = mesh_lib.make_mesh(plan, topology)
+        return RunContext(
+            config, workdir, topology, plan, mesh, EventLog(workdir), abstract_state(config, mesh)
+        )
+
+    def by_step(workdir: str, kind: str) -> dict[int, dict]:
+        return {e["step"]: e for e in read_events(workdir) if e["type"] == kind}
+
+    try:
+        ctx_local = context("local", local=True, persistent_every=0)
+        ctx_persistent = context("persistent", local=False, persistent_every=1)
+        step_fn = compile_step(ctx_local)
+        loader = BatchLoader(base, ctx_local.mesh, ctx_local.plan, make_source(base))
+        _, batch = loader.next()
+        one = jnp.float32(1.0)
+        state = init_state(base, ctx_local.mesh)
+        state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        ck_local = Checkpointer(ctx_local, handle_sigterm=False)
+        ck_persistent = Checkpointer(ctx_persistent, handle_sigterm=False)
+        ck_local.on_start(ctx_local, state)
+        ck_persistent.on_start(ctx_persistent, state)
+        sync_orbax = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+        async_orbax = ocp.CheckpointManager(os.path.join(root, "orbax_async"))
+        step = 0
+
+        def train_step(state):
+            nonlocal step
+            state, _ = step_fn(state, batch, one)
+            step += 1
+            return state
+
+        def info() -> StepInfo:
+            return StepInfo(step, step - 1, {"next_batch": step}, 0.0)
+
+        # 1. Blocking time per save, interleaved.
+        hook_s: dict[str, list[float]] = {
+            "local": [],
+            "persistent": [],
+            "orbax_async": [],
+            "orbax_sync": [],
+        }
+        async_commit_s: list[float] = []
+        digest_s: list[float] = []
+        steps_of: dict[str, list[int]] = {"local": [], "persistent": []}
+        kinds = list(hook_s)
+        for r in range(_ROUNDS.value + 1):
+            for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
+                ck_local.wait_until_finished()
+                ck_persistent.wait_until_finished()
+                async_orbax.wait_until_finished()
+                state = jax.block_until_ready(train_step(state))  # time the save alone
+                start = time.perf_counter()
+                if kind == "local":
+                    ck_local.after_step(ctx_local, state, info())
+                elif kind == "persistent":
+                    ck_persistent.after_step(ctx_persistent, state, info())
+                elif kind == "orbax_async":
+                    async_orbax.save(step, args=ocp.args.StandardSave(state))
+                else:
+                    sync_orbax.save(
+                        os.path.join(root, "orbax_sync", str(step)),
+                        args=ocp.args.StandardSave(state),
+                    )
+                elapsed = time.perf_counter() - start
+                if kind == "orbax_async":
+                    async_orbax.wait_until_finished()
+                    commit = time.perf_counter() - start
+                if r > 0:  # round 0 warms up compiles and caches
+                    hook_s[kind].append(elapsed)
+                    if kind == "orbax_async":
+                        async_commit_s.append(commit)
+                    if kind in steps_of:
+                        steps_of[kind].append(step)
+            if r > 0:
+                jax.block_until_ready(state)
+                start = time.perf_counter()
+                checksum.tree_digests(state)
+                digest_s.append(time.perf_counter() - start)
+        ck_local.wait_until_finished()
+        ck_persistent.wait_until_finished()
+        commit_s: dict[str, list[float]] = {
+            kind: [by_step(ctx.workdir, "save_committed")[s]["commit_s"] for s in steps_of[kind]]
+            for kind, ctx in (("local", ctx_local), ("persistent", ctx_persistent))
+        }
+        commit_s["orbax_async"] = async_commit_s
+        event_s = {
+            kind: [by_step(ctx.workdir, "save")[s]["duration_s"] for s in steps_of[kind]]
+            for kind, ctx in (("local", ctx_local), ("persistent", ctx_persistent))
+        }
+
+        # 2. Throughput: local save every step against no saves.
+        def block(state, save: bool) -> tuple:
+            jax.block_until_ready(state)
+            start = time.perf_counter()
+            for _ in range(_STEPS.value):
+                state = train_step(state)
+                if save:
+                    ck_local.after_step(ctx_local, state, info())
+            jax.block_until_ready(state)
+            if save:
+                ck_local.wait_until_finished()
+            return state, (time.perf_counter() - start) / _STEPS.value
+
+        state, _ = block(state, False)
+        state, _ = block(state, True)
+        plain_step, saving_step = [], []
+        for _ in range(_BLOCKS.value):
+            state, t = block(state, False)
+            plain_step.append(t)
+            state, t = block(state, True)
+            saving_step.append(t)
+        ck_local.close()
+        ck_persistent.close()
+        async_orbax.close()
+
+        # 3. Restore time per tier, same mesh and half the devices.
+        restore_s: dict[str, list[float]] = {}
+        devices = jax.devices()
+        targets = {"same mesh": None}
+        if len(devices) >= 2:
+            targets[f"{len(devices) // 2} devices"] = devices[: len(devices) // 2]
+        for target, subset in targets.items():
+            for tier, local in (("local", True), ("persistent", False)):
+                name = "local" if local else "persistent"
+                for _ in range(3):
+                    ctx = context(name, local=local, persistent_every=0, devices=subset)
+                    ck = Checkpointer(ctx, handle_sigterm=False)
+                    start = time.perf_counter()
+                    restored = ck.restore_latest(ctx)
+                    jax.block_until_ready(restored.state)
+                    elapsed = time.perf_counter() - start
+                    ck.close()
+                    assert restored.tier == tier, (restored.tier, tier)
+                    restore_s.setdefault(f"{tier} -> {target}", []).append(elapsed)
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+    med = statistics.median
+    persistent_cost = med(hook_s["persistent"])
+    result = {
+        "config": base.model.to_dict()
+        | {"global_batch_size": base.global_batch_size, "seq_len": base.data.seq_len},
+        "device": jax.devices()[0].device_kind,
+        "num_devices": jax.device_count(),
+        "host": platform.node(),
+        "state_mb": state_bytes / 1e6,
+        "rounds": _ROUNDS.value,
+        "save_hook_s": hook_s,
+        "save_event_duration_s": event_s,
+        "save_commit_s": commit_s,
+        "digest_s": digest_s,
+        "step_s_no_saves": plain_step,
+        "step_s_local_save_every_step": saving_step,
+        "local_every_step_overhead": med(saving_step) / med(plain_step) - 1.0,
+        "restore_s": restore_s,
+        "young_daly_interval_s_at_mtbf_1h": young_daly_interval_s(persistent_cost, 3600.0),
+    }
+    print(f"state {state_bytes / 1e6:.1f} MB on {jax.device_count()} x {result['device']}")
+    title = f"save (median of {_ROUNDS.value})"
+    print(f"{title:34}{'blocks loop s':>14}{'commit s':>10}")
+    for kind in kinds:
+        commit = med(commit_s[kind]) if kind in commit_s else med(hook_s[kind])
+        print(f"{kind:34}{med(hook_s[kind]):>14.4f}{commit:>10.4f}")
+    print(f"{'  of which per-array digests':34}{med(digest_s):>14.4f}")
+    print(
+        f"step s: no saves {med(plain_step):.4f}, local save every step {med(saving_step):.4f} "
+        f"({100 * result['local_every_step_overhead']:+.1f}%)"
+    )
+    for name, times in restore_s.items():
+        print(f"restore {name:28}{med(times):>10.4f} s")
+    print(
+        f"Young/Daly interval at MTBF 1 h with this persistent cost: "
+        f"{result['young_daly_interval_s_at_mtbf_1h']:.1f} s"
+    )
+    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
+    with open(_OUT.value, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+    app.run(main)
