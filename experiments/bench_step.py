@@ -63,7 +63,7 @@ def main(argv: list[str]) -> None:
     def framework_block(state, steps):
         config.total_steps = int(jax.device_get(state.step)) + steps
         start = time.perf_counter()
-        state, _ = Loop(ctx, step_fn, loader, hooks, restore=lambda: None).run(state)
+        state, _ = Loop(ctx, step_fn, loader, hooks, restore=lambda max_step: None).run(state)
         jax.block_until_ready(state)
         return state, (time.perf_counter() - start) / steps
 

@@ -106,7 +106,6 @@ class Checkpointer(Hook):
     ) -> None:
         c = ctx.config.checkpoint
         self._events = ctx.events
-        self._clock = clock
         self._fingerprint = config_lib.fingerprint(ctx.config)
         self._wanted = manifest.leaf_specs(ctx.abstract_state)
         self._sync = ProcessSync(
@@ -177,6 +176,10 @@ class Checkpointer(Hook):
         except CheckpointError:
             pass  # already reported as a save_failed event; close() must not mask the cause
         finally:
+            # A daemon thread still compiling at interpreter exit aborts the process.
+            if self._warmup is not None:
+                self._warmup.join()
+                self._warmup = None
             self._persistent.close()
             self._preemption.close()
 
@@ -247,11 +250,11 @@ class Checkpointer(Hook):
         # Written by background threads later: a copy, in case the loader mutates its dict.
         info = dataclasses.replace(info, data_position=json.loads(json.dumps(info.data_position)))
         if d.local and self._local is not None:
-            self._save_local(ctx, state, info, d)
+            self._save_local(ctx, state, info)
         if d.persistent:
             self._save_persistent(ctx, state, info, d)
 
-    def _save_local(self, ctx: RunContext, state: TrainState, info: StepInfo, d: Decision) -> None:
+    def _save_local(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
         assert self._local is not None
         local_manifest = {
             "fingerprint": self._fingerprint,
@@ -278,7 +281,7 @@ class Checkpointer(Hook):
     def _save_persistent(
         self, ctx: RunContext, state: TrainState, info: StepInfo, d: Decision
     ) -> None:
-        started = self._clock()
+        started = time.perf_counter()  # real cost, whatever clock the policies run on
         pending = self._persistent.pending
         try:
             self._report_commit(self._persistent.finish())
@@ -308,7 +311,7 @@ class Checkpointer(Hook):
         self._last_persistent_step = info.step
         if started_save is None:
             return  # this step is already committed
-        blocking = self._clock() - started
+        blocking = time.perf_counter() - started
         self._policy.record_persistent_save(blocking)
         interval = self._policy.auto_interval_s() if ctx.config.checkpoint.auto_interval else None
         self._events.emit(
@@ -397,7 +400,7 @@ class Checkpointer(Hook):
             return
 
     def _restore(self, ctx: RunContext, max_step: int | None, exact: bool) -> Restored | None:
-        started = self._clock()
+        started = time.perf_counter()
         try:
             self.wait_until_finished()
         except CheckpointError as e:
@@ -432,7 +435,7 @@ class Checkpointer(Hook):
                     "restore",
                     tier=candidate.tier,
                     step=candidate.step,
-                    duration_s=self._clock() - started,
+                    duration_s=time.perf_counter() - started,
                 )
                 return restored
         if persistent_steps and not exact:
@@ -566,7 +569,7 @@ class Checkpointer(Hook):
                         "restore",
                         tier=INIT_FROM,
                         step=step,
-                        duration_s=self._clock() - started,
+                        duration_s=time.perf_counter() - started,
                         source=source_dir,
                     )
                     return restored

@@ -53,6 +53,7 @@ class BatchLoader:
         self._local_rows = np.unique(np.concatenate(list(self._device_rows.values())))
         self.last_wait_s = 0.0
         self._skips: list[list[int]] = []
+        self._iter = None
         self.seek({"next_batch": next_batch})
 
     def _offsets(self, index: tuple[slice, ...]) -> np.ndarray:
@@ -73,10 +74,17 @@ class BatchLoader:
         `skips` lists windows `[first, end)` of batch indices that are never used: a rollback after
         an anomaly skips the data that caused it, and a rerun skips the same batches.
         """
+        self.close()
         self._skips = sorted([int(a), int(b)] for a, b in position.get("skips", []))
         self._next = self._skip_forward(int(position["next_batch"]))
         batches = grain.MapDataset.range(self._next, _HORIZON).map(self.rows_of_batch)
         self._iter = iter(batches.to_iter_dataset(self._read))
+
+    def close(self) -> None:
+        """Stops the prefetch threads (a thread still reading at interpreter exit can abort it)."""
+        if self._iter is not None:
+            self._iter.close()
+            self._iter = None
 
     def _skip_forward(self, batch_index: int) -> int:
         for first, end in self._skips:

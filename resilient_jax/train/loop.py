@@ -22,8 +22,9 @@ from resilient_jax.train.hooks import Hook, Rollback, StepInfo
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import StepFn
 
-# Returns the newest good (state, data position), or None to start again from the seed.
-RestoreFn = Callable[[], tuple[TrainState, dict[str, Any]] | None]
+# Returns the newest good (state, data position) at or before `max_step` (None: any step), or None
+# to start again from the seed.
+RestoreFn = Callable[[int | None], tuple[TrainState, dict[str, Any]] | None]
 
 
 @dataclasses.dataclass
@@ -94,7 +95,8 @@ class Loop:
 
     def _roll_back(self, rollback: Rollback, bad: StepInfo | None) -> tuple[TrainState, int]:
         """Restore the newest good state and never use the offending batches again."""
-        restored = self._restore()
+        # A save may have run at the bad step itself before its metrics showed the anomaly.
+        restored = self._restore(bad.step - 1 if bad is not None else None)
         if restored is None:
             from resilient_jax.train.state import init_state
 

@@ -21,6 +21,7 @@ from resilient_jax import goodput
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import topology as topology_lib
 from resilient_jax.chaos import ChaosHook
+from resilient_jax.checkpoint import Checkpointer, CheckpointError
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.events import EventLog
 from resilient_jax.health import HealthMonitor, Watchdog
@@ -28,10 +29,11 @@ from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook, StopTraining
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
-from resilient_jax.train.state import abstract_state, init_state
+from resilient_jax.train.state import TrainState, abstract_state, init_state
 from resilient_jax.train.step import make_train_step
 
 EXIT_BAD_INPUT = 2
+EXIT_CHECKPOINT = 5
 
 
 class RunError(Exception):
@@ -103,6 +105,15 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
             hook.close()
 
 
+def _checked(fn):
+    """Runs `fn`, turning a checkpoint failure (nothing valid to restore, a save that did not
+    commit) into a RunError: the run must exit non-zero with the reason."""
+    try:
+        return fn()
+    except CheckpointError as e:
+        raise RunError(f"checkpoint: {e}", EXIT_CHECKPOINT) from e
+
+
 def _train(
     config: ml_collections.ConfigDict,
     workdir: str,
@@ -119,11 +130,20 @@ def _train(
         write_config(config, workdir)
     events.emit("process_start", topology=ctx.topology.describe(), mesh=ctx.plan.describe())
 
-    def restore():
-        return None
+    try:
+        checkpointer = Checkpointer(ctx)
+    except CheckpointError as e:
+        raise RunError(str(e), EXIT_BAD_INPUT) from e
+    hooks.append(checkpointer)
+
+    def restore(max_step: int | None = None) -> tuple[TrainState, dict] | None:
+        restored = checkpointer.restore_latest(ctx, max_step=max_step)
+        if restored is None:
+            return None
+        return restored.state, restored.data_position or {"next_batch": 0}
 
     start = time.perf_counter()
-    restored = restore()
+    restored = _checked(restore)
     if restored is None:
         state, position = init_state(config, ctx.mesh), {"next_batch": 0}
         events.emit("init", duration_s=time.perf_counter() - start)
@@ -137,10 +157,15 @@ def _train(
     if faults is not None:
         hooks.append(faults)
     try:
-        Loop(ctx, step_fn, loader, hooks, restore).run(state)
+        _checked(lambda: Loop(ctx, step_fn, loader, hooks, restore).run(state))
         exit_code, reason = 0, "finished"
     except StopTraining as stop:
         exit_code, reason = stop.exit_code, stop.reason
+    except RunError as e:
+        events.emit("stop", reason=str(e), exit_code=e.exit_code)
+        raise
+    finally:
+        loader.close()
     events.emit("stop", reason=reason, exit_code=exit_code)
     if jax.process_index() == 0:
         goodput.print_summary(workdir)
