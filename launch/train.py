@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -58,7 +59,20 @@ def main(argv: list[str]) -> None:
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         code = e.exit_code
-    sys.exit(code)
+    except Exception as e:  # a crash: the traceback for the log, then one line saying what
+        traceback.print_exc()
+        print(
+            f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+            file=sys.stderr,
+        )
+        code = 1
+    if code != 0:
+        # After a failure JAX's exit-time shutdown barrier can wait minutes for peers stuck in a
+        # collective and then abort everyone, hiding which process failed: leave at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(0)
 
 
 if __name__ == "__main__":

@@ -38,21 +38,7 @@ OVERRIDES = {
 }
 
 
-def _trainer_joins_supervised_jobs() -> bool:
-    for path in ("launch/train.py", "resilient_jax/train/run.py"):
-        with open(os.path.join(REPO, path)) as f:
-            if "initialize_from_env" in f.read():
-                return True
-    return False
-
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not _trainer_joins_supervised_jobs(),
-        reason="the trainer does not call coordinator.initialize_from_env yet",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 
 def run_trainer(workdir, actions=()) -> tuple[int, list[dict]]:

@@ -8,6 +8,7 @@ off; 6. compile; 7. train, the hooks saving, checking health and reporting progr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -22,6 +23,12 @@ from resilient_jax import mesh as mesh_lib
 from resilient_jax import topology as topology_lib
 from resilient_jax.chaos import ChaosHook
 from resilient_jax.checkpoint import Checkpointer, CheckpointError
+from resilient_jax.coordinator import (
+    PHASE_COMPILE,
+    PHASE_RESTORE,
+    SupervisorClient,
+    initialize_from_env,
+)
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.events import EventLog
 from resilient_jax.health import HealthMonitor, Watchdog
@@ -95,11 +102,21 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
     except (config_lib.ConfigError, ValueError) as e:
         raise RunError(str(e), EXIT_BAD_INPUT) from e
     events = EventLog(workdir, pid=os.getpid())
-    watchdog = Watchdog.from_config(config.health, events)
-    watchdog.start()  # from here on, a hang anywhere (init, restore, a collective) ends the process
-    hooks: list[Hook] = [watchdog]
+    hooks: list[Hook] = []
     try:
-        return _train(config, workdir, events, hooks, faults)
+        # Heartbeats to the supervisor (if one started us) begin before the slow JAX start-up.
+        client = SupervisorClient.from_env(config.coordinator)
+        if client is not None:
+            hooks.append(client)
+        watchdog = Watchdog.from_config(config.health, events)
+        watchdog.start()  # from here on a hang anywhere (init, restore, a collective) ends us
+        hooks.append(watchdog)
+        env = initialize_from_env(config.coordinator, events)
+        generation = env.generation if env is not None else 0
+        events.update_common(generation=generation)
+        return _train(config, workdir, events, hooks, faults, client, generation)
+    except ValueError as e:  # an inconsistent worker environment
+        raise RunError(str(e), EXIT_BAD_INPUT) from e
     finally:
         for hook in hooks:
             hook.close()
@@ -120,9 +137,14 @@ def _train(
     events: EventLog,
     hooks: list[Hook],
     faults: ChaosHook | None,
+    client: SupervisorClient | None,
+    generation: int,
 ) -> int:
+    def phase(name: str):
+        return client.phase(name) if client is not None else contextlib.nullcontext()
+
     try:
-        ctx = prepare(config, workdir, events)
+        ctx = prepare(config, workdir, events, generation)
         source = make_source(config)
     except (config_lib.ConfigError, ValueError) as e:
         raise RunError(str(e), EXIT_BAD_INPUT) from e
@@ -143,7 +165,8 @@ def _train(
         return restored.state, restored.data_position or {"next_batch": 0}
 
     start = time.perf_counter()
-    restored = _checked(restore)
+    with phase(PHASE_RESTORE):
+        restored = _checked(restore)
     if restored is None:
         state, position = init_state(config, ctx.mesh), {"next_batch": 0}
         events.emit("init", duration_s=time.perf_counter() - start)
@@ -151,7 +174,8 @@ def _train(
         state, position = restored
     loader = BatchLoader(config, ctx.mesh, ctx.plan, source)
     loader.seek(position)
-    step_fn = compile_step(ctx)
+    with phase(PHASE_COMPILE):
+        step_fn = compile_step(ctx)
     # MetricsLogger first: a step that triggers a rollback still gets its `step` event.
     hooks[:0] = [MetricsLogger(ctx), HealthMonitor()]
     if faults is not None:
