@@ -101,5 +101,5 @@ def init_state(config: ml_collections.ConfigDict, mesh: Mesh) -> TrainState:
     """A fresh state from `config.seed`, created shard by shard on the mesh."""
     init = _init_fn(config)
     shardings = state_shardings(config, mesh)
-    with mesh:
+    with jax.set_mesh(mesh):
         return jax.jit(lambda: nn.unbox(init()), out_shardings=shardings)()

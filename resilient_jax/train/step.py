@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -55,7 +56,13 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> StepFn:
         return loss_sum / num_tokens, jax.tree.map(lambda g: g / num_tokens, grad_sum)
 
     def step(state: TrainState, batch: jax.Array, fault_scale: jax.Array):
-        loss, grads = loss_and_grads(state.params, batch)
+        # The mesh and the rules make the model's activation constraints (`batch` rows over the
+        # data axes) real sharding constraints; without them Flax drops them.
+        with (
+            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+            nn.logical_axis_rules(mesh_lib.LOGICAL_AXIS_RULES),
+        ):
+            loss, grads = loss_and_grads(state.params, batch)
         loss = loss * fault_scale
         grads = jax.tree.map(lambda g: g * fault_scale, grads)
         grad_norm = optax.tree.norm(grads)
