@@ -125,6 +125,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.coordinator.readmit_after_s = 60.0  # an evicted slice is healthy again after this; < 0 never
     c.coordinator.kill_grace_s = 0.5  # after a failure: SIGTERM, this long, then SIGKILL
     c.coordinator.save_grace_s = 60.0  # asked to save and stop: SIGTERM, this long, then SIGKILL
+    # A straggler (health.straggler_factor over health.straggler_window steps) is always reported;
+    # with this on its slice is evicted (after a save) when that makes the job faster: a spare
+    # replaces it, or the other slices alone step faster than the job waiting for it.
+    c.coordinator.evict_stragglers = True
+    # JAX's persistent compilation cache for supervised workers, so a restart skips the XLA
+    # compile of the step: a relative path is under the workdir; "" = off.
+    c.coordinator.compilation_cache_dir = ".jax_cache"
 
     c.log = ml_collections.ConfigDict()
     c.log.every_steps = 10

@@ -256,6 +256,47 @@ def test_preempted_worker_restarts_without_counting_a_failure(cluster_dir):
 
 
 @pytest.mark.timeout(120)
+def test_straggler_slice_is_evicted_after_a_save(cluster_dir):
+    # Process 1 takes 3x as long per step from step 3: the other waits for it every step.
+    result, events, _, state = run(
+        cluster_dir,
+        ClusterSpec(2, 1, 1),
+        sim_flags=["--chaos=slow:process=1,factor=3,step=3"],
+        **{"health.straggler_window": 5},
+    )
+    assert result.exit_code == 0, result.reason
+    assert result.failures == 0  # an eviction by choice is no failure
+    (straggler,) = of_type(events, "straggler")
+    assert (straggler["process"], straggler["slice"], straggler["action"]) == (1, 1, "evict")
+    assert straggler["ratio"] > 2.0  # with one slice left it must beat 2 slices' step time
+    assert of_type(events, "failure_detected") == []
+    (evict,) = of_type(events, "evict")
+    assert (evict["slice"], evict["cause"]) == (1, "straggler")
+    (restart,) = of_type(events, "restart")
+    assert (restart["reason"], restart["slices"]) == ("straggler", [0])
+    # Both workers saved at the step their preemption sync agreed on: nothing was recomputed.
+    saved = [e for e in read_events(str(cluster_dir)) if e.get("reason") == "preempted"]
+    assert {e["process"] for e in saved} == {0, 1}
+    assert state["value"] == pytest.approx(expected_value(), rel=1e-12)
+
+
+@pytest.mark.timeout(120)
+def test_straggler_is_only_reported_when_eviction_is_off(cluster_dir):
+    result, events, output, _ = run(
+        cluster_dir,
+        ClusterSpec(2, 1, 1),
+        sim_flags=["--chaos=slow:process=0,factor=3"],
+        **{"health.straggler_window": 5, "coordinator.evict_stragglers": False},
+    )
+    assert (result.exit_code, result.generations) == (0, 1), result.reason
+    (straggler,) = of_type(events, "straggler")
+    assert (straggler["process"], straggler["slice"], straggler["action"]) == (0, 0, "report")
+    assert straggler["why"] == "coordinator.evict_stragglers is off"
+    assert "[supervisor] straggler: process 0 (slice 0)" in output
+    assert of_type(events, "evict") == []
+
+
+@pytest.mark.timeout(120)
 def test_crash_loop_stops_with_a_reason(cluster_dir):
     result, events, _, _ = run(
         cluster_dir,

@@ -13,11 +13,12 @@ import jax
 import pytest
 
 from resilient_jax import config as config_lib
-from resilient_jax.coordinator import detector, protocol
+from resilient_jax.coordinator import compile_cache, detector, protocol
 from resilient_jax.coordinator.client import SupervisorClient
 from resilient_jax.coordinator.outages import OutageReader
 from resilient_jax.coordinator.policy import RestartPolicy, SlicePool
 from resilient_jax.coordinator.server import HeartbeatServer, WorkerReport
+from resilient_jax.coordinator.stragglers import StragglerWatch
 from resilient_jax.coordinator.supervisor import ClusterSpec, SupervisorAction, plan_for
 from resilient_jax.coordinator.worker import initialize_from_env, read_env
 
@@ -80,6 +81,8 @@ def test_client_reports_phases_steps_and_median_to_server():
             client.report_step(step, seconds)
         report = wait_for(lambda: (r := server.reports(2).get(1)) and r.step == 14 and r)
         assert report.phase == protocol.PHASE_TRAIN
+        assert sorted(report.arrivals) == [11, 12, 13, 14]
+        assert report.arrivals[11] <= report.arrivals[14] <= time.time()
         assert report.step_time_s == pytest.approx(0.2)
         assert report.last_progress is not None
         assert server.reports(1) == {}
@@ -229,6 +232,71 @@ def test_detector_slow_phases_get_the_startup_budget():
     assert failure.cause == "startup_timeout"
 
 
+# Stragglers.
+
+
+def arrivals_report(process: int, arrivals: dict[int, float]) -> WorkerReport:
+    return report(process, 1000.0, arrivals=arrivals)
+
+
+def test_server_keeps_the_newest_arrivals_of_well_formed_pairs():
+    server = HeartbeatServer(TOKEN)
+    try:
+        with socket.create_connection(protocol.split_address(server.address)) as sock:
+            base = {"type": "heartbeat", "token": TOKEN, "generation": 0, "process": 0}
+            pairs = [[step, 100.0 + step] for step in range(protocol.MAX_ARRIVALS_KEPT + 5)]
+            sock.sendall(protocol.encode({**base, "arrivals": pairs}))
+            sock.sendall(protocol.encode({**base, "arrivals": [["7", 1.0], [90, "x"], [3]]}))
+            got = wait_for(lambda: (r := server.reports(0).get(0)) and r.last_seen and r)
+            wait_for(lambda: len(server.reports(0)[0].arrivals) == protocol.MAX_ARRIVALS_KEPT)
+        got = server.reports(0)[0].arrivals
+        assert min(got) == 5 and got[5] == 105.0
+    finally:
+        server.close()
+
+
+def test_straggler_watch_finds_the_process_the_others_wait_for():
+    # Process 1 needs 0.3 s per step; process 0 is ready 0.1 s after process 1 arrived.
+    watch = StragglerWatch(factor=1.5, window=4, processes={0: 0, 1: 1})
+    times = {0: {}, 1: {}}
+    for step in range(1, 8):
+        times[1][step] = 0.3 * step
+        times[0][step] = 0.3 * (step - 1) + 0.1
+    early = {
+        p: arrivals_report(p, {s: t for s, t in a.items() if s <= 4}) for p, a in times.items()
+    }
+    assert watch.update(early) == []  # 3 own times each: the window is not full yet
+    (found,) = watch.update({p: arrivals_report(p, a) for p, a in times.items()})
+    assert (found.process, found.slice) == (1, 1)
+    assert found.ratio == pytest.approx(3.0)
+    assert (found.median_s, found.reference_s) == (pytest.approx(0.3), pytest.approx(0.1))
+    assert watch.update({p: arrivals_report(p, a) for p, a in times.items()}) == []  # once
+
+
+def test_straggler_watch_needs_every_process_and_consecutive_steps():
+    watch = StragglerWatch(factor=1.5, window=1, processes={0: 0, 1: 1})
+    assert watch.update({0: arrivals_report(0, {1: 0.0, 2: 1.0})}) == []  # process 1 unheard
+    # Steps 1 and 3 only: no step with its predecessor reported, so nothing to judge.
+    gaps = {0: arrivals_report(0, {1: 0.0, 3: 0.1}), 1: arrivals_report(1, {1: 0.0, 3: 5.0})}
+    assert watch.update(gaps) == []
+    healthy = StragglerWatch(factor=1.5, window=3, processes={0: 0, 1: 1})
+    even = {p: arrivals_report(p, {s: s + 0.01 * p for s in range(1, 6)}) for p in (0, 1)}
+    assert healthy.update(even) == []
+
+
+def test_compilation_cache_env_is_under_the_workdir_unless_absolute_or_off(tmp_path):
+    c = config_lib.default_config().coordinator
+    env = compile_cache.cache_env(c, str(tmp_path))
+    assert env[compile_cache.ENV_CACHE_DIR] == str(tmp_path / ".jax_cache")
+    c.compilation_cache_dir = "/dev/shm/cache"
+    assert (
+        compile_cache.cache_env(c, str(tmp_path))[compile_cache.ENV_CACHE_DIR]
+        == c.compilation_cache_dir
+    )
+    c.compilation_cache_dir = ""
+    assert compile_cache.cache_env(c, str(tmp_path)) == {}
+
+
 # Policy.
 
 
@@ -266,6 +334,7 @@ def test_slice_pool_evict_return_and_choose():
     assert pool.choose([]) == [0, 1]
     assert pool.evict(1, now=100.0) == 110.0
     assert pool.choose([0, 1]) == [0, 2]  # the spare steps in
+    assert pool.choose([0, 1], exclude=(0,)) == [2]  # the choice without slice 0
     pool.announce_outage(0, until=130.0)
     assert pool.evict(0, now=101.0) == 130.0  # an announced outage beats the cooldown
     assert pool.choose([0, 2]) == [2]

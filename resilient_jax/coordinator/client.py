@@ -17,6 +17,7 @@ import socket
 import statistics
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from resilient_jax.train.state import TrainState
 
 _STEP_TIME_WINDOW = 32
+# Steps whose arrival times every heartbeat repeats: the supervisor merges them, so a lost
+# heartbeat costs nothing as long as fewer steps than this pass between two heartbeats.
+ARRIVALS_SENT = 16
 _PR_SET_PDEATHSIG = 1
 
 
@@ -59,6 +63,7 @@ class SupervisorClient(Hook):
         self._phase = protocol.PHASE_INIT
         self._step: int | None = None
         self._step_times: deque[float] = deque(maxlen=_STEP_TIME_WINDOW)
+        self._arrivals: deque[tuple[int, float]] = deque(maxlen=ARRIVALS_SENT)
         self._error: str | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # send now instead of at the next tick
@@ -129,7 +134,12 @@ class SupervisorClient(Hook):
         sys.excepthook = hook
 
     def report_step(self, step: int, step_time_s: float) -> None:
+        # When this process got step `step` under way, on the wall clock every process of the
+        # job shares (to the precision of clock sync): the supervisor compares these arrivals
+        # across processes to find the one the others wait for (`coordinator.stragglers`).
+        arrival = round(time.time(), 4)
         with self._lock:
+            self._arrivals.append((step, arrival))
             # The first step after start-up or a save includes compile or save time: it would
             # inflate the median the supervisor derives its hang timeout from.
             if self._phase == protocol.PHASE_TRAIN:
@@ -161,6 +171,7 @@ class SupervisorClient(Hook):
         with self._lock:
             times = list(self._step_times)
             fields = {"phase": self._phase, "step": self._step, "error": self._error}
+            fields["arrivals"] = [list(a) for a in self._arrivals]
         fields["step_time_s"] = statistics.median(times) if times else None
         return {"type": kind, **self._identity, **fields}
 

@@ -63,9 +63,10 @@ class SlicePool:
         times = [st.returns_at for st in self._slices.values() if st.returns_at is not None]
         return min(times) if times else None
 
-    def choose(self, current: list[int]) -> list[int]:
-        """Up to `target` healthy slices: the current ones first, then spares by id."""
-        healthy = self.healthy()
+    def choose(self, current: list[int], exclude: tuple[int, ...] = ()) -> list[int]:
+        """Up to `target` healthy slices: the current ones first, then spares by id; `exclude`
+        asks what the choice would be without those slices."""
+        healthy = [s for s in self.healthy() if s not in exclude]
         kept = [s for s in current if s in healthy]
         extra = [s for s in healthy if s not in kept]
         return (kept + extra)[: self.target]

@@ -69,6 +69,8 @@ MAX_ERROR_CHARS = 300
 MSG_HEARTBEAT = "heartbeat"
 MSG_BYE = "bye"  # the worker closes its client on purpose: silence after this is no failure
 MAX_LINE_BYTES = 4096
+# Per worker, the supervisor keeps the arrival times of this many recent steps.
+MAX_ARRIVALS_KEPT = 64
 
 
 class ProtocolError(ValueError):

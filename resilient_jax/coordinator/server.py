@@ -34,6 +34,8 @@ class WorkerReport:
     last_progress: float | None  # when `step` last increased
     said_bye: bool = False
     error: str | None = None  # what a worker in phase "error" reported
+    # step -> unix time the worker got it under way (its own clock), the most recent steps only
+    arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
 class HeartbeatServer:
@@ -68,7 +70,7 @@ class HeartbeatServer:
         """Copies of the records of `generation`'s workers, by process id."""
         with self._lock:
             return {
-                process: dataclasses.replace(report)
+                process: dataclasses.replace(report, arrivals=dict(report.arrivals))
                 for (gen, process), report in self._reports.items()
                 if gen == generation
             }
@@ -164,5 +166,22 @@ class HeartbeatServer:
             error = message.get("error")
             if isinstance(error, str):
                 report.error = error[: protocol.MAX_ERROR_CHARS]
+            _merge_arrivals(report.arrivals, message.get("arrivals"))
             report.last_seen = now
             report.said_bye = report.said_bye or message["type"] == protocol.MSG_BYE
+
+
+def _merge_arrivals(arrivals: dict[int, float], reported: Any) -> None:
+    """Adds well-formed `[step, time]` pairs; keeps the newest `MAX_ARRIVALS_KEPT` steps."""
+    if not isinstance(reported, list):
+        return
+    for pair in reported:
+        if (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and isinstance(pair[0], int)
+            and isinstance(pair[1], (int, float))
+        ):
+            arrivals[pair[0]] = float(pair[1])
+    for step in sorted(arrivals)[: max(0, len(arrivals) - protocol.MAX_ARRIVALS_KEPT)]:
+        del arrivals[step]

@@ -6,6 +6,7 @@ It exercises the supervisor the way `launch/train.py` does, in about a second pe
 JAX job from the environment, reports heartbeats and progress, runs one cross-process collective per
 step, saves its state every `checkpoint.every_steps`, resumes from the last save after a restart and
 handles preemption (SIGTERM: save at the step all processes agree on, exit EXIT_PREEMPTED).
+Of the trainer's `--chaos` faults it acts out `slow` (a straggler), the one that needs no model.
 
 Its state follows the trainer's contract: step s reduces the global batch of rows
 [s*B, (s+1)*B) (B = global_batch_size), each process summing its share, so the final `value` is
@@ -23,6 +24,7 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
+from resilient_jax import chaos
 from resilient_jax.coordinator import protocol
 from resilient_jax.coordinator.client import SupervisorClient
 from resilient_jax.coordinator.worker import initialize_from_env
@@ -46,6 +48,9 @@ _FAULT_PROCESS = flags.DEFINE_integer("sim_fault_process", 0, "Process the --sim
 _FAULT_GENERATION = flags.DEFINE_integer(
     "sim_fault_generation", -1, "Generation the --sim_* faults hit (-1: every one)."
 )
+_CHAOS = flags.DEFINE_string(
+    "chaos", "", "Fault spec as launch/train.py takes it; only `slow` faults are acted out."
+)
 
 STATE_FILE = "sim_state.json"
 
@@ -65,10 +70,27 @@ def _save(workdir: str, state: dict) -> None:
     os.replace(path + ".tmp", path)  # atomic: a crash mid-save leaves the previous state
 
 
+def _slow_faults(spec: str) -> list[chaos.Fault]:
+    faults = chaos.parse(spec)
+    other = sorted({f.kind for f in faults if f.kind != "slow"})
+    if other:
+        raise app.UsageError(f"the stand-in worker acts out only `slow` faults, not {other}")
+    return faults
+
+
+def _step_time(slow: list[chaos.Fault], process: int, num_processes: int, step: int) -> float:
+    factor = 1.0
+    for fault in slow:
+        if fault.target_process(num_processes) == process and step >= (fault.step or 1):
+            factor *= fault.factor
+    return _STEP_TIME.value * factor
+
+
 def main(argv: list[str]) -> int:
     del argv
     config = _CONFIG.value
     workdir = _WORKDIR.value
+    slow = _slow_faults(_CHAOS.value)
     client = SupervisorClient.from_env(config.coordinator)
     events = EventLog(workdir)
     env = initialize_from_env(config.coordinator, events)
@@ -118,7 +140,7 @@ def main(argv: list[str]) -> int:
         if distributed:
             partial = float(np.sum(multihost_utils.process_allgather(np.array([partial]))))
         state["value"] += float(partial) * 1e-6
-        time.sleep(_STEP_TIME.value)
+        time.sleep(_step_time(slow, process, num_processes, step))
         now = time.monotonic()
         if client:
             client.report_step(step, now - last)

@@ -28,10 +28,11 @@ import ml_collections
 
 from resilient_jax import topology as topology_lib
 from resilient_jax.config import ConfigError
-from resilient_jax.coordinator import detector, processes, protocol
+from resilient_jax.coordinator import compile_cache, detector, processes, protocol
 from resilient_jax.coordinator.outages import OutageReader
 from resilient_jax.coordinator.policy import RestartPolicy, SlicePool
-from resilient_jax.coordinator.server import HeartbeatServer
+from resilient_jax.coordinator.server import HeartbeatServer, WorkerReport
+from resilient_jax.coordinator.stragglers import Straggler, StragglerWatch
 from resilient_jax.events import EventLog
 from resilient_jax.mesh import MeshPlan, plan_mesh
 
@@ -95,8 +96,10 @@ class SupervisorResult:
 
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
-    kind: str  # complete | failure | fatal | preempted | scale_up | interrupted | time_limit
+    # complete | failure | fatal | preempted | scale_up | straggler | interrupted | time_limit
+    kind: str
     failure: detector.Failure | None = None
+    straggler: Straggler | None = None
 
 
 def plan_for(config: ml_collections.ConfigDict, num_slices: int, cluster: ClusterSpec) -> MeshPlan:
@@ -156,6 +159,7 @@ class Supervisor:
         self._fault_times: dict[int, float] = {}  # process -> when an injected fault hit it
         self._max_step: int | None = None  # highest step any worker reported, any generation
         self._gen_max_step: int | None = None
+        self._stragglers: StragglerWatch | None = None  # the running generation's
         self._signals: list[int] = []
         self._start_time = 0.0
 
@@ -209,6 +213,9 @@ class Supervisor:
                 )
             if outcome.kind == "scale_up":
                 result = self._scale_up()
+            elif outcome.kind == "straggler":
+                assert outcome.straggler is not None
+                result = self._evict_straggler(outcome.straggler)
             elif outcome.kind == "preempted":
                 result = self._after_preemption()
             else:
@@ -290,6 +297,76 @@ class Supervisor:
         self._start_generation(slices, reason="scale_up", stopping_s=stopping_s)
         return None
 
+    def _evict_straggler(self, straggler: Straggler) -> SupervisorResult | None:
+        assert straggler.slice is not None
+        self._say(
+            f"evicting slice {straggler.slice}: process {straggler.process} is a straggler "
+            f"({straggler.ratio:.2f}x); asking workers to save and stop"
+        )
+        # Nothing failed: every worker saves at the step JAX's preemption sync agrees on, so the
+        # eviction loses no steps, and it does not count against the restart budget.
+        stopping_s = self._stop_workers(float(self._c.save_grace_s))
+        now = time.monotonic()
+        returns_at = self._pool.evict(straggler.slice, now)
+        self._events.emit(
+            "evict",
+            slice=straggler.slice,
+            generation=self._generation,
+            cause="straggler",
+            process=straggler.process,
+            returns_in_s=None if returns_at is None else round(returns_at - now, 3),
+        )
+        slices, reason = self._wait_for_slices()
+        if reason:
+            return self._finish(1, f"{reason}; after evicting a straggler")
+        self._start_generation(slices, reason="straggler", stopping_s=stopping_s)
+        return None
+
+    def _straggler_outcome(self, reports: dict[int, WorkerReport]) -> _Outcome | None:
+        """Reports new stragglers; an outcome when one should be evicted."""
+        assert self._stragglers is not None
+        for straggler in self._stragglers.update(reports):
+            evict, why = self._should_evict(straggler)
+            ratio = straggler.ratio
+            self._events.emit(
+                "straggler",
+                process=straggler.process,
+                slice=straggler.slice,
+                generation=self._generation,
+                step=self._gen_max_step,
+                ratio=round(ratio, 3) if ratio != float("inf") else "inf",
+                median_s=round(straggler.median_s, 4),
+                reference_s=round(straggler.reference_s, 4),
+                action="evict" if evict else "report",
+                why=why,
+            )
+            self._say(
+                f"straggler: process {straggler.process} (slice {straggler.slice}) takes "
+                f"{ratio:.2f}x its peers' time per step; {why}"
+            )
+            if evict:
+                return _Outcome("straggler", straggler=straggler)
+        return None
+
+    def _should_evict(self, straggler: Straggler) -> tuple[bool, str]:
+        """Evict when the job gets faster: a spare takes the slice's place, or the other slices
+        alone step faster than the job waiting for the straggler (the step time grows by
+        N / N_after on fewer devices, so the ratio must exceed that)."""
+        if not self._c.evict_stragglers:
+            return False, "coordinator.evict_stragglers is off"
+        if straggler.slice is None:
+            return False, "its slice is unknown"
+        current = self._slices
+        after, _ = self._fit(self._pool.choose(current, exclude=(straggler.slice,)))
+        if len(after) < max(1, int(self._c.min_slices)):
+            return False, f"{len(after)} slices would be left, below min_slices"
+        if len(after) >= len(current):
+            return True, "a spare slice replaces it"
+        needed = len(current) / len(after)
+        if straggler.ratio > needed:
+            return True, f"the other {len(after)} slice(s) alone are faster (ratio > {needed:.2f})"
+        return False, f"the other {len(after)} slice(s) alone are slower (ratio <= {needed:.2f})"
+
     def _wait_for_slices(self) -> tuple[list[int], str | None]:
         """Slices for the next generation; waits (bounded) for returns if too few are healthy."""
         min_slices = int(self._c.min_slices)
@@ -341,6 +418,11 @@ class Supervisor:
         self._gen_max_step = None
         cluster = self._cluster
         num_processes = len(slices) * cluster.processes_per_slice
+        self._stragglers = StragglerWatch(
+            float(self._config.health.straggler_factor),
+            int(self._config.health.straggler_window),
+            {p: slices[p // cluster.processes_per_slice] for p in range(num_processes)},
+        )
         if reason is not None:
             plan = plan_for(self._config, len(slices), cluster)
             self._events.emit(
@@ -412,6 +494,8 @@ class Supervisor:
             }
         )
         env.setdefault("JAX_PLATFORMS", "cpu")  # simulated slices are host devices
+        for key, value in compile_cache.cache_env(self._c, self._workdir).items():
+            env.setdefault(key, value)  # a cache configured in our own environment wins
         env.pop(protocol.ENV_AUTO_DISTRIBUTED, None)
         return env
 
@@ -471,6 +555,10 @@ class Supervisor:
             failure = detector.check(now, running, reports, self._thresholds)
             if failure is not None:
                 return _Outcome("failure", failure)
+            if completed_at is None:
+                straggling = self._straggler_outcome(reports)
+                if straggling is not None:
+                    return straggling
             if completed_at is None and self._can_scale_up():
                 return _Outcome("scale_up")
             time.sleep(self._poll_s)

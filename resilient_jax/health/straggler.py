@@ -47,9 +47,20 @@ class StragglerDetector:
         """Median step time of every process with a full window."""
         return {p: statistics.median(t) for p, t in self._times.items() if len(t) == self.window}
 
-    def stragglers(self) -> list[int]:
+    def reference(self) -> float | None:
+        """The typical process's median step time (the lower median of the medians); None with
+        fewer than two full-window processes (nothing to compare with)."""
         medians = self.medians()
-        if len(medians) < 2:
-            return []
-        reference = _low_median(list(medians.values()))
-        return sorted(p for p, m in medians.items() if m > self.factor * reference)
+        return _low_median(list(medians.values())) if len(medians) >= 2 else None
+
+    def ratios(self) -> dict[int, float]:
+        """Each full-window process's median over the reference; empty without a reference."""
+        medians, reference = self.medians(), self.reference()
+        if reference is None:
+            return {}
+        if reference <= 0:
+            return {p: (float("inf") if m > 0 else 1.0) for p, m in medians.items()}
+        return {p: m / reference for p, m in medians.items()}
+
+    def stragglers(self) -> list[int]:
+        return sorted(p for p, r in self.ratios().items() if r > self.factor)

@@ -8,6 +8,7 @@ good state and skip a data window) or `StopTraining` (end the run with an exit c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 
 from resilient_jax.data import BatchLoader
 from resilient_jax.train.context import RunContext
-from resilient_jax.train.hooks import Hook, Rollback, StepInfo
+from resilient_jax.train.hooks import Hook, Rollback, StepInfo, StopTraining
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import StepFn
 
@@ -50,13 +51,19 @@ class Loop:
         """Trains from `state` (whose data position the loader already holds) to total_steps."""
         total = self.ctx.config.total_steps
         step = int(jax.device_get(state.step))
-        pending: _Pending | None = None
+        pending: _Pending | None = None  # dispatched, metrics not yet on the host
         last_info: StepInfo | None = None
         for hook in self.hooks:
             hook.on_start(self.ctx, state)
         dispatched = time.perf_counter()
-        while step < total:
+        while True:
+            previous: _Pending | None = None
             try:
+                if step >= total:
+                    if pending is not None:
+                        pending, previous = None, pending
+                        self._publish(previous)
+                    break
                 scale = 1.0
                 for hook in self.hooks:
                     scale *= hook.before_step(self.ctx, step)
@@ -67,22 +74,22 @@ class Loop:
                 now = time.perf_counter()
                 info = StepInfo(step, batch_index, self.loader.position, now - dispatched)
                 dispatched = now
+                # Step s+1 is queued on the device; now pull step s's metrics.
+                pending, previous = _Pending(info, metrics, data_wait_s), pending
+                if previous is not None:
+                    self._publish(previous)
+                last_info = info
                 for hook in self.hooks:
                     hook.after_step(self.ctx, state, info)
-                if pending is not None:
-                    self._publish(pending)
-                pending, last_info = _Pending(info, metrics, data_wait_s), info
             except Rollback as rollback:
-                bad = pending.info if pending is not None else last_info
+                bad = previous.info if previous is not None else last_info
                 state, step = self._roll_back(rollback, bad)
-                pending = None
-        if pending is not None:
-            try:
-                self._publish(pending)
-            except Rollback as rollback:
-                # The very last step was bad: roll back and train the remaining steps again.
-                state, _ = self._roll_back(rollback, pending.info)
-                return self.run(state)
+                pending = previous = None
+            except StopTraining:
+                if pending is not None:  # the last step ran: its metrics still belong in the log
+                    with contextlib.suppress(Rollback, StopTraining):
+                        self._publish(pending)
+                raise
         for hook in self.hooks:
             hook.on_end(self.ctx, state, last_info)
         return state, last_info
