@@ -65,6 +65,8 @@ CATEGORIES = (
     "anomaly",
 )
 
+_KEEP = 3  # durable saves remembered per tier
+
 FAILURE = "failure"
 ANOMALY = "anomaly"
 PLANNED = "planned"  # save, stop and restart on request (scale-up, preemption notice)
@@ -215,10 +217,11 @@ def analytic(strategy: Strategy, cluster: Cluster, intervals: Intervals) -> Brea
     uniform over [commit, commit + wall time between saves]; valid while intervals << MTBF."""
     s = strategy
     persistent_s = intervals.persistent_s
-    local_s = intervals.local_s if s.local is not None else math.inf
+    local = s.local if math.isfinite(intervals.local_s) else None
+    local_s = intervals.local_s
     save_per_step_s = s.persistent.save_s / persistent_s
-    if s.local is not None:
-        save_per_step_s += s.local.save_s / local_s
+    if local is not None:
+        save_per_step_s += local.save_s / local_s
     stretch = 1.0 + save_per_step_s  # wall time per second of step time while running
     fail_rate = 1.0 / cluster.job_mtbf_s
     anomaly_rate = 1.0 / cluster.anomaly_mtbf_s  # per second of step time
@@ -236,13 +239,13 @@ def analytic(strategy: Strategy, cluster: Cluster, intervals: Intervals) -> Brea
         }
 
     detect = ("failure_detection", s.detection_s)
-    if s.local is None:
+    if local is None:
         kinds.append((fail_rate, phases(s.persistent.restore_s, detect), mean_age_persistent))
     else:
         p = cluster.local_loss_probability
-        age_local = (s.local.commit_s, s.local.commit_s + local_s * stretch)
+        age_local = (local.commit_s, local.commit_s + local_s * stretch)
         newest = _mean_min_uniform(age_local, age_persistent)
-        kinds.append(((1 - p) * fail_rate, phases(s.local.restore_s, detect), newest))
+        kinds.append(((1 - p) * fail_rate, phases(local.restore_s, detect), newest))
         kinds.append((p * fail_rate, phases(s.persistent.restore_s, detect), mean_age_persistent))
     if not s.anomaly_skip and anomaly_rate > 0:
         detection = ("anomaly", s.step_s + s.anomaly_detection_s)
@@ -336,8 +339,15 @@ class _TierRun:
 
     def settle(self, now: float) -> None:
         if self.pending is not None and self.pending[1] <= now:
-            self.durable.append(self.pending[0])
+            self.commit(self.pending[0])
             self.pending = None
+
+    def commit(self, step: int) -> None:
+        self.durable.append(step)
+        # Older saves matter only as fall-backs from a corrupted newest one; keep a few, as the
+        # checkpointer does.
+        if len(self.durable) > _KEEP:
+            del self.durable[0]
 
     def abandon(self, now: float) -> None:
         """A failure: what was durable stays, the write in flight is gone."""
@@ -447,8 +457,9 @@ class _Run:
         nxt = min((self.pos // tier.every + 1) * tier.every for tier in self.tiers)
         if self.total_steps is not None:
             nxt = min(nxt, self.total_steps)
-        later = [k for k in self.by_step if k > self.pos]
-        return min([nxt, *later])
+        if self.by_step:
+            nxt = min(nxt, *(k for k in self.by_step if k > self.pos), nxt)
+        return nxt
 
     def _advance(self) -> None:
         step_s = self.s.step_s
@@ -533,7 +544,7 @@ class _Run:
         if not self._spend([("checkpoint_save", save)]):
             return
         persistent.pending = None
-        persistent.durable.append(self.pos)
+        persistent.commit(self.pos)
         self._interrupt(("failure_detection", 0.0), False, None)
 
     def _save_due(self) -> None:
@@ -551,7 +562,7 @@ class _Run:
             if tier.tier.commit_s > 0:
                 tier.pending = (self.pos, self.t + tier.tier.commit_s)
             else:
-                tier.durable.append(self.pos)
+                tier.commit(self.pos)
 
     def _spend(self, phases: Iterable[tuple[str, float]]) -> bool:
         """Spends wall time on phases in order; a failure in the middle is handled at once.
@@ -614,23 +625,41 @@ def simulate(
     return _Run(strategy, cluster, intervals, rng, trace, horizon, total_steps).run()
 
 
+@dataclasses.dataclass(frozen=True)
+class MonteCarlo:
+    goodput: float  # mean over the replicas
+    stderr: float
+    failures: int  # simulated, all replicas together
+    wall_s: float
+
+
 def monte_carlo(
     strategy: Strategy,
     cluster: Cluster,
     intervals: Intervals,
     *,
     failures: int = 2000,
+    max_saves: int = 400_000,
     replicas: int = 4,
     seed: int = 0,
-) -> tuple[float, float]:
-    """Goodput over about `failures` failures, split into seeded replicas: (mean, stderr)."""
-    horizon = failures / replicas * cluster.job_mtbf_s
-    values = [
-        simulate(strategy, cluster, intervals, seed=seed + r, horizon_s=horizon).goodput
+) -> MonteCarlo:
+    """Goodput over about `failures` expected failures, split into seeded replicas. The horizon
+    is cut so that no more than about `max_saves` saves are simulated (time is spent per save)."""
+    local_s = intervals.local_s if strategy.local is not None else math.inf
+    shortest = min(intervals.persistent_s, local_s)
+    horizon = min(failures * cluster.job_mtbf_s, max_saves * shortest) / replicas
+    runs = [
+        simulate(strategy, cluster, intervals, seed=seed + r, horizon_s=horizon)
         for r in range(replicas)
     ]
+    values = [r.goodput for r in runs]
     stderr = float(np.std(values, ddof=1) / math.sqrt(replicas)) if replicas > 1 else 0.0
-    return float(np.mean(values)), stderr
+    return MonteCarlo(
+        goodput=float(np.mean(values)),
+        stderr=stderr,
+        failures=sum(r.failures for r in runs),
+        wall_s=sum(r.wall_s for r in runs),
+    )
 
 
 # ----------------------------------------------------------------------------- optimisation
@@ -679,7 +708,17 @@ def _snap(seconds: float, step_s: float) -> list[float]:
 
 def optimise(strategy: Strategy, cluster: Cluster) -> Optimum:
     """Intervals (whole steps) that maximise the analytic goodput. A tier's interval is kept at
-    or above its commit time: closer saves only queue behind the write in flight."""
+    or above its commit time: closer saves only queue behind the write in flight. With two tiers
+    the local one may come out switched off (`local_s` infinite) when it does not pay."""
+    best = _optimise(strategy, cluster)
+    if strategy.local is not None:
+        alone = _optimise(dataclasses.replace(strategy, local=None), cluster)
+        if alone.goodput > best.goodput:
+            return alone
+    return best
+
+
+def _optimise(strategy: Strategy, cluster: Cluster) -> Optimum:
     s = strategy
     m = cluster.job_mtbf_s
     persistent_lo = max(s.step_s, s.persistent.commit_s)

@@ -244,13 +244,14 @@ def test_server_keeps_the_newest_arrivals_of_well_formed_pairs():
     try:
         with socket.create_connection(protocol.split_address(server.address)) as sock:
             base = {"type": "heartbeat", "token": TOKEN, "generation": 0, "process": 0}
+            bad = [["700", 1.0], [800, "x"], [900], 1000]
+            sock.sendall(protocol.encode({**base, "arrivals": bad}))
             pairs = [[step, 100.0 + step] for step in range(protocol.MAX_ARRIVALS_KEPT + 5)]
             sock.sendall(protocol.encode({**base, "arrivals": pairs}))
-            sock.sendall(protocol.encode({**base, "arrivals": [["7", 1.0], [90, "x"], [3]]}))
-            got = wait_for(lambda: (r := server.reports(0).get(0)) and r.last_seen and r)
-            wait_for(lambda: len(server.reports(0)[0].arrivals) == protocol.MAX_ARRIVALS_KEPT)
+            kept = protocol.MAX_ARRIVALS_KEPT
+            wait_for(lambda: (r := server.reports(0).get(0)) and len(r.arrivals) == kept)
         got = server.reports(0)[0].arrivals
-        assert min(got) == 5 and got[5] == 105.0
+        assert (min(got), max(got), got[5]) == (5, protocol.MAX_ARRIVALS_KEPT + 4, 105.0)
     finally:
         server.close()
 
