@@ -141,6 +141,19 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
+def apply_overrides(
+    config: ml_collections.ConfigDict, overrides: dict[str, Any]
+) -> ml_collections.ConfigDict:
+    """Sets dotted keys (`{"model.d_model": 64}`) in place, as `--config.KEY=VALUE` flags would."""
+    for key, value in overrides.items():
+        node = config
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return config
+
+
 def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return json.loads(config.to_json())
 

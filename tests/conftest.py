@@ -44,26 +44,33 @@ def run_python(
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def tiny_config(**overrides):
-    """The tiny default made smaller still, for fast tests; dotted keys as overrides."""
-    from configs.tiny_cpu import get_config
+# The tiny default made smaller still, for fast tests (as dotted config keys).
+SMALL = {
+    "model.d_model": 64,
+    "model.num_layers": 2,
+    "model.num_heads": 2,
+    "model.num_kv_heads": 2,
+    "model.head_dim": 32,
+    "model.d_ff": 128,
+    "data.seq_len": 32,
+    "total_steps": 20,
+    "log.progress_bar": False,
+    "log.tensorboard": False,
+}
 
-    config = get_config()
-    config.model.d_model = 64
-    config.model.num_layers = 2
-    config.model.num_heads = 2
-    config.model.num_kv_heads = 2
-    config.model.head_dim = 32
-    config.model.d_ff = 128
-    config.data.seq_len = 32
-    config.total_steps = 20
-    config.log.progress_bar = False
-    config.log.tensorboard = False
-    config.checkpoint.local_dir = ""
-    for key, value in overrides.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return config
+
+def as_flags(overrides: dict) -> list[str]:
+    """`--config.KEY=VALUE` flags for the launcher."""
+    return [
+        f"--config.{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in overrides.items()
+    ]
+
+
+def tiny_config(**overrides):
+    """configs/tiny_cpu.py with SMALL and no RAM-disk tier; dotted keys as further overrides."""
+    from configs.tiny_cpu import get_config
+    from resilient_jax.config import apply_overrides
+
+    config = apply_overrides(get_config(), {**SMALL, "checkpoint.local_dir": ""})
+    return apply_overrides(config, overrides)

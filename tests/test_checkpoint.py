@@ -48,19 +48,16 @@ class FakeClock:
 
 
 def make_config(local_root: str = "", **overrides):
-    config = tiny_config()
-    config.total_steps = 100
-    config.checkpoint.every_steps = 0
-    config.checkpoint.local_every_steps = 0
-    config.checkpoint.local_dir = local_root
-    config.checkpoint.sync_timeout_s = 30.0
-    for key, value in overrides.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return config
+    return tiny_config(
+        total_steps=100,
+        **{
+            "checkpoint.every_steps": 0,
+            "checkpoint.local_every_steps": 0,
+            "checkpoint.local_dir": local_root,
+            "checkpoint.sync_timeout_s": 30.0,
+            **overrides,
+        },
+    )
 
 
 def make_ctx(config, workdir: str, devices: int = 8, replica: int = -1, fsdp: int = -1):

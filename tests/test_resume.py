@@ -16,25 +16,19 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import REPO
+from conftest import REPO, SMALL, as_flags
 
 from resilient_jax.checkpoint import PREEMPTED_EXIT_CODE
 
 TOTAL_STEPS = 40
-SMALL = [
-    "--config.model.d_model=64",
-    "--config.model.num_layers=2",
-    "--config.model.num_heads=2",
-    "--config.model.num_kv_heads=2",
-    "--config.model.head_dim=32",
-    "--config.model.d_ff=128",
-    "--config.data.seq_len=32",
-    f"--config.total_steps={TOTAL_STEPS}",
-    "--config.checkpoint.every_steps=10",
-    "--config.checkpoint.local_every_steps=3",
-    "--config.log.progress_bar=false",
-    "--config.log.tensorboard=false",
-]
+LAUNCH_FLAGS = as_flags(
+    {
+        **SMALL,
+        "total_steps": TOTAL_STEPS,
+        "checkpoint.every_steps": 10,
+        "checkpoint.local_every_steps": 3,
+    }
+)
 
 
 def start(workdir, devices: int, extra=()) -> subprocess.Popen:
@@ -44,7 +38,7 @@ def start(workdir, devices: int, extra=()) -> subprocess.Popen:
         "--config=configs/tiny_cpu.py",
         f"--workdir={workdir}",
         f"--config.checkpoint.local_dir={workdir}-shm",
-        *SMALL,
+        *LAUNCH_FLAGS,
         *extra,
     ]
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
