@@ -2,27 +2,33 @@
 
     python experiments/bench_recovery.py [--total_steps=60] [--fault_step=33]
 
-Runs the real trainer (`launch/train.py`, configs/tiny_cpu.py made smaller) under the supervisor
-as 2 slices x 1 process x 2 CPU devices, SIGKILLs the slice-1 worker at `fault_step`, and reads
-the run's events back. Three recovery paths side by side:
+Runs the real trainer (`launch/train.py`, configs/tiny_cpu.py made smaller, as in the tests)
+under the supervisor as 2 slices x 1 process x 2 CPU devices, SIGKILLs the slice-1 worker at
+`fault_step`, and reads the run's events back. The recovery paths, side by side:
 
-- `ram`: our path, restoring from the local RAM-disk tier (saved every `local_every` steps);
-  the lost slice is evicted and the job goes on, reshaped, on one slice.
-- `persistent`: the same, with the RAM tier off: restore from the persistent Orbax tier
-  (saved every `persistent_every` steps).
+- `ram_no_cache`, `ram_cold_cache`, `ram`: our path, restoring from the local RAM-disk tier
+  (saved every `local_every` steps); the lost slice is evicted and the job goes on, reshaped, on
+  one slice. They differ in JAX's persistent compilation cache
+  (`coordinator.compilation_cache_dir`): off; on but empty (the first reshape of a run to this
+  size: the one-slice step is compiled anew); on and holding the one-slice step (`ram`: the
+  defaults after an earlier reshape to this size, or in a later run of the config; the
+  `ram_cold_cache` run filled it).
+- `persistent`: the same with the RAM tier off: restore from the persistent Orbax tier (saved
+  every `persistent_every` steps), warm cache.
 - `baseline`: the common practice: nothing notices the dead process until JAX's own heartbeat
   timeout (default 100 s) aborts the survivors; then everything restarts, on a replacement node
-  (a spare slice here, so the mesh is the same), from the last persistent checkpoint. Its
-  restart, JAX init, restore and compile are measured in a run like that; its detection is NOT
-  waited for but modelled: the survivors' abort delay after a peer's SIGKILL is measured with the
-  JAX heartbeat timeout set to a few short values and extrapolated linearly to 100 s. Its
-  stopping phase is zero (JAX aborted everyone).
+  (a spare slice here, so the mesh is the same), from the last persistent checkpoint, without a
+  compilation cache. Its restart, JAX init, restore and compile are measured in a run like that;
+  its detection is NOT waited for but modelled: the survivors' abort delay after a peer's SIGKILL
+  is measured with the JAX heartbeat timeout set to a few short values and extrapolated linearly
+  to 100 s. Its stopping phase is zero (JAX aborted everyone).
 
 Phases (seconds from the fault): detection (fault -> `failure_detected`), stopping (survivors
 stopped), restart (back-off and spawning), process start (Python and imports until JAX init
 begins), jax_init, restore, compile, first step (compile done -> first step logged, including
-the data loader). Steps lost = last step logged before the fault - restored step.
-Writes experiments/results/bench_recovery.json and .png.
+the data loader). "to progress" is the first step past the last one logged before the fault.
+Steps lost = last step logged before the fault - restored step.
+Writes experiments/results/bench_recovery.json and .png and prints a table.
 """
 
 from __future__ import annotations

@@ -129,6 +129,9 @@ def default_config() -> ml_collections.ConfigDict:
     # with this on its slice is evicted (after a save) when that makes the job faster: a spare
     # replaces it, or the other slices alone step faster than the job waiting for it.
     c.coordinator.evict_stragglers = True
+    # The local supervisor starts the next generation's workers while the job trains, so that a
+    # restart does not wait for Python's imports (launch/local_cluster.py only).
+    c.coordinator.standby_workers = True
     # JAX's persistent compilation cache for supervised workers, so a restart skips the XLA
     # compile of the step: a relative path is under the workdir; "" = off.
     c.coordinator.compilation_cache_dir = ".jax_cache"

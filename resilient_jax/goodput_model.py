@@ -191,19 +191,37 @@ class Breakdown:
         return self.shares["productive"]
 
 
-def _mean_min_uniform(a: tuple[float, float], b: tuple[float, float]) -> float:
-    """E[min(X, Y)] for independent X ~ U[a0, a1], Y ~ U[b0, b1]: the integral of the product of
-    the survival functions, piecewise quadratic, so Simpson's rule per piece is exact."""
+def _survival(span: tuple[float, float], x: float) -> float:
+    """P(X > x) for X ~ U[span]."""
+    lo, hi = span
+    return min(1.0, max(0.0, (hi - x) / (hi - lo)))
 
-    def survival(lo: float, hi: float, x: float) -> float:
-        return min(1.0, max(0.0, (hi - x) / (hi - lo))) if hi > lo else float(x < lo)
 
-    edges = sorted({0.0, a[0], a[1], b[0], b[1]})
+def _widened(span: tuple[float, float]) -> tuple[float, float]:
+    # A point mass as a very narrow uniform keeps the integrals below piecewise smooth.
+    return span[0], max(span[1], span[0] + 1e-9)
+
+
+def _piecewise_integral(fn: Callable[[float], float], edges: Iterable[float]) -> float:
+    """Simpson's rule on each piece between sorted edges: exact for piecewise quadratics."""
     total = 0.0
-    for lo, hi in itertools.pairwise(edges):
-        values = [survival(*a, x) * survival(*b, x) for x in (lo, (lo + hi) / 2, hi)]
-        total += (hi - lo) * (values[0] + 4 * values[1] + values[2]) / 6
+    for lo, hi in itertools.pairwise(sorted(set(edges))):
+        total += (hi - lo) * (fn(lo) + 4 * fn((lo + hi) / 2) + fn(hi)) / 6
     return total
+
+
+def _mean_min_uniform(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """E[min(X, Y)] for independent X ~ U[a], Y ~ U[b] (a, b >= 0): the integral of the
+    product of the survival functions."""
+    a, b = _widened(a), _widened(b)
+    return _piecewise_integral(lambda x: _survival(a, x) * _survival(b, x), (0.0, *a, *b))
+
+
+def _probability_less(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """P(X < Y) for independent X ~ U[a], Y ~ U[b]: X's density times Y's survival function."""
+    a, b = _widened(a), _widened(b)
+    inside = [x for x in b if a[0] < x < a[1]]
+    return _piecewise_integral(lambda x: _survival(b, x) / (a[1] - a[0]), (*a, *inside))
 
 
 def _inflated(recovery_s: float, rate: float) -> float:
@@ -222,9 +240,12 @@ def analytic(strategy: Strategy, cluster: Cluster, intervals: Intervals) -> Brea
     save_per_step_s = s.persistent.save_s / persistent_s
     if local is not None:
         save_per_step_s += local.save_s / local_s
-    stretch = 1.0 + save_per_step_s  # wall time per second of step time while running
     fail_rate = 1.0 / cluster.job_mtbf_s
     anomaly_rate = 1.0 / cluster.anomaly_mtbf_s  # per second of step time
+    # Share of steps skipped in-band: those with at least one anomaly in them.
+    skipped_share = -math.expm1(-anomaly_rate * s.step_s) if s.anomaly_skip else 0.0
+    # Wall time while running per second of kept step time (saves go by kept steps).
+    stretch = 1.0 / (1.0 - skipped_share) + save_per_step_s
 
     age_persistent = (s.persistent.commit_s, s.persistent.commit_s + persistent_s * stretch)
     mean_age_persistent = sum(age_persistent) / 2
@@ -245,7 +266,10 @@ def analytic(strategy: Strategy, cluster: Cluster, intervals: Intervals) -> Brea
         p = cluster.local_loss_probability
         age_local = (local.commit_s, local.commit_s + local_s * stretch)
         newest = _mean_min_uniform(age_local, age_persistent)
-        kinds.append(((1 - p) * fail_rate, phases(local.restore_s, detect), newest))
+        # The newest surviving save is restored, from whichever tier holds it.
+        local_newer = _probability_less(age_local, age_persistent)
+        restore = local_newer * local.restore_s + (1 - local_newer) * s.persistent.restore_s
+        kinds.append(((1 - p) * fail_rate, phases(restore, detect), newest))
         kinds.append((p * fail_rate, phases(s.persistent.restore_s, detect), mean_age_persistent))
     if not s.anomaly_skip and anomaly_rate > 0:
         detection = ("anomaly", s.step_s + s.anomaly_detection_s)
@@ -262,13 +286,11 @@ def analytic(strategy: Strategy, cluster: Cluster, intervals: Intervals) -> Brea
         for category, duration in recovery.items():
             seconds[category] += weight * duration * inflation
         seconds["lost_progress"] += weight * min(lost, running)
-    kept = running - seconds["lost_progress"]
-    step_time = kept / stretch
-    skipped = step_time * min(1.0, anomaly_rate * s.step_s) if s.anomaly_skip else 0.0
-    seconds["checkpoint_save"] = kept - step_time
-    seconds["anomaly"] += skipped
-    seconds["productive"] = (step_time - skipped) * s.productive_fraction
-    seconds["step_overhead"] = (step_time - skipped) * (1 - s.productive_fraction)
+    good = (running - seconds["lost_progress"]) / stretch
+    seconds["checkpoint_save"] = good * save_per_step_s
+    seconds["anomaly"] += good * skipped_share / (1.0 - skipped_share)
+    seconds["productive"] = good * s.productive_fraction
+    seconds["step_overhead"] = good * (1 - s.productive_fraction)
     wall = sum(seconds.values())
     return Breakdown({c: v / wall for c, v in seconds.items()})
 
@@ -457,9 +479,8 @@ class _Run:
         nxt = min((self.pos // tier.every + 1) * tier.every for tier in self.tiers)
         if self.total_steps is not None:
             nxt = min(nxt, self.total_steps)
-        if self.by_step:
-            nxt = min(nxt, *(k for k in self.by_step if k > self.pos), nxt)
-        return nxt
+        later = [k for k in self.by_step if k > self.pos]
+        return min([nxt, *later])
 
     def _advance(self) -> None:
         step_s = self.s.step_s
@@ -475,10 +496,10 @@ class _Run:
         t_timed = min(self.next_failure_t, self.timed[0].at_s if self.timed else math.inf)
         if self.total_steps is None:
             t_timed = min(t_timed, self.horizon_s)
-        # Full steps before the anomalous one, if it comes before the target.
+        # Full steps before the anomalous one, when one of the next n steps is.
         anomaly_at = n
         if self.anomaly_budget < n * step_s:
-            anomaly_at = math.floor(self.anomaly_budget / step_s)
+            anomaly_at = max(0, math.floor(self.anomaly_budget / step_s))
         t_anomaly = self.t + (anomaly_at + 1) * step_s if anomaly_at < n else math.inf
         t_reach = self.t + n * step_s
         if t_timed < min(t_anomaly, t_reach):
@@ -487,7 +508,7 @@ class _Run:
             if t_timed == self.next_failure_t:
                 self._failure(self._take_failure())
             return
-        if t_anomaly < t_reach:
+        if t_anomaly <= t_reach:
             self._run_steps(anomaly_at)
             self._anomaly()
             return
@@ -522,10 +543,6 @@ class _Run:
         if self.trace is None:
             self.anomaly_budget = self._draw(self.cluster.anomaly_mtbf_s)
         if self.s.anomaly_skip:
-            if self.next_failure_t < self.t + self.s.step_s:
-                self.t = self.next_failure_t
-                self._failure(self._take_failure())
-                return
             self._spend([("anomaly", self.s.step_s)])
             return
         # Roll back to a save made before the bad step; the steps since are redone.
@@ -567,20 +584,43 @@ class _Run:
     def _spend(self, phases: Iterable[tuple[str, float]]) -> bool:
         """Spends wall time on phases in order; a failure in the middle is handled at once.
         Returns whether all of it was spent."""
+        if self._spend_until_failure(phases):
+            return True
+        self._failure(self._take_failure())
+        return False
+
+    def _spend_until_failure(self, phases: Iterable[tuple[str, float]]) -> bool:
+        """Spends wall time on phases in order up to the next failure, if one comes first
+        (the clock then stands at the failure, which is left to the caller)."""
         for category, duration in phases:
             end = self.t + duration
             if self.next_failure_t < end:
                 self.seconds[category] += self.next_failure_t - self.t
                 self.t = self.next_failure_t
-                self._failure(self._take_failure())
                 return False
             self.seconds[category] += duration
             self.t = end
         return True
 
     def _interrupt(self, first: tuple[str, float], local_lost: bool, limit: int | None) -> None:
-        """Restores the newest surviving checkpoint (at most `limit`) and spends the recovery;
-        a failure during the recovery starts it over (handled by `_spend` recursing here)."""
+        """Restores the newest surviving checkpoint (at most `limit`) and spends the recovery,
+        in the order a worker goes through it; a failure during the recovery starts it over."""
+        while True:
+            restore_s = self._roll_back(local_lost, limit)
+            phases = [
+                first,
+                ("restart", self.s.restart_s),
+                ("checkpoint_restore", restore_s),
+                ("compilation", self.s.compile_s),
+            ]
+            if self._spend_until_failure(phases):
+                return
+            local_lost = self._take_failure()
+            first, limit = ("failure_detection", self.s.detection_s), None
+
+    def _roll_back(self, local_lost: bool, limit: int | None) -> float:
+        """Moves the run back to the newest surviving save (at most `limit`); returns the
+        restore's cost (none from scratch)."""
         for tier in self.tiers:
             tier.abandon(self.t)
             if tier.name == LOCAL and local_lost:
@@ -596,14 +636,7 @@ class _Run:
         for tier in self.tiers:
             tier.drop_after(step)
         self.restores[name] = self.restores.get(name, 0) + 1
-        self._spend(
-            [
-                first,
-                ("restart", self.s.restart_s),
-                ("compilation", self.s.compile_s),
-                ("checkpoint_restore", restore_s),
-            ]
-        )
+        return restore_s
 
 
 def simulate(
@@ -665,6 +698,9 @@ def monte_carlo(
 # ----------------------------------------------------------------------------- optimisation
 
 
+_TIER_WORTH = 1e-4  # goodput a tier must add to be kept
+
+
 @dataclasses.dataclass(frozen=True)
 class Optimum:
     intervals: Intervals  # whole steps, in seconds of step time
@@ -713,7 +749,9 @@ def optimise(strategy: Strategy, cluster: Cluster) -> Optimum:
     best = _optimise(strategy, cluster)
     if strategy.local is not None:
         alone = _optimise(dataclasses.replace(strategy, local=None), cluster)
-        if alone.goodput > best.goodput:
+        # A tier that adds less than this to goodput is not worth running (and its optimal
+        # interval is then somewhere out beyond the MTBF, which says nothing).
+        if alone.goodput > best.goodput - _TIER_WORTH:
             return alone
     return best
 

@@ -4,36 +4,46 @@ model (`resilient_jax.goodput_model`): to predict the run's goodput and compare 
 
 Costs (`costs_from_events`), each a mean or median over the run, lane of process 0:
 
-    step_s              median wall time between consecutive steps with nothing else in between
-    productive_fraction median (duration_s - data_wait_s) of those steps over their wall time
+    step_s              mean wall time between consecutive steps with nothing else in between
+                        (a mean: slow stretches, such as a reshaped mesh, add up in the wall)
+    productive_fraction the productive seconds `resilient_jax.goodput` counts per counted step,
+                        over step_s (data waits and stragglers are not productive there)
     save_s[tier]        mean `duration_s` of `save` events (the blocking part)
     commit_s[tier]      mean `commit_s` of `save_committed` events
     restore_s[tier]     mean `duration_s` of `restore` events
     detection_s         mean `latency_s` of `failure_detected` events
-    restart_s           failure detected -> the next restore (or init) begins
-    compile_s           that restore ends -> the first step begins (compile and first batch)
+    restart_s           failure detected -> the next generation's restore (or init) begins
+    compile_s           a later generation's restore ends -> its first step begins (compile,
+                        waiting for the slowest process, first batch)
     startup_s           the run's first moment -> its first step begins
+                        (a step begins one step_s before its event: the model's pace)
     tail_s              the last step -> the last event (final save, shutdown)
 
-Interruptions (`trace_from_events`):
+Interruptions (`trace_from_events`), each placed at the step before which it happened, so the
+replay meets them where the run did, however fast the model's clock runs:
 
-    chaos events        kill, lose_slice, hang -> failure; nan, spike -> anomaly;
-                        corrupt_checkpoint -> corrupt. A fault of a `random:` schedule is timed
-                        (seconds from the run's start); an explicit one fires at its step.
-    fault_injected      supervisor actions: kill, hang, lose_slice -> failure; preempt -> planned
-    scale_up            planned (the workers save and stop, the job restarts bigger)
-    failure_detected    a failure no injected fault explains, at (time - latency_s)
+    chaos events        kill, lose_slice, hang -> failure; nan, spike -> anomaly when the health
+                        check skipped that step (else the crash it caused is a failure below);
+                        corrupt_checkpoint -> corrupt; at the event's `step`
+    fault_injected      supervisor actions: kill, hang, lose_slice -> failure; preempt -> planned;
+                        before the step after the event's `step` (the highest reported)
+    scale_up            planned (the workers save and stop, the job restarts bigger), likewise
+    failure_detected    a failure no injected fault explains (a crash, a crash during recovery),
+                        before the step after the last step process 0 logged before it happened
     anomaly             a skipped step no chaos event explains
+A failure during a recovery thus fires as the replay's recovery ends: the same extra restart.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from resilient_jax import goodput
 from resilient_jax.goodput_model import Interruption
 
 # Events of these types between two steps make the gap between them more than a step.
@@ -77,6 +87,10 @@ def run_start(events: Sequence[dict[str, Any]]) -> float:
     return min(_start(e) for e in events)
 
 
+def _step_start(event: dict[str, Any], step_s: float | None) -> float:
+    return _start(event) if step_s is None else float(event["time"]) - step_s
+
+
 def _mean(values: Iterable[float]) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None
@@ -90,9 +104,9 @@ def _by_tier(events: Sequence[dict[str, Any]], typ: str, field: str) -> dict[str
     return {tier: sum(v) / len(v) for tier, v in tiers.items()}
 
 
-def _steps(events: Sequence[dict[str, Any]]) -> tuple[float | None, float | None]:
-    """(median wall per step, median productive fraction) over clean consecutive steps."""
-    gaps, fractions = [], []
+def _step_s(events: Sequence[dict[str, Any]]) -> float | None:
+    """Mean wall time per step over consecutive steps with nothing else in between."""
+    gaps = []
     previous: dict[str, Any] | None = None
     for e in events:
         if not _reference(e):
@@ -101,43 +115,63 @@ def _steps(events: Sequence[dict[str, Any]]) -> tuple[float | None, float | None
             previous = None
         elif e["type"] == "step":
             if previous is not None and int(e["step"]) == int(previous["step"]) + 1:
-                gap = float(e["time"]) - float(previous["time"])
-                compute = _number(e.get("duration_s"), gap) - _number(e.get("data_wait_s"))
-                if gap > 0:
-                    gaps.append(gap)
-                    fractions.append(min(1.0, max(0.0, compute / gap)))
+                gaps.append(float(e["time"]) - float(previous["time"]))
             previous = e
-    if not gaps:
-        return None, None
-    return statistics.median(gaps), statistics.median(fractions)
+    return statistics.fmean(gaps) if gaps else None
 
 
-def _recoveries(events: Sequence[dict[str, Any]]) -> tuple[list[float], list[float]]:
-    """Per detected failure: (detected -> restore or init begins, that ends -> first step)."""
-    restarts, compiles = [], []
+def _productive_fraction(
+    events: Sequence[dict[str, Any]], step_s: float | None, straggler_factor: float
+) -> float | None:
+    counted = goodput.compute(events, straggler_factor)
+    if step_s is None or not counted.steps_counted:
+        return None
+    per_step = counted.seconds[goodput.PRODUCTIVE] / counted.steps_counted
+    return min(1.0, per_step / step_s)
+
+
+def _recoveries(
+    events: Sequence[dict[str, Any]], step_s: float | None
+) -> tuple[list[float], list[float]]:
+    """Per later generation of process 0: (failure detected -> its restore or init begins, when
+    a failure started it; that ends -> its first step begins, when it trained). A step begins
+    one typical step before its event (the pace the model runs steps at)."""
     lane = [e for e in events if _reference(e)]
-    for detected in (e for e in events if e["type"] == "failure_detected"):
-        t = float(detected["time"])
-        begun = next(
-            (e for e in lane if e["type"] in ("restore", "init") and float(e["time"]) > t), None
-        )
+    detected = [float(e["time"]) for e in events if e["type"] == "failure_detected"]
+    generations: dict[int, list[dict[str, Any]]] = {}
+    for e in lane:
+        if _number(e.get("generation")) > 0:
+            generations.setdefault(int(_number(e.get("generation"))), []).append(e)
+    restarts, compiles = [], []
+    previous_begun = -math.inf
+    for generation in sorted(generations):
+        mine = generations[generation]
+        begun = next((e for e in mine if e["type"] in ("restore", "init")), None)
         if begun is None:
             continue
+        began = _start(begun)
+        cause = [t for t in detected if previous_begun < t <= began]
+        if cause:  # not a planned restart (scale-up, preemption)
+            restarts.append(began - cause[-1])
         step = next(
-            (e for e in lane if e["type"] == "step" and float(e["time"]) > float(begun["time"])),
+            (e for e in mine if e["type"] == "step" and float(e["time"]) > float(begun["time"])),
             None,
         )
-        restarts.append(_start(begun) - t)
         if step is not None:
-            compiles.append(_start(step) - float(begun["time"]))
+            compiles.append(_step_start(step, step_s) - float(begun["time"]))
+        previous_begun = began
     return restarts, compiles
 
 
-def costs_from_events(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def costs_from_events(
+    events: Sequence[dict[str, Any]],
+    straggler_factor: float = goodput.DEFAULT_STRAGGLER_FACTOR,
+) -> dict[str, Any]:
     """The run's measured costs (see the module docstring); keys without data are left out."""
     events = sorted(events, key=lambda e: float(e["time"]))
-    step_s, fraction = _steps(events)
-    restarts, compiles = _recoveries(events)
+    step_s = _step_s(events)
+    fraction = _productive_fraction(events, step_s, straggler_factor)
+    restarts, compiles = _recoveries(events, step_s)
     lane_steps = [e for e in events if e["type"] == "step" and _reference(e)]
     costs: dict[str, Any] = {
         "step_s": step_s,
@@ -152,12 +186,26 @@ def costs_from_events(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "compile_s": _mean(compiles),
     }
     if lane_steps:
-        costs["startup_s"] = _start(lane_steps[0]) - run_start(events)
+        costs["startup_s"] = _step_start(lane_steps[0], step_s) - run_start(events)
         costs["tail_s"] = float(events[-1]["time"]) - float(lane_steps[-1]["time"])
     return {k: v for k, v in costs.items() if v is not None and v != {}}
 
 
-def _chaos_entries(events: Sequence[dict[str, Any]], t0: float) -> list[Interruption]:
+class _StepClock:
+    """The step before which something at a given time happened: one after the last step
+    process 0 had logged by then."""
+
+    def __init__(self, events: Sequence[dict[str, Any]]) -> None:
+        lane = [e for e in events if e["type"] == "step" and _reference(e)]
+        self._times = [float(e["time"]) for e in lane]
+        self._steps = [int(e["step"]) for e in lane]
+
+    def next_step(self, time: float) -> int:
+        index = bisect.bisect_right(self._times, time)
+        return self._steps[index - 1] + 1 if index else 1
+
+
+def _chaos_entries(events: Sequence[dict[str, Any]], clock: _StepClock) -> list[Interruption]:
     out, seen = [], set()
     for e in events:
         kind = str(e.get("kind"))
@@ -165,25 +213,23 @@ def _chaos_entries(events: Sequence[dict[str, Any]], t0: float) -> list[Interrup
         if e["type"] != "chaos" or kind not in _CHAOS_KINDS or (text, kind) in seen:
             continue  # a fault fires once per run, though several processes may report it
         seen.add((text, kind))
-        if "random" in text or "step" not in e:
-            out.append(Interruption(kind, time_s=float(e["time"]) - t0))
-        else:
-            out.append(Interruption(kind, step=int(e["step"])))
+        step = int(e["step"]) if "step" in e else clock.next_step(float(e["time"]))
+        out.append(Interruption(kind, step=step))
     return out
 
 
-def _supervisor_entries(events: Sequence[dict[str, Any]], t0: float) -> list[Interruption]:
+def _supervisor_entries(events: Sequence[dict[str, Any]], clock: _StepClock) -> list[Interruption]:
     out = []
     for e in events:
         if e["type"] == "fault_injected" and str(e.get("kind")) in _SUPERVISOR_KINDS:
-            out.append(Interruption(str(e["kind"]), time_s=float(e["time"]) - t0))
+            out.append(Interruption(str(e["kind"]), step=clock.next_step(float(e["time"]))))
         elif e["type"] == "scale_up":
-            out.append(Interruption("scale_up", time_s=float(e["time"]) - t0))
+            out.append(Interruption("scale_up", step=clock.next_step(float(e["time"]))))
     return out
 
 
 def _unexplained_failures(
-    events: Sequence[dict[str, Any]], injected_at: list[float], t0: float
+    events: Sequence[dict[str, Any]], injected_at: list[float], clock: _StepClock
 ) -> list[Interruption]:
     out = []
     for e in events:
@@ -192,29 +238,32 @@ def _unexplained_failures(
         happened = float(e["time"]) - max(0.0, _number(e.get("latency_s")))
         # Allow for the second that passes between a fault's event and its effect.
         if not any(happened - 1.0 <= t <= float(e["time"]) for t in injected_at):
-            out.append(Interruption("failure", time_s=happened - t0))
+            out.append(Interruption("failure", step=clock.next_step(happened)))
     return out
 
 
 def trace_from_events(events: Sequence[dict[str, Any]]) -> list[Interruption]:
     """The interruptions of a recorded run (see the module docstring)."""
     events = sorted(events, key=lambda e: float(e["time"]))
-    t0 = run_start(events)
-    chaos = _chaos_entries(events, t0)
-    supervisor = _supervisor_entries(events, t0)
+    clock = _StepClock(events)
+    chaos = _chaos_entries(events, clock)
+    supervisor = _supervisor_entries(events, clock)
     injected_at = [
         float(e["time"])
         for e in events
         if (e["type"] == "chaos" and e.get("kind") in _INJECTED_FAILURES)
         or e["type"] == "fault_injected"
     ]
+    skipped = {int(e["step"]) for e in events if e["type"] == "anomaly" and _reference(e)}
+    # A NaN the health check did not skip (it was off) crashed the run: a failure, found below.
+    chaos = [i for i in chaos if i.kind not in ("nan", "spike") or i.step in skipped]
     anomaly_steps = {i.step for i in chaos if i.kind in ("nan", "spike")}
     natural = [
         Interruption("anomaly", step=int(e["step"]))
         for e in events
         if e["type"] == "anomaly" and _reference(e) and int(e["step"]) not in anomaly_steps
     ]
-    unexplained = _unexplained_failures(events, injected_at, t0)
+    unexplained = _unexplained_failures(events, injected_at, clock)
     return [*chaos, *supervisor, *unexplained, *natural]
 
 

@@ -1,6 +1,9 @@
-"""End to end with the real trainer: 2 slices x 1 process x 2 CPU devices, the slice-1 worker
-SIGKILLed mid-run. The supervisor evicts the slice, the job finishes on one slice (a reshaped
-mesh restoring the last checkpoint), and the final loss equals an undisturbed run's."""
+"""End to end with the real trainer: 2 slices x 1 process x 2 CPU devices.
+
+The slice-1 worker SIGKILLed mid-run: the supervisor evicts the slice, the job finishes on one
+slice (a reshaped mesh restoring the last checkpoint), and the final loss equals an undisturbed
+run's. A preempted job restarts on the same mesh, its step loaded from the compilation cache, and
+ends bitwise equal to the undisturbed run."""
 
 from __future__ import annotations
 
@@ -9,6 +12,9 @@ import os
 import runpy
 import sys
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction
@@ -41,7 +47,7 @@ OVERRIDES = {
 pytestmark = pytest.mark.slow
 
 
-def run_trainer(workdir, actions=()) -> tuple[int, list[dict]]:
+def run_trainer(workdir, actions=(), out=None) -> tuple[int, list[dict]]:
     config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
     for key, value in OVERRIDES.items():
         node = config
@@ -62,7 +68,7 @@ def run_trainer(workdir, actions=()) -> tuple[int, list[dict]]:
         argv,
         str(workdir),
         actions=actions,
-        out=io.StringIO(),
+        out=out if out is not None else io.StringIO(),
         cwd=REPO,
     )
     result = supervisor.run(time_limit_s=400)
@@ -77,8 +83,27 @@ def final_loss(events: list[dict]) -> float:
     return [e for e in events if e["type"] == "step" and e["step"] == 30][-1]["loss"]
 
 
+def final_state(workdir) -> dict[str, np.ndarray]:
+    """The final step's `state`, read with plain Orbax."""
+    path = os.path.join(workdir, "checkpoints", "30", "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    meta = checkpointer.metadata(path).item_metadata.tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    tree = checkpointer.restore(path, restore_args=args)
+    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """An undisturbed run: its workdir and events."""
+    workdir = tmp_path_factory.mktemp("clean") / "run"
+    code, events = run_trainer(workdir)
+    assert code == 0
+    return workdir, events
+
+
 @pytest.mark.timeout(900)
-def test_killed_slice_reshapes_and_matches_the_undisturbed_loss(tmp_path):
+def test_killed_slice_reshapes_and_matches_the_undisturbed_loss(tmp_path, clean):
     kill = SupervisorAction("kill", slice=1, at_step=15)
     code, events = run_trainer(tmp_path / "faulty", actions=[kill])
     assert code == 0
@@ -91,6 +116,27 @@ def test_killed_slice_reshapes_and_matches_the_undisturbed_loss(tmp_path):
     restore = [e for e in events if e["type"] == "restore" and e["time"] > restart["time"]]
     assert restore and restore[0]["step"] in (10, 15)
 
-    code, clean = run_trainer(tmp_path / "clean")
+    assert final_loss(events) == pytest.approx(final_loss(clean[1]), rel=1e-5)
+
+
+@pytest.mark.timeout(900)
+def test_restart_from_the_compilation_cache_is_bitwise_exact(tmp_path, clean, monkeypatch):
+    # Workers inherit the environment: JAX then logs each persistent-cache hit.
+    monkeypatch.setenv("JAX_LOG_COMPILES", "1")
+    out = io.StringIO()
+    preempt = SupervisorAction("preempt", slice=1, at_step=15)
+    code, events = run_trainer(tmp_path / "preempted", actions=[preempt], out=out)
     assert code == 0
-    assert final_loss(events) == pytest.approx(final_loss(clean), rel=1e-5)
+    sup = [e for e in events if e.get("source") == "supervisor"]
+    (restart,) = [e for e in sup if e["type"] == "restart"]
+    assert (restart["reason"], restart["slices"]) == ("preemption", [0, 1])
+    hits = [
+        line
+        for line in out.getvalue().splitlines()
+        if line.startswith("[g1 ") and "Persistent compilation cache hit" in line
+    ]
+    assert any("jit_step" in line for line in hits), "the restart compiled its step again"
+    expected, resumed = final_state(clean[0]), final_state(tmp_path / "preempted")
+    assert expected.keys() == resumed.keys()
+    for key, value in expected.items():
+        assert np.array_equal(value, resumed[key]), key

@@ -269,7 +269,7 @@ class LocalTier:
     ) -> None:
         tmp = os.path.join(self.own_dir, f"{TMP_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
         try:
-            os.makedirs(tmp)
+            _makedirs(tmp)
             offset = 0
             with open(os.path.join(tmp, DATA_FILE), "wb") as f:
                 for entry, array in zip(entries, arrays, strict=True):
@@ -394,7 +394,9 @@ class LocalTier:
         Call only while no process writes to this tier (during restore, after agreement).
         """
         for proc in _proc_dirs(self.root):
-            for name in os.listdir(proc):
+            # Processes sharing this host's tier run this at the same time: a peer may remove an
+            # emptied directory while we look at it.
+            for name in _listdir(proc):
                 if name.startswith(TMP_PREFIX):
                     shutil.rmtree(os.path.join(proc, name), ignore_errors=True)
             for s, path in _committed_dirs(proc):
@@ -426,11 +428,27 @@ def _proc_dirs(root: str) -> list[str]:
     return [os.path.join(root, n) for n in sorted(names) if n.startswith(PROC_PREFIX)]
 
 
-def _committed_dirs(proc: str) -> list[tuple[int, str]]:
+def _listdir(path: str) -> list[str]:
     try:
-        names = os.listdir(proc)
+        return os.listdir(path)
     except OSError:
         return []
+
+
+def _makedirs(path: str, attempts: int = 3) -> None:
+    """`os.makedirs`, again if a peer's cleanup removed our still empty process directory between
+    its creation of the parent and of `path`."""
+    for attempt in range(attempts):
+        try:
+            os.makedirs(path)
+            return
+        except FileNotFoundError:
+            if attempt == attempts - 1:
+                raise
+
+
+def _committed_dirs(proc: str) -> list[tuple[int, str]]:
+    names = _listdir(proc)
     out = []
     for name in names:
         if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():

@@ -2,15 +2,20 @@
 
 Each worker runs in its own session (process group), so a SIGKILL to the group also reaches
 whatever the worker started (data loader processes); nothing is left behind after `stop`.
+
+A standby (`resilient_jax.coordinator.standby`) is a worker process started before it is needed:
+`spawn_standby` starts it, `assign` gives it its place in a generation and makes it a worker.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -63,9 +68,9 @@ class OutputSink:
             self._stream.write(line if line.endswith("\n") else line + "\n")
             self._stream.flush()
 
-    def pump(self, pipe: IO[bytes], prefix: str) -> None:
+    def pump(self, pipe: IO[bytes], prefix: Callable[[], str]) -> None:
         for raw in iter(pipe.readline, b""):
-            self.write_line(prefix + raw.decode(errors="replace"))
+            self.write_line(prefix() + raw.decode(errors="replace"))
         pipe.close()
 
 
@@ -91,10 +96,93 @@ def spawn(
     )
     assert popen.stdout is not None
     reader = threading.Thread(
-        target=sink.pump, args=(popen.stdout, prefix), name=f"rj-output-{prefix}", daemon=True
+        target=sink.pump, args=(popen.stdout, lambda: prefix), name="rj-output", daemon=True
     )
     reader.start()
     return WorkerProcess(process, slice_id, generation, popen, clock(), reader)
+
+
+@dataclasses.dataclass
+class Standby:
+    """A started worker process waiting for its place in a generation."""
+
+    popen: subprocess.Popen[bytes]
+    reader: threading.Thread
+    prefix: list[str]  # the output prefix, changed when it is assigned
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def standby_argv(worker_argv: Sequence[str], preload: Sequence[str]) -> list[str] | None:
+    """The standby command for a Python worker command (None: not a Python command)."""
+    if not worker_argv or worker_argv[0] != sys.executable:
+        return None
+    return [
+        sys.executable,
+        "-m",
+        "resilient_jax.coordinator.standby",
+        f"--preload={','.join(preload)}",
+        "--",
+        *worker_argv[1:],
+    ]
+
+
+def spawn_standby(
+    argv: Sequence[str], env: Mapping[str, str], sink: OutputSink, cwd: str | None = None
+) -> Standby:
+    """Starts `argv` (from `standby_argv`) with the environment every worker shares."""
+    popen = subprocess.Popen(
+        list(argv),
+        env=dict(env),
+        cwd=cwd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    assert popen.stdout is not None
+    prefix = ["[standby] "]
+    reader = threading.Thread(
+        target=sink.pump, args=(popen.stdout, lambda: prefix[0]), name="rj-output", daemon=True
+    )
+    reader.start()
+    return Standby(popen, reader, prefix)
+
+
+def assign(
+    standby: Standby,
+    env: Mapping[str, str],
+    prefix: str,
+    process: int,
+    slice_id: int,
+    generation: int,
+    clock: Callable[[], float] = time.monotonic,
+) -> WorkerProcess:
+    """Makes a standby the worker `process` of `generation`, with the worker's environment.
+
+    Raises OSError if the standby is gone (its stdin is closed).
+    """
+    assert standby.popen.stdin is not None
+    standby.popen.stdin.write(json.dumps({"env": dict(env)}).encode() + b"\n")
+    standby.popen.stdin.close()
+    standby.prefix[0] = prefix
+    return WorkerProcess(process, slice_id, generation, standby.popen, clock(), standby.reader)
+
+
+def discard(standbys: Sequence[Standby]) -> None:
+    """Ends standbys that will not be needed (closed stdin, then SIGKILL to the group)."""
+    for standby in standbys:
+        with contextlib.suppress(OSError):
+            if standby.popen.stdin is not None:
+                standby.popen.stdin.close()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(standby.popen.pid, signal.SIGKILL)
+    for standby in standbys:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            standby.popen.wait(timeout=5.0)
+        standby.reader.join(timeout=1.0)
 
 
 def stop(

@@ -32,6 +32,7 @@ from resilient_jax.coordinator import compile_cache, detector, processes, protoc
 from resilient_jax.coordinator.outages import OutageReader
 from resilient_jax.coordinator.policy import RestartPolicy, SlicePool
 from resilient_jax.coordinator.server import HeartbeatServer, WorkerReport
+from resilient_jax.coordinator.standby import DEFAULT_PRELOAD
 from resilient_jax.coordinator.stragglers import Straggler, StragglerWatch
 from resilient_jax.events import EventLog
 from resilient_jax.mesh import MeshPlan, plan_mesh
@@ -69,7 +70,8 @@ class SupervisorAction:
     every process of the slice; the slice stays out for `duration_s`, then may be re-admitted) or
     "preempt" (SIGTERM, as a cloud preemption notice: the workers save and exit EXIT_PREEMPTED).
     `process` is the index inside the slice (None: every process of it). It fires once, when any
-    worker has reported `at_step` or `at_s` seconds after the supervisor started, whichever is set.
+    worker has reported `at_step` or `at_s` seconds after the supervisor started, whichever is set,
+    and the slice runs: while it is out (evicted, lost) the action waits for its return.
     """
 
     kind: str
@@ -160,6 +162,11 @@ class Supervisor:
         self._max_step: int | None = None  # highest step any worker reported, any generation
         self._gen_max_step: int | None = None
         self._stragglers: StragglerWatch | None = None  # the running generation's
+        # Workers started ahead of the next generation (imports done while the job trains).
+        self._standby_argv = (
+            processes.standby_argv(self._argv, DEFAULT_PRELOAD) if self._c.standby_workers else None
+        )
+        self._standbys: list[processes.Standby] = []
         self._signals: list[int] = []
         self._start_time = 0.0
 
@@ -180,6 +187,7 @@ class Supervisor:
             return self._finish(2, f"cannot start workers: {e}")
         finally:
             processes.stop(self._workers, grace_s=0.0)
+            processes.discard(self._standbys)
             self._server.close()
             restore_handlers()
 
@@ -446,16 +454,7 @@ class Supervisor:
                 process = index * cluster.processes_per_slice + local
                 env = self._worker_env(port, num_processes, process, len(slices), slice_id)
                 prefix = f"[g{self._generation} s{slice_id} p{process}] "
-                worker = processes.spawn(
-                    self._argv,
-                    env,
-                    self._sink,
-                    prefix,
-                    process,
-                    slice_id,
-                    self._generation,
-                    cwd=self._cwd,
-                )
+                worker = self._spawn_worker(env, prefix, process, slice_id)
                 self._workers.append(worker)
                 self._events.emit(
                     "process_start",
@@ -467,9 +466,8 @@ class Supervisor:
                     num_slices=len(slices),
                 )
 
-    def _worker_env(
-        self, port: int, num_processes: int, process: int, num_slices: int, slice_id: int
-    ) -> dict[str, str]:
+    def _shared_env(self) -> dict[str, str]:
+        """What every worker of the job gets, whatever its place (also a standby's start)."""
         assert self._server is not None
         env = dict(os.environ)
         flags = [
@@ -480,12 +478,6 @@ class Supervisor:
         flags.append(f"--xla_force_host_platform_device_count={self._cluster.devices_per_process}")
         env.update(
             {
-                protocol.ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
-                protocol.ENV_NUM_PROCESSES: str(num_processes),
-                protocol.ENV_PROCESS_ID: str(process),
-                protocol.ENV_NUM_SLICES: str(num_slices),
-                protocol.ENV_SLICE: str(slice_id),
-                protocol.ENV_GENERATION: str(self._generation),
                 protocol.ENV_SUPERVISOR_ADDRESS: self._server.address,
                 protocol.ENV_SUPERVISOR_PID: str(os.getpid()),
                 protocol.ENV_RUN_TOKEN: self._token,
@@ -498,6 +490,54 @@ class Supervisor:
             env.setdefault(key, value)  # a cache configured in our own environment wins
         env.pop(protocol.ENV_AUTO_DISTRIBUTED, None)
         return env
+
+    def _worker_env(
+        self, port: int, num_processes: int, process: int, num_slices: int, slice_id: int
+    ) -> dict[str, str]:
+        env = self._shared_env()
+        env.update(
+            {
+                protocol.ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
+                protocol.ENV_NUM_PROCESSES: str(num_processes),
+                protocol.ENV_PROCESS_ID: str(process),
+                protocol.ENV_NUM_SLICES: str(num_slices),
+                protocol.ENV_SLICE: str(slice_id),
+                protocol.ENV_GENERATION: str(self._generation),
+            }
+        )
+        return env
+
+    def _spawn_worker(
+        self, env: dict[str, str], prefix: str, process: int, slice_id: int
+    ) -> processes.WorkerProcess:
+        """A worker from a ready standby if there is one, else a freshly started process."""
+        while self._standbys:
+            standby = self._standbys.pop(0)
+            if not standby.alive:
+                processes.discard([standby])
+                continue
+            try:
+                return processes.assign(standby, env, prefix, process, slice_id, self._generation)
+            except OSError:  # it died just now
+                processes.discard([standby])
+        return processes.spawn(
+            self._argv, env, self._sink, prefix, process, slice_id, self._generation, cwd=self._cwd
+        )
+
+    def _refill_standbys(self) -> None:
+        """Starts standbys for the next generation (as many workers as the largest one has)."""
+        if self._standby_argv is None:
+            return
+        wanted = self._pool.target * self._cluster.processes_per_slice
+        if len(self._standbys) >= wanted and all(s.alive for s in self._standbys):
+            return
+        processes.discard([s for s in self._standbys if not s.alive])
+        self._standbys = [s for s in self._standbys if s.alive]
+        env = self._shared_env()
+        while len(self._standbys) < wanted:
+            self._standbys.append(
+                processes.spawn_standby(self._standby_argv, env, self._sink, cwd=self._cwd)
+            )
 
     def _watch(self, deadline: float | None) -> _Outcome:
         """Polls the running generation until something needs a decision."""
@@ -559,6 +599,9 @@ class Supervisor:
                 straggling = self._straggler_outcome(reports)
                 if straggling is not None:
                     return straggling
+            if self._gen_max_step is not None:
+                # Once this generation trains: their imports must not slow its start.
+                self._refill_standbys()
             if completed_at is None and self._can_scale_up():
                 return _Outcome("scale_up")
             time.sleep(self._poll_s)
@@ -577,16 +620,19 @@ class Supervisor:
             or (a.at_step is not None and (self._max_step or 0) >= a.at_step)
         ]
         for action in due:
-            self._pending_actions.remove(action)
             targets = [
                 w
                 for w in self._workers
                 if w.slice == action.slice
+                and w.running
                 and (
                     action.process is None
                     or w.process % self._cluster.processes_per_slice == action.process
                 )
             ]
+            if not targets:
+                continue  # the slice is not running now; faults hit hardware that runs
+            self._pending_actions.remove(action)
             if action.kind == "lose_slice":
                 duration = action.duration_s
                 if duration is None:

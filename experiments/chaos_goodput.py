@@ -1,0 +1,351 @@
+"""Goodput under a seeded failure trace: the framework's defaults against the common baseline.
+
+    python experiments/chaos_goodput.py [--minutes=10] [--seed=1] [--mtbf_s=60]
+
+A local cluster of 2 slices x 2 processes x 1 CPU device trains configs/tiny_cpu.py (unchanged
+model, total_steps large: each run is cut at `--minutes` by a save-and-stop) three times:
+
+- `undisturbed`: the framework's defaults, no faults. Its losses are the reference, and its step
+  rate places the NaN of the trace.
+- `framework`: the framework's defaults (`resilient_jax.config.default_config()`: RAM tier every
+  10 steps, persistent every 100, supervisor detection, in-band NaN skip, compilation cache,
+  slices evicted and re-admitted after 60 s) under the trace.
+- `baseline`: the common practice, realised as follows: persistent checkpoints only (local tier
+  off, same persistent interval); no supervisor: `baseline_launcher.BaselineLauncher` starts the
+  same workers and notices a failure only when the JAX job has died, that is when JAX's own
+  coordination service aborted the survivors after its default 100 s heartbeat timeout
+  (`coordinator.jax_heartbeat_timeout_s=100`); then every worker restarts, on 2 slices (waiting
+  for a lost slice to come back), from the last persistent checkpoint; no in-band skip
+  (`health.enabled=False`: a NaN stops every worker, and the launcher restarts them like after
+  any crash); JAX's compilation cache off (its default).
+
+The trace (`make_trace`): failures at exponential gaps of mean `--mtbf_s` over the run, seeded:
+one host hang (SIGSTOP of a worker: heartbeats stop), one slice lost for `--lost_for_s` and
+then back, one NaN step, the rest worker kills (SIGKILL); targets drawn from the same seed. Kills,
+the hang and the slice loss are timed from the start of the run and injected by the supervisor
+(or the baseline launcher); the NaN is a `--chaos=nan:step=K` fault of the workers, K the step
+the undisturbed run reached at the NaN's time.
+
+Reported per variant (`resilient_jax.goodput` on the run's events): goodput, badput by category,
+steps lost (recomputed), failures, mean time to recover (fault to the first step after the
+restart), steps reached and the loss there against the undisturbed run's loss at the same step.
+Writes experiments/results/chaos_goodput.json (key `goodput` per variant) and .png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import random
+import runpy
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+from absl import app, flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from baseline_launcher import BaselineLauncher  # noqa: E402
+
+from resilient_jax import goodput  # noqa: E402
+from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
+from resilient_jax.events import read_events  # noqa: E402
+
+_MINUTES = flags.DEFINE_float("minutes", 10.0, "Wall-clock length of each run.")
+_SEED = flags.DEFINE_integer("seed", 1, "Seed of the failure trace.")
+_MTBF = flags.DEFINE_float("mtbf_s", 60.0, "Mean time between failures (seconds).")
+_LOST_FOR = flags.DEFINE_float("lost_for_s", 30.0, "How long the lost slice stays out.")
+_VARIANTS = flags.DEFINE_list(
+    "variants", ["undisturbed", "framework", "baseline"], "Runs to make (undisturbed first)."
+)
+_OUT = flags.DEFINE_string(
+    "out", os.path.join(REPO, "experiments", "results", "chaos_goodput.json"), "Result file."
+)
+
+CONFIG_FILE = "configs/tiny_cpu.py"
+CLUSTER = ClusterSpec(num_slices=2, processes_per_slice=2, devices_per_process=1)
+COMMON = {
+    "total_steps": 1_000_000,  # the run is cut by the time limit
+    "log.progress_bar": False,
+    "log.tensorboard": False,
+}
+BASELINE = {
+    "checkpoint.local_dir": "",
+    "health.enabled": False,
+    "coordinator.jax_heartbeat_timeout_s": 100,
+    "coordinator.heartbeat_timeout_s": 50.0,  # unused without a supervisor; must be < JAX's
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    actions: list[SupervisorAction]  # kills, the hang and the slice loss, timed
+    nan_at_s: float | None  # the NaN's time; placed at a step by `nan_step`
+
+    def describe(self) -> list[dict[str, Any]]:
+        rows = [
+            {"at_s": a.at_s, "kind": a.kind, "slice": a.slice, "process": a.process}
+            | ({"for_s": a.duration_s} if a.duration_s else {})
+            for a in self.actions
+        ]
+        if self.nan_at_s is not None:
+            rows.append({"at_s": self.nan_at_s, "kind": "nan"})
+        return sorted(rows, key=lambda r: r["at_s"])
+
+
+def make_trace(seed: int, mtbf_s: float, length_s: float, lost_for_s: float) -> Trace:
+    rng = random.Random(seed)
+    times, t = [], rng.expovariate(1.0 / mtbf_s)
+    while t < length_s:
+        times.append(round(t, 1))
+        t += rng.expovariate(1.0 / mtbf_s)
+    kinds = ["kill"] * len(times)
+    special = ("hang", "nan", "lose_slice")[: len(times)]
+    for index, kind in zip(rng.sample(range(len(times)), len(special)), special, strict=True):
+        kinds[index] = kind
+    actions, nan_at_s = [], None
+    for at_s, kind in zip(times, kinds, strict=True):
+        slice_id, process = (
+            rng.randrange(CLUSTER.num_slices),
+            rng.randrange(CLUSTER.processes_per_slice),
+        )
+        if kind == "nan":
+            nan_at_s = at_s
+        elif kind == "lose_slice":
+            actions.append(SupervisorAction(kind, slice_id, at_s=at_s, duration_s=lost_for_s))
+        else:
+            actions.append(SupervisorAction(kind, slice_id, process=process, at_s=at_s))
+    return Trace(actions, nan_at_s)
+
+
+def load_config(overrides: dict[str, Any]):
+    config = runpy.run_path(os.path.join(REPO, CONFIG_FILE))["get_config"]()
+    for key, value in overrides.items():
+        node = config
+        *path, last = key.split(".")
+        for part in path:
+            node = node[part]
+        node[last] = value
+    return config
+
+
+def worker_argv(workdir: str, overrides: dict[str, Any], chaos: str) -> list[str]:
+    argv = [
+        sys.executable,
+        "launch/train.py",
+        f"--config={CONFIG_FILE}",
+        f"--workdir={workdir}",
+        *(f"--config.{k}={v}" for k, v in overrides.items()),
+    ]
+    return argv + ([f"--chaos={chaos}"] if chaos else [])
+
+
+def run_variant(
+    name: str, trace: Trace | None, nan_step: int | None, log_dir: str, shm: str
+) -> list[dict[str, Any]]:
+    """Runs one variant for --minutes; returns its events."""
+    workdir = tempfile.mkdtemp(prefix=f"rj_chaos_{name}_")
+    overrides = {**COMMON, "checkpoint.local_dir": shm}
+    if name == "baseline":
+        overrides.update(BASELINE)
+    chaos = f"nan:step={nan_step}" if nan_step is not None else ""
+    argv = worker_argv(workdir, overrides, chaos)
+    actions = trace.actions if trace is not None else []
+    limit_s = 60.0 * _MINUTES.value
+    with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
+        if name == "baseline":
+            launcher = BaselineLauncher(CLUSTER, argv, workdir, actions, out=log, cwd=REPO)
+            code = launcher.run(time_limit_s=limit_s)
+        else:
+            config = load_config(overrides)
+            supervisor = Supervisor(config, CLUSTER, argv, workdir, actions, out=log, cwd=REPO)
+            code = supervisor.run(time_limit_s=limit_s).exit_code
+    events = list(read_events(workdir))
+    shutil.copy(
+        os.path.join(workdir, "events.jsonl"), os.path.join(log_dir, f"{name}.events.jsonl")
+    )
+    shutil.rmtree(workdir, ignore_errors=True)
+    shutil.rmtree(shm, ignore_errors=True)
+    if code not in (0, 124):
+        raise RuntimeError(f"{name}: exit {code} (see {log_dir}/{name}.log)")
+    return events
+
+
+def lane0_steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["type"] == "step" and e.get("process") == 0]
+
+
+def recovery_times(events: list[dict[str, Any]]) -> list[float]:
+    """Per detected failure: fault (detection minus its latency) to the first step after it."""
+    sup = [e for e in events if e["type"] == "failure_detected" and "source" in e]
+    steps = lane0_steps(events)
+    out = []
+    for failure in sup:
+        restarted = [
+            e["time"] for e in events if e["type"] == "restart" and e["time"] >= failure["time"]
+        ]
+        if not restarted:
+            continue
+        after = [s["time"] for s in steps if s["time"] > min(restarted)]
+        if after:
+            out.append(min(after) - (failure["time"] - failure.get("latency_s", 0.0)))
+    return out
+
+
+def restart_phases(events: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean seconds per restarted generation (process 0): from its workers' spawn to JAX init,
+    JAX init, restore, compile, and compile end to the first step."""
+    spawns = {
+        e["generation"]: e["time"]
+        for e in events
+        if e["type"] == "process_start" and "source" in e and e.get("process") == 0
+    }
+    mine = [e for e in events if e.get("process") == 0 and "source" not in e]
+    totals: dict[str, list[float]] = {}
+    for generation, spawned in spawns.items():
+        if generation == 0:
+            continue
+        own = {}
+        for e in mine:
+            if e.get("generation") == generation and e["type"] not in own:
+                own[e["type"]] = e
+        if not {"jax_init", "compile", "step"} <= set(own):
+            continue
+        init = own["jax_init"]
+        phases = {
+            "process_start": init["time"] - init["duration_s"] - spawned,
+            "jax_init": init["duration_s"],
+            "restore": own["restore"]["duration_s"] if "restore" in own else 0.0,
+            "compile": own["compile"]["duration_s"],
+            "first_step": own["step"]["time"] - own["compile"]["time"],
+            "spawn_to_first_step": own["step"]["time"] - spawned,
+        }
+        for k, v in phases.items():
+            totals.setdefault(k, []).append(v)
+    return {k: round(sum(v) / len(v), 2) for k, v in totals.items()}
+
+
+def summarise(events: list[dict[str, Any]], reference: dict[int, float] | None) -> dict[str, Any]:
+    result = goodput.compute(events)
+    steps = lane0_steps(events)
+    final = steps[-1] if steps else {}
+    mttr = recovery_times(events)
+    loss = final.get("loss")
+    ref = reference.get(final.get("step")) if reference else None
+    return {
+        "goodput": round(result.goodput, 4),
+        "wall_s": round(result.wall_s, 1),
+        "badput": {k: round(v, 4) for k, v in result.to_json()["badput"].items()},
+        "steps_lost": result.steps_lost,
+        "steps_skipped": result.steps_skipped,
+        "failures": result.failures,
+        "generations": result.generations,
+        "restart_phases_s": restart_phases(events),
+        "mttr_s": round(sum(mttr) / len(mttr), 2) if mttr else None,
+        "recoveries_s": [round(t, 2) for t in mttr],
+        "final_step": final.get("step"),
+        "final_loss": loss if loss is None or math.isfinite(loss) else str(loss),
+        "undisturbed_loss_at_final_step": ref,
+        "segments": [(round(a, 2), round(b, 2), c) for a, b, c in result.segments],
+    }
+
+
+def plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    categories = [goodput.PRODUCTIVE, *goodput.BADPUT]
+    colours = {c: plt.cm.tab20(i) for i, c in enumerate(categories)}
+    colours[goodput.PRODUCTIVE] = "#2ca02c"
+    names = list(results["variants"])
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.7 * len(names)))
+    for row, name in enumerate(names):
+        v = results["variants"][name]
+        t0 = v["segments"][0][0] if v["segments"] else 0.0
+        for start, end, category in v["segments"]:
+            ax.broken_barh([(start - t0, end - start)], (row - 0.35, 0.7), color=colours[category])
+        ax.text(v["wall_s"], row, f"  goodput {100 * v['goodput']:.1f}%", va="center", fontsize=9)
+    for fault in results["trace"]:
+        ax.axvline(fault["at_s"], color="black", lw=0.6, ls=":")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the run began (dotted: the trace's faults)")
+    used = {c for v in results["variants"].values() for _, _, c in v["segments"]}
+    ax.legend(
+        handles=[Patch(color=colours[c], label=goodput.LABELS[c]) for c in categories if c in used],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    log_dir = tempfile.mkdtemp(prefix="rj_chaos_logs_")
+    shm = f"/dev/shm/rj_chaos_{os.getpid()}"
+    length_s = 60.0 * _MINUTES.value
+    trace = make_trace(_SEED.value, _MTBF.value, length_s, _LOST_FOR.value)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    nan_step = None
+    for name in _VARIANTS.value:
+        started = time.monotonic()
+        if name == "undisturbed":
+            runs[name] = run_variant(name, None, None, log_dir, shm)
+            steps = lane0_steps(runs[name])
+            if trace.nan_at_s is not None and steps:
+                t0 = min(e["time"] for e in runs[name])
+                nan_step = max([1] + [s["step"] for s in steps if s["time"] - t0 <= trace.nan_at_s])
+        else:
+            runs[name] = run_variant(name, trace, nan_step, log_dir, shm)
+        print(f"{name}: {time.monotonic() - started:.0f} s", flush=True)
+    reference = None
+    if "undisturbed" in runs:
+        reference = {s["step"]: s["loss"] for s in lane0_steps(runs["undisturbed"])}
+    variants = {name: summarise(events, reference) for name, events in runs.items()}
+    results = {
+        "what": "goodput of a 2 x 2-process local cluster under a seeded failure trace",
+        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "python": platform.python_version(),
+        "setup": {
+            "cluster": "2 slices x 2 processes x 1 CPU device (simulated slices)",
+            "config": CONFIG_FILE,
+            "common_overrides": COMMON,
+            "baseline_overrides": BASELINE,
+            "minutes": _MINUTES.value,
+            "mtbf_s": _MTBF.value,
+            "seed": _SEED.value,
+            "nan_step": nan_step,
+        },
+        "trace": trace.describe(),
+        "variants": variants,
+        "logs": log_dir,
+    }
+    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
+    with open(_OUT.value, "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, os.path.splitext(_OUT.value)[0] + ".png")
+    header = f"{'variant':<12}{'goodput':>9}{'failures':>10}{'lost':>6}{'MTTR s':>8}{'step':>7}"
+    print(header + "  loss (undisturbed at that step)")
+    for name, v in variants.items():
+        mttr = "-" if v["mttr_s"] is None else f"{v['mttr_s']:.1f}"
+        print(
+            f"{name:<12}{v['goodput']:>9.3f}{v['failures']:>10}{v['steps_lost']:>6}{mttr:>8}"
+            f"{v['final_step'] or 0:>7}  {v['final_loss']} ({v['undisturbed_loss_at_final_step']})"
+        )
+
+
+if __name__ == "__main__":
+    app.run(main)
