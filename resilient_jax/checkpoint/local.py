@@ -186,11 +186,11 @@ def _host_pieces(state: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
                 continue
             seen.add(box)
             shard.data.copy_to_host_async()  # start every transfer before waiting on any
-            pending.append((path, box, shard.data))
-    for path, box, data in pending:
+            pending.append((path, box, shard.data, shard.device.platform))
+    for path, box, data, platform in pending:
         host = np.asarray(data)
         # On CPU the host view can alias the device buffer, which the next step may donate.
-        if data.devices().pop().platform == "cpu" or not host.flags.c_contiguous:
+        if platform == "cpu" or not host.flags.c_contiguous:
             host = np.array(host, copy=True, order="C")
         entries.append({"leaf": path, "box": [list(b) for b in box]})
         arrays.append(host)
