@@ -41,7 +41,8 @@ A single run's: `goodput` (required) and `workdir` (its events.jsonl and config.
 top level, with the optional fields below.
 
 Either layout, optional, per variant or at the top level: `costs` overrides what the events give
-(seconds: step_s, productive_fraction, startup_s, tail_s, detection_s, restart_s, compile_s, and
+(seconds: step_s, productive_fraction, startup_s, init_s, tail_s, detection_s, restart_s,
+compile_s, and
 per tier {"local": s, "persistent": s}: save_s (blocking), commit_s, restore_s), and
 `intervals_steps` ({"local": N, "persistent": N}; no local: no local tier), `total_steps`, and
 `failure_trace` replaces the trace: a list of {"kind": K, "time_s": T} (T seconds from the run's
@@ -504,7 +505,7 @@ def _end(run: RecordedRun) -> dict[str, float]:
     if wall is None and run.events:
         wall = max(e["time"] for e in run.events) - goodput_replay.run_start(run.events)
     if wall is None:
-        raise SystemExit(f"validation ({run.name}): neither total_steps nor wall_s known")
+        raise ValueError("neither total_steps nor wall_s known")
     return {"horizon_s": float(wall)}
 
 
@@ -535,9 +536,9 @@ def replay_strategy(costs: dict[str, Any]) -> gm.Strategy:
     missing = [k for k in ("step_s", "restart_s") if k not in costs]
     persistent = _tier(costs, gm.PERSISTENT)
     if missing or persistent is None:
-        raise SystemExit(
-            f"validation: no measured {', '.join(missing) or 'persistent save_s'} "
-            "(the run's events were not found and the JSON has no `costs`)"
+        raise ValueError(
+            f"no measured {', '.join(missing) or 'persistent save_s'} "
+            "(no usable events and no such `costs` in the JSON)"
         )
     return gm.Strategy(
         name="recorded run",
@@ -550,6 +551,7 @@ def replay_strategy(costs: dict[str, Any]) -> gm.Strategy:
         anomaly_skip=True,
         productive_fraction=costs.get("productive_fraction", 1.0),
         startup_s=costs.get("startup_s", 0.0),
+        init_s=costs.get("init_s", 0.0),
         tail_s=costs.get("tail_s", 0.0),
     )
 
@@ -562,12 +564,17 @@ def _shown(path: str) -> str:
 
 
 def predict(run: RecordedRun) -> dict[str, Any]:
-    """Replays one recorded run through the discrete-event model and compares."""
-    inputs = validation_inputs(run)
-    strategy = replay_strategy(inputs["costs"])
+    """Replays one recorded run through the discrete-event model and compares; a run without
+    the data to replay it gets the reason instead."""
+    try:
+        inputs = validation_inputs(run)
+        strategy = replay_strategy(inputs["costs"])
+    except ValueError as e:
+        return {"measured": run.measured, "error": str(e), "within_target": False}
     every = inputs["intervals_steps"]
+    # No interval known (no periodic save seen): the tier saves only at the end.
     intervals = gm.Intervals(
-        persistent_s=max(1, every.get("persistent", 0)) * strategy.step_s,
+        persistent_s=every["persistent"] * strategy.step_s if every.get("persistent") else math.inf,
         local_s=every["local"] * strategy.step_s if every.get("local") else math.inf,
     )
     cluster = gm.Cluster(chips=1, chip_mtbf_s=math.inf)  # failures come from the trace alone
@@ -602,6 +609,9 @@ def validate(path: str, out: str) -> dict[str, Any]:
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
     for name, c in compared.items():
+        if "error" in c:
+            print(f"{name}: not replayed: {c['error']}")
+            continue
         print(
             f"{name}: measured {100 * c['measured']['goodput']:.1f}%, predicted "
             f"{100 * c['predicted']['goodput']:.1f}% ({c['difference_points']:+.1f} points; "

@@ -66,6 +66,7 @@ CATEGORIES = (
 )
 
 _KEEP = 3  # durable saves remembered per tier
+_FAR_STEPS = 10**12  # "never" in steps, for a run with no save or end ahead
 
 FAILURE = "failure"
 ANOMALY = "anomaly"
@@ -114,6 +115,7 @@ class Strategy:
     anomaly_detection_s: float = 0.0  # without in-band skip: training goes on this long, wasted
     productive_fraction: float = 1.0
     startup_s: float = 0.0  # before the first step of a run (init and first compile)
+    init_s: float = 0.0  # initialising from the seed when a restart finds nothing to restore
     tail_s: float = 0.0  # after the last step of a finite run (final save, shutdown)
 
     def recovery_s(self, restore_s: float) -> float:
@@ -148,9 +150,12 @@ class Intervals:
     local_s: float = math.inf
 
     def steps(self, step_s: float) -> tuple[int, int]:
-        """(local, persistent) intervals in whole steps; a local interval of 0 means none."""
-        local = 0 if math.isinf(self.local_s) else max(1, round(self.local_s / step_s))
-        return local, max(1, round(self.persistent_s / step_s))
+        """(local, persistent) intervals in whole steps; 0: no periodic saves in that tier."""
+
+        def whole(seconds: float) -> int:
+            return 0 if math.isinf(seconds) else max(1, round(seconds / step_s))
+
+        return whole(self.local_s), whole(self.persistent_s)
 
 
 # -------------------------------------------------------------------------------- Young/Daly
@@ -233,6 +238,8 @@ def analytic(strategy: Strategy, cluster: Cluster, intervals: Intervals) -> Brea
     """First-order renewal model: a cycle is a running phase ended by an interruption, then the
     recovery. The age of the newest durable save of a tier at a random running moment is
     uniform over [commit, commit + wall time between saves]; valid while intervals << MTBF."""
+    if not math.isfinite(intervals.persistent_s):
+        raise ValueError("the analytic model needs a finite persistent interval")
     s = strategy
     persistent_s = intervals.persistent_s
     local = s.local if math.isfinite(intervals.local_s) else None
@@ -476,11 +483,11 @@ class _Run:
 
     def _boundary(self) -> int:
         """The next step count at which something happens: a save, a traced fault, the end."""
-        nxt = min((self.pos // tier.every + 1) * tier.every for tier in self.tiers)
-        if self.total_steps is not None:
-            nxt = min(nxt, self.total_steps)
+        saves = [(self.pos // t.every + 1) * t.every for t in self.tiers if t.every]
+        ends = [] if self.total_steps is None else [self.total_steps]
         later = [k for k in self.by_step if k > self.pos]
-        return min([nxt, *later])
+        # Without saves, traced faults or an end in sight, run until the next timed event.
+        return min([*saves, *ends, *later], default=self.pos + _FAR_STEPS)
 
     def _advance(self) -> None:
         step_s = self.s.step_s
@@ -568,7 +575,7 @@ class _Run:
         if self.total_steps is not None and self.pos >= self.total_steps:
             return  # the final save is part of the run's tail
         for tier in self.tiers:
-            if self.pos == 0 or self.pos % tier.every:
+            if self.pos == 0 or not tier.every or self.pos % tier.every:
                 continue
             tier.settle(self.t)
             # A save that finds its tier's previous write in flight waits for it.
@@ -620,12 +627,12 @@ class _Run:
 
     def _roll_back(self, local_lost: bool, limit: int | None) -> float:
         """Moves the run back to the newest surviving save (at most `limit`); returns the
-        restore's cost (none from scratch)."""
+        restore's cost (from scratch: initialising from the seed)."""
         for tier in self.tiers:
             tier.abandon(self.t)
             if tier.name == LOCAL and local_lost:
                 tier.durable.clear()
-        best: tuple[int, str, float] = (0, "none", 0.0)
+        best: tuple[int, str, float] = (0, "none", self.s.init_s)
         for tier in self.tiers:  # local first: it wins ties, being the faster restore
             step = tier.newest(limit)
             if step is not None and step > best[0]:
@@ -816,7 +823,8 @@ class AtScale:
     persistent_commit_overhead_s: float = 10.0
     persistent_restore_overhead_s: float = 30.0
     local_restore_overhead_s: float = 5.0
-    compile_s: float = 180.0
+    compile_s: float = 180.0  # a cold XLA compile of the step
+    framework_compile_s: float = 30.0  # a hit in the persistent compilation cache
     framework_detection_s: float = 10.0
     framework_restart_s: float = 60.0
     baseline_detection_s: float = 100.0  # JAX's default heartbeat timeout
@@ -874,7 +882,7 @@ class AtScale:
             local=local,
             detection_s=self.framework_detection_s,
             restart_s=self.framework_restart_s,
-            compile_s=self.compile_s,
+            compile_s=self.framework_compile_s,
             anomaly_skip=True,
         )
         baseline = Strategy(
@@ -919,8 +927,10 @@ class AtScale:
             "every replica reads a full copy, +30 s for listing, opening and verifying",
             "local_restore_overhead_s": "assumption: 5 s to agree on the step, fetch a lost "
             "host's shards from a peer replica and check CRCs",
-            "compile_s": "assumption: 180 s for a 405B step, the same for both strategies (no "
-            "persistent compilation cache in either)",
+            "compile_s": "assumption: 180 s to compile a 405B step cold (the baseline: JAX's "
+            "compilation cache is off by default)",
+            "framework_compile_s": "assumption: 30 s to load the step from the persistent "
+            "compilation cache the framework enables (coordinator.compilation_cache_dir)",
             "framework_detection_s": "coordinator heartbeat timeout 5 s (config default) plus "
             "hangs (NCCL watchdog class, 1.7% in Llama 3) caught by the 300 s watchdog",
             "framework_restart_s": "assumption: respawn workers on allocated hosts with a hot "

@@ -11,11 +11,13 @@ Costs (`costs_from_events`), each a mean or median over the run, lane of process
     save_s[tier]        mean `duration_s` of `save` events (the blocking part)
     commit_s[tier]      mean `commit_s` of `save_committed` events
     restore_s[tier]     mean `duration_s` of `restore` events
+    init_s              mean `duration_s` of `init` events (state from the seed: nothing restored)
     detection_s         mean `latency_s` of `failure_detected` events
     restart_s           failure detected -> the next generation's restore (or init) begins
     compile_s           a later generation's restore ends -> its first step begins (compile,
                         waiting for the slowest process, first batch)
-    startup_s           the run's first moment -> its first step begins
+    startup_s           the run's first moment -> its first step begins, or the first failure
+                        if that came earlier (the replay meets that failure before step 1)
                         (a step begins one step_s before its event: the model's pace)
     tail_s              the last step -> the last event (final save, shutdown)
 
@@ -89,6 +91,15 @@ def run_start(events: Sequence[dict[str, Any]]) -> float:
 
 def _step_start(event: dict[str, Any], step_s: float | None) -> float:
     return _start(event) if step_s is None else float(event["time"]) - step_s
+
+
+def _failure_times(events: Sequence[dict[str, Any]]) -> list[float]:
+    """When each detected failure happened (detection time less its latency)."""
+    return [
+        float(e["time"]) - max(0.0, _number(e.get("latency_s")))
+        for e in events
+        if e["type"] == "failure_detected"
+    ]
 
 
 def _mean(values: Iterable[float]) -> float | None:
@@ -179,6 +190,9 @@ def costs_from_events(
         "save_s": _by_tier(events, "save", "duration_s"),
         "commit_s": _by_tier(events, "save_committed", "commit_s"),
         "restore_s": _by_tier(events, "restore", "duration_s"),
+        "init_s": _mean(
+            _number(e.get("duration_s")) for e in events if e["type"] == "init" and _reference(e)
+        ),
         "detection_s": _mean(
             _number(e.get("latency_s")) for e in events if e["type"] == "failure_detected"
         ),
@@ -186,7 +200,9 @@ def costs_from_events(
         "compile_s": _mean(compiles),
     }
     if lane_steps:
-        costs["startup_s"] = _step_start(lane_steps[0], step_s) - run_start(events)
+        first_failure = min(_failure_times(events), default=math.inf)
+        first_step = _step_start(lane_steps[0], step_s)
+        costs["startup_s"] = min(first_step, first_failure) - run_start(events)
         costs["tail_s"] = float(events[-1]["time"]) - float(lane_steps[-1]["time"])
     return {k: v for k, v in costs.items() if v is not None and v != {}}
 

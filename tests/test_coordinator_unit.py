@@ -1,8 +1,10 @@
-"""Coordinator pieces without worker processes: protocol, heartbeat server and client over real
-sockets, detection, restart policy, slice pool, config validation, worker environment."""
+"""Coordinator pieces without training workers: protocol, heartbeat server and client over real
+sockets, detection, stragglers, standby processes, restart policy, slice pool, config validation,
+worker environment, compilation cache."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -13,7 +15,7 @@ import jax
 import pytest
 
 from resilient_jax import config as config_lib
-from resilient_jax.coordinator import compile_cache, detector, protocol
+from resilient_jax.coordinator import compile_cache, detector, processes, protocol, standby
 from resilient_jax.coordinator.client import SupervisorClient
 from resilient_jax.coordinator.outages import OutageReader
 from resilient_jax.coordinator.policy import RestartPolicy, SlicePool
@@ -230,6 +232,52 @@ def test_detector_slow_phases_get_the_startup_budget():
     assert detector.check(now, {0: now - 59, 1: now - 59}, starting, THRESHOLDS) is None
     failure = detector.check(now, {0: now - 61, 1: now - 61}, starting, THRESHOLDS)
     assert failure.cause == "startup_timeout"
+
+
+# Standby workers.
+
+
+def test_standby_arguments():
+    assert standby.parse_args(["--preload=a,b", "--", "w.py", "--x=1"]) == (
+        ["a", "b"],
+        ["w.py", "--x=1"],
+    )
+    assert standby.parse_args(["--", "-m", "pkg.mod"]) == ([], ["-m", "pkg.mod"])
+    for bad in ([], ["--"], ["--", "-m"], ["--nope", "--", "w.py"]):
+        with pytest.raises(ValueError):
+            standby.parse_args(bad)
+    assert processes.standby_argv(["/bin/sh", "-c", "true"]) is None  # not a Python worker
+    argv = processes.standby_argv([sys.executable, "w.py", "--x=1"], preload=("json",))
+    assert argv[1:] == [
+        "-m",
+        "resilient_jax.coordinator.standby",
+        "--preload=json",
+        "--",
+        "w.py",
+        "--x=1",
+    ]
+
+
+def test_standby_runs_the_worker_with_its_assigned_environment(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys\n"
+        "print('place', os.environ['RJ_PROCESS_ID'], sys.argv[1:], 'json' in sys.modules)\n"
+        "sys.exit(7)\n"
+    )
+    out = io.StringIO()
+    sink = processes.OutputSink(out)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    argv = processes.standby_argv([sys.executable, str(script), "--x=1"], preload=("json",))
+    ready = processes.spawn_standby(argv, env, sink, cwd=str(tmp_path))
+    unused = processes.spawn_standby(argv, env, sink, cwd=str(tmp_path))
+    worker = processes.assign(ready, {**env, "RJ_PROCESS_ID": "3"}, "[g1 s0 p3] ", 3, 0, 1)
+    assert (worker.process, worker.slice, worker.generation) == (3, 0, 1)
+    assert worker.popen.wait(timeout=30) == 7
+    worker.reader.join(timeout=5)
+    assert "[g1 s0 p3] place 3 ['--x=1'] True" in out.getvalue()
+    processes.discard([unused])
+    assert unused.popen.poll() is not None and not unused.alive
 
 
 # Stragglers.

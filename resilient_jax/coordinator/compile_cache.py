@@ -7,13 +7,9 @@ cache key covers the module, the compile options and the device assignment, so a
 same mesh hits the entries of an earlier one, a reshaped mesh compiles once and later reshapes to
 it hit too. The loaded executable is the one compiled before, so resumed runs stay bitwise equal.
 
-On a miss, the first process compiles and hands the executable to the others through JAX's
-key-value store (`jax_share_binary_between_hosts`) instead of every process compiling the same
-program: on a host running several processes (a local cluster, one process per GPU) they would
-compete for the same cores. Only JAX process 0 writes cache entries (JAX's rule).
-
-The supervisor passes all this to workers through JAX's own environment variables, so workers need
-no code for it and settings the user made in the environment win.
+The supervisor passes the cache to workers through JAX's own environment variables, so workers
+need no code for it and settings the user made in the environment win. Only JAX process 0 writes
+entries (JAX's rule); every process reads.
 """
 
 from __future__ import annotations
@@ -24,7 +20,6 @@ import ml_collections
 
 ENV_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
 ENV_MIN_COMPILE_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
-ENV_SHARE_BINARY = "JAX_SHARE_BINARY_BETWEEN_HOSTS"
 # JAX skips caching computations that compiled faster than 1 s by default; a restart compiles
 # many small ones (state checksums, restore helpers) that add up on a busy host.
 MIN_COMPILE_TIME_S = 0.0
@@ -43,8 +38,4 @@ def cache_env(coordinator_config: ml_collections.ConfigDict, workdir: str) -> di
     path = cache_dir(coordinator_config, workdir)
     if path is None:
         return {}
-    return {
-        ENV_CACHE_DIR: path,
-        ENV_MIN_COMPILE_TIME: str(MIN_COMPILE_TIME_S),
-        ENV_SHARE_BINARY: "1",  # takes effect with the cache only (JAX keys the share by it)
-    }
+    return {ENV_CACHE_DIR: path, ENV_MIN_COMPILE_TIME: str(MIN_COMPILE_TIME_S)}

@@ -115,7 +115,13 @@ class Standby:
         return self.popen.poll() is None
 
 
-def standby_argv(worker_argv: Sequence[str], preload: Sequence[str]) -> list[str] | None:
+# What a standby imports ahead: the trainer's dependencies (JAX, Flax, Optax, Orbax, Grain).
+STANDBY_PRELOAD = ("resilient_jax.train.run",)
+
+
+def standby_argv(
+    worker_argv: Sequence[str], preload: Sequence[str] = STANDBY_PRELOAD
+) -> list[str] | None:
     """The standby command for a Python worker command (None: not a Python command)."""
     if not worker_argv or worker_argv[0] != sys.executable:
         return None

@@ -1,7 +1,7 @@
 """A worker started ahead of need: it pays for Python's imports while the job trains, then waits
 for its place in a generation and runs the worker program as if it had been started with it.
 
-    python -m resilient_jax.coordinator.standby [--preload=MOD,...] -- WORKER_ARGV...
+    python -m resilient_jax.coordinator.standby --preload=MOD,... -- WORKER_ARGV...
 
 WORKER_ARGV is the worker command without the interpreter: `launch/train.py --config=...` or
 `-m package.module --flag=...`. The supervisor starts standbys with the environment every worker
@@ -23,7 +23,6 @@ import os
 import runpy
 import sys
 
-DEFAULT_PRELOAD = ("resilient_jax.train.run",)
 _PRELOAD_FLAG = "--preload="
 
 
@@ -32,7 +31,7 @@ def parse_args(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         raise ValueError("usage: standby [--preload=MOD,...] -- WORKER_ARGV...")
     split = argv.index("--")
-    preload = list(DEFAULT_PRELOAD)
+    preload: list[str] = []
     for arg in argv[:split]:
         if not arg.startswith(_PRELOAD_FLAG):
             raise ValueError(f"unknown standby argument {arg!r}")

@@ -32,7 +32,6 @@ from resilient_jax.coordinator import compile_cache, detector, processes, protoc
 from resilient_jax.coordinator.outages import OutageReader
 from resilient_jax.coordinator.policy import RestartPolicy, SlicePool
 from resilient_jax.coordinator.server import HeartbeatServer, WorkerReport
-from resilient_jax.coordinator.standby import DEFAULT_PRELOAD
 from resilient_jax.coordinator.stragglers import Straggler, StragglerWatch
 from resilient_jax.events import EventLog
 from resilient_jax.mesh import MeshPlan, plan_mesh
@@ -163,9 +162,7 @@ class Supervisor:
         self._gen_max_step: int | None = None
         self._stragglers: StragglerWatch | None = None  # the running generation's
         # Workers started ahead of the next generation (imports done while the job trains).
-        self._standby_argv = (
-            processes.standby_argv(self._argv, DEFAULT_PRELOAD) if self._c.standby_workers else None
-        )
+        self._standby_argv = processes.standby_argv(self._argv) if self._c.standby_workers else None
         self._standbys: list[processes.Standby] = []
         self._signals: list[int] = []
         self._start_time = 0.0
@@ -559,7 +556,12 @@ class Supervisor:
             if returned:
                 self._say(f"slices {returned} are healthy again")
             running: dict[int, float] = {}
-            for worker in self._workers:
+            # A worker that stops the run on purpose outranks its peers, which may fail a moment
+            # later in a collective with it: look at fatal exits first.
+            by_severity = sorted(
+                self._workers, key=lambda w: w.poll() not in protocol.FATAL_EXIT_CODES
+            )
+            for worker in by_severity:
                 code = worker.poll()
                 if code is None:
                     running[worker.process] = worker.started_at
