@@ -175,6 +175,11 @@ def _load_piece(piece: Piece, dtype: np.dtype, verified: dict[Piece, bool]) -> n
     return np.frombuffer(raw, dtype).reshape([b - a for a, b in piece.box])
 
 
+# A fresh device buffer for every leaf (the input is not donated, so XLA must copy), with the
+# same shardings.
+_device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
 def _host_pieces(state: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
     """One host copy of each distinct shard this process holds, with its manifest entry."""
     entries, arrays, pending = [], [], []
@@ -224,18 +229,23 @@ class LocalTier:
     # ---------------------------------------------------------------------------------- writing
 
     def save(self, step: int, state: Any, manifest: dict[str, Any]) -> float:
-        """Copies this process's shards to host and writes them in the background.
+        """Snapshots this process's shards on the device, then copies them to host and writes
+        them in the background.
 
-        Returns the blocking seconds. Raises the error of a failed previous save.
+        The loop's next step donates the state's buffers, so the state must be copied before it
+        runs; a device-to-device copy is only dispatched here (the loop blocks for microseconds,
+        not for the device-to-host transfer), at the price of one more copy of the state in device
+        memory until the transfer is done. Returns the blocking seconds. Raises the error of a
+        failed previous save.
         """
         started = time.monotonic()
         self.finish()
-        entries, arrays = _host_pieces(state)
+        snapshot = _device_copy(state)
         blocking = time.monotonic() - started
         manifest = {**manifest, "format": FORMAT_VERSION, "step": step}
         self._thread = threading.Thread(
             target=self._write,
-            args=(step, manifest, entries, arrays, started),
+            args=(step, manifest, snapshot, started),
             name=f"local-ckpt-{step}",
             daemon=True,
         )
@@ -259,16 +269,10 @@ class LocalTier:
                 f"{type(error).__name__}: {error}"
             ) from error
 
-    def _write(
-        self,
-        step: int,
-        manifest: dict[str, Any],
-        entries: list[dict[str, Any]],
-        arrays: list[np.ndarray],
-        started: float,
-    ) -> None:
+    def _write(self, step: int, manifest: dict[str, Any], snapshot: Any, started: float) -> None:
         tmp = os.path.join(self.own_dir, f"{TMP_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
         try:
+            entries, arrays = _host_pieces(snapshot)
             _makedirs(tmp)
             offset = 0
             with open(os.path.join(tmp, DATA_FILE), "wb") as f:
