@@ -13,6 +13,8 @@ under the supervisor as 2 slices x 1 process x 2 CPU devices, SIGKILLs the slice
   size: the one-slice step is compiled anew); on and holding the one-slice step (`ram`: the
   defaults after an earlier reshape to this size, or in a later run of the config; the
   `ram_cold_cache` run filled it).
+- `ram_no_standby`: as `ram`, without standby workers (`coordinator.standby_workers`): the
+  restart starts Python and imports the trainer's dependencies on its critical path.
 - `persistent`: the same with the RAM tier off: restore from the persistent Orbax tier (saved
   every `persistent_every` steps), warm cache.
 - `baseline`: the common practice: nothing notices the dead process until JAX's own heartbeat
@@ -21,7 +23,7 @@ under the supervisor as 2 slices x 1 process x 2 CPU devices, SIGKILLs the slice
   compilation cache. Its restart, JAX init, restore and compile are measured in a run like that;
   its detection is NOT waited for but modelled: the survivors' abort delay after a peer's SIGKILL
   is measured with the JAX heartbeat timeout set to a few short values and extrapolated linearly
-  to 100 s. Its stopping phase is zero (JAX aborted everyone).
+  to 100 s. Its stopping phase is zero (JAX aborted everyone). No standby workers either.
 
 Phases (seconds from the fault): detection (fault -> `failure_detected`), stopping (survivors
 stopped), restart (back-off and spawning), process start (Python and imports until JAX init
@@ -273,7 +275,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results["scenarios"])
-    fig, ax = plt.subplots(figsize=(9, 3.2))
+    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.5 * len(names)))
     for i, name in enumerate(names):
         left = 0.0
         scenario = results["scenarios"][name]
@@ -285,7 +287,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     ax.set_yticks(range(len(names)), names)
     ax.set_xscale("symlog", linthresh=10)
     ax.set_xlabel("seconds from the fault to the first step after recovery (symlog)")
-    ax.legend(ncol=5, fontsize=7, loc="lower right")
+    ax.legend(ncol=9, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -296,6 +298,7 @@ class Scenario:
     tier: str  # ram | persistent: the newest checkpoint recovery can use
     cache: str  # off | cold | warm: JAX's persistent compilation cache at the fault
     spare: bool = False  # a spare slice replaces the lost one (same mesh after the restart)
+    standby: bool = True  # workers started ahead of the restart (coordinator.standby_workers)
     modelled_detection: bool = False  # detection by JAX's default heartbeat, modelled
     what: str = ""
 
@@ -314,12 +317,20 @@ SCENARIOS = (
         "warm",
         what="framework defaults: RAM tier, compilation cache holding this mesh's step",
     ),
+    Scenario(
+        "ram_no_standby",
+        "ram",
+        "warm",
+        standby=False,
+        what="as ram, without standby workers (the restart starts Python and imports)",
+    ),
     Scenario("persistent", "persistent", "warm", what="persistent tier only, warm cache"),
     Scenario(
         "baseline",
         "persistent",
         "off",
         spare=True,
+        standby=False,
         modelled_detection=True,
         what="common practice: persistent checkpoints only, no compilation cache, survivors "
         "aborted by JAX's default 100 s heartbeat (modelled), all restart on a replacement",
@@ -336,6 +347,7 @@ def scenario_overrides(scenario: Scenario, shm: str, cache_dir: str) -> dict[str
         overrides["checkpoint.local_dir"] = ""
     # An absolute path: the cold scenario fills the cache the warm ones then find.
     overrides["coordinator.compilation_cache_dir"] = "" if scenario.cache == "off" else cache_dir
+    overrides["coordinator.standby_workers"] = scenario.standby
     return overrides
 
 
