@@ -65,6 +65,11 @@ _LOST_FOR = flags.DEFINE_float("lost_for_s", 30.0, "How long the lost slice stay
 _VARIANTS = flags.DEFINE_list(
     "variants", ["undisturbed", "framework", "baseline"], "Runs to make (undisturbed first)."
 )
+_REUSE = flags.DEFINE_string(
+    "reuse_undisturbed",
+    "",
+    "events.jsonl of an earlier undisturbed run of the same setup, instead of running it again.",
+)
 _OUT = flags.DEFINE_string(
     "out", os.path.join(REPO, "experiments", "results", "chaos_goodput.json"), "Result file."
 )
@@ -303,7 +308,10 @@ def main(argv: list[str]) -> None:
     for name in _VARIANTS.value:
         started = time.monotonic()
         if name == "undisturbed":
-            runs[name] = run_variant(name, None, None, log_dir, shm)
+            if _REUSE.value:
+                runs[name] = list(read_events(_REUSE.value))
+            else:
+                runs[name] = run_variant(name, None, None, log_dir, shm)
             steps = lane0_steps(runs[name])
             if trace.nan_at_s is not None and steps:
                 t0 = min(e["time"] for e in runs[name])

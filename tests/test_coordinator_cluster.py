@@ -207,6 +207,20 @@ def test_spare_slice_takes_over(cluster_dir):
 
 
 @pytest.mark.timeout(120)
+def test_fault_aimed_at_an_evicted_slice_hits_a_running_one(cluster_dir):
+    first = SupervisorAction("kill", slice=1, at_step=5)
+    again = SupervisorAction("kill", slice=1, at_step=15)  # slice 1 is out by then
+    result, events, _, state = run(
+        cluster_dir, ClusterSpec(2, 1, 1, spare_slices=1), actions=[first, again]
+    )
+    assert result.exit_code == 0, result.reason
+    faults = of_type(events, "fault_injected")
+    assert [(f["slice"], f.get("aimed_at")) for f in faults] == [(1, None), (2, 1)]
+    assert [r["slices"] for r in of_type(events, "restart")] == [[0, 2], [0]]
+    assert state["value"] == pytest.approx(expected_value(), rel=1e-12)
+
+
+@pytest.mark.timeout(120)
 def test_returning_slice_is_readmitted(cluster_dir):
     # The worker announces the outage in the event log (as the chaos hook's lose_slice does) and
     # dies; the supervisor keeps the slice out that long (the cooldown alone would be forever).

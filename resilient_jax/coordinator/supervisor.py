@@ -69,8 +69,9 @@ class SupervisorAction:
     every process of the slice; the slice stays out for `duration_s`, then may be re-admitted) or
     "preempt" (SIGTERM, as a cloud preemption notice: the workers save and exit EXIT_PREEMPTED).
     `process` is the index inside the slice (None: every process of it). It fires once, when any
-    worker has reported `at_step` or `at_s` seconds after the supervisor started, whichever is set,
-    and the slice runs: while it is out (evicted, lost) the action waits for its return.
+    worker has reported `at_step` or `at_s` seconds after the supervisor started, whichever is set.
+    Faults hit hardware that runs: aimed at a slice that is out (evicted, lost), it hits the
+    running slice at that position modulo the number running; with none running, it waits.
     """
 
     kind: str
@@ -621,7 +622,17 @@ class Supervisor:
             if (a.at_s is not None and now - self._start_time >= a.at_s)
             or (a.at_step is not None and (self._max_step or 0) >= a.at_step)
         ]
-        for action in due:
+        running = [
+            s for s in self._slices if any(w.slice == s and w.running for w in self._workers)
+        ]
+        for planned in due:
+            if not running:
+                return  # between generations: faults wait for hardware that runs
+            self._pending_actions.remove(planned)
+            hit = planned.slice
+            if hit not in running:
+                hit = running[planned.slice % len(running)]
+            action = dataclasses.replace(planned, slice=hit)
             targets = [
                 w
                 for w in self._workers
@@ -632,9 +643,6 @@ class Supervisor:
                     or w.process % self._cluster.processes_per_slice == action.process
                 )
             ]
-            if not targets:
-                continue  # the slice is not running now; faults hit hardware that runs
-            self._pending_actions.remove(action)
             if action.kind == "lose_slice":
                 duration = action.duration_s
                 if duration is None:
@@ -650,6 +658,7 @@ class Supervisor:
                 "fault_injected",
                 kind=action.kind,
                 slice=action.slice,
+                aimed_at=planned.slice if planned.slice != action.slice else None,
                 processes=[w.process for w in targets],
                 pids=[w.pid for w in targets],
                 generation=self._generation,
