@@ -26,9 +26,11 @@ the hang and the slice loss are timed from the start of the run and injected by 
 (or the baseline launcher); the NaN is a `--chaos=nan:step=K` fault of the workers, K the step
 the undisturbed run reached at the NaN's time.
 
-Reported per variant (`resilient_jax.goodput` on the run's events): goodput, badput by category,
-steps lost (recomputed), failures, mean time to recover (fault to the first step after the
-restart), steps reached and the loss there against the undisturbed run's loss at the same step.
+Reported per variant (`resilient_jax.goodput` on the run's events): goodput (productive time over
+the run's wall clock, at least `--minutes`: a run that gave up earlier is idle to the end of the
+window), badput by category, steps lost (recomputed), failures, mean time to recover (fault to
+the first step after the restart), the mean restart phases, steps reached and the loss there
+against the undisturbed run's loss at the same step.
 Writes experiments/results/chaos_goodput.json (key `goodput` per variant) and .png.
 """
 
@@ -178,8 +180,8 @@ def run_variant(
     )
     shutil.rmtree(workdir, ignore_errors=True)
     shutil.rmtree(shm, ignore_errors=True)
-    if code not in (0, 124):
-        raise RuntimeError(f"{name}: exit {code} (see {log_dir}/{name}.log)")
+    if code not in (0, 124):  # a run that gave up is a result too: its events say why
+        print(f"{name}: exit {code} (see {log_dir}/{name}.log)", flush=True)
     return events
 
 
@@ -237,15 +239,20 @@ def restart_phases(events: list[dict[str, Any]]) -> dict[str, float]:
     return {k: round(sum(v) / len(v), 2) for k, v in totals.items()}
 
 
-def summarise(events: list[dict[str, Any]], reference: dict[int, float] | None) -> dict[str, Any]:
+def summarise(
+    events: list[dict[str, Any]], reference: dict[int, float] | None, window_s: float
+) -> dict[str, Any]:
+    """`window_s`: the run's time budget; a run that gave up earlier produced nothing after."""
     result = goodput.compute(events)
     steps = lane0_steps(events)
     final = steps[-1] if steps else {}
     mttr = recovery_times(events)
     loss = final.get("loss")
     ref = reference.get(final.get("step")) if reference else None
+    stop = [e for e in events if e["type"] == "stop" and "source" in e]
     return {
-        "goodput": round(result.goodput, 4),
+        "goodput": round(result.seconds[goodput.PRODUCTIVE] / max(result.wall_s, window_s), 4),
+        "stop": {k: stop[-1].get(k) for k in ("exit_code", "reason")} if stop else None,
         "wall_s": round(result.wall_s, 1),
         "badput": {k: round(v, 4) for k, v in result.to_json()["badput"].items()},
         "steps_lost": result.steps_lost,
@@ -322,7 +329,7 @@ def main(argv: list[str]) -> None:
     reference = None
     if "undisturbed" in runs:
         reference = {s["step"]: s["loss"] for s in lane0_steps(runs["undisturbed"])}
-    variants = {name: summarise(events, reference) for name, events in runs.items()}
+    variants = {name: summarise(events, reference, length_s) for name, events in runs.items()}
     results = {
         "what": "goodput of a 2 x 2-process local cluster under a seeded failure trace",
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",

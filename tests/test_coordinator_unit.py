@@ -359,6 +359,8 @@ def test_restart_policy_crash_loop_and_backoff():
     policy = RestartPolicy(coordinator_config(crash_loop_limit=3, backoff_s=1.0, backoff_max_s=3.0))
     policy.record_failure(50)
     assert (policy.streak, policy.backoff(), policy.stop_reason()) == (1, 0.0, None)
+    policy.record_failure(45, hardware=True)  # a lost slice: no evidence about the program
+    assert (policy.streak, policy.failures, policy.backoff()) == (1, 2, 0.0)
     policy.record_failure(48)  # restored from 40, failed before getting past 50
     assert (policy.streak, policy.backoff()) == (2, 1.0)
     policy.record_failure(70)  # got past 50: a new streak
@@ -366,6 +368,8 @@ def test_restart_policy_crash_loop_and_backoff():
     policy.record_failure(70)
     policy.record_failure(None)
     assert policy.backoff() == 2.0
+    policy.record_failure(None, hardware=True)
+    assert policy.backoff() == 0.0  # a lost slice restarts at once
     assert "crash loop: 3 failures in a row without getting past step 70" in policy.stop_reason()
 
 

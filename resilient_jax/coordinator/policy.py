@@ -77,6 +77,10 @@ class RestartPolicy:
 
     A crash loop is `crash_loop_limit` failures in a row where no generation got past the step
     at which the previous one failed: the same step keeps failing, so restarting again is futile.
+    Only failures that may lie in the program count: errors, and hangs of the whole job. A lost
+    slice (a process killed, silent or stuck on its own) is a hardware fault independent of the
+    step; its slice is evicted, and it counts only against `max_restarts`. Under frequent faults
+    such losses can keep a job from passing a step for a while without any bug.
     Back-off: the first failure of a streak restarts at once (a lost slice is the common case and
     waiting does not help it); each further one waits `backoff_s`, doubling up to `backoff_max_s`.
     """
@@ -90,15 +94,20 @@ class RestartPolicy:
         self.failures = 0
         self.streak = 0
         self.streak_step: int | None = None  # the step the last failure of the streak reached
+        self._last_was_hardware = False
 
-    def record_failure(self, step: int | None) -> None:
-        """`step`: the highest step the failed generation reported (None: none)."""
+    def record_failure(self, step: int | None, hardware: bool = False) -> None:
+        """`step`: the highest step the failed generation reported (None: none); `hardware`: a
+        lost slice, which leaves the crash-loop streak as it is."""
+        self.failures += 1
+        self._last_was_hardware = hardware
+        if hardware:
+            return
         reached = -1 if step is None else step
         if self.streak_step is not None and reached <= self.streak_step:
             self.streak += 1
         else:
             self.streak, self.streak_step = 1, reached
-        self.failures += 1
 
     def stop_reason(self) -> str | None:
         """Why the job must stop instead of restarting, or None."""
@@ -115,6 +124,6 @@ class RestartPolicy:
         return None
 
     def backoff(self) -> float:
-        if self.streak <= 1:
+        if self._last_was_hardware or self.streak <= 1:
             return 0.0
         return min(self._backoff_max_s, self._backoff_s * 2 ** (self.streak - 2))

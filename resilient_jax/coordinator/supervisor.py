@@ -250,17 +250,19 @@ class Supervisor:
         )
         self._say(f"failure: {failure.detail} (process {failure.process}, slice {slice_id})")
         stopping_s = self._stop_workers(float(self._c.kill_grace_s))
-        self._policy.record_failure(self._gen_max_step)
-        reason = self._policy.stop_reason()
-        if reason:
-            return self._finish(1, f"{reason}; last: {failure.detail}")
         # A process that exited with an error code ran and reported a software error: its
         # hardware is presumed fine and the slice is retried in place (a repeat is a crash loop).
         # Killed by a signal, silent or stuck: the slice is lost and evicted whole.
         software_error = failure.cause == detector.CAUSE_ERROR or (
             failure.exit_code is not None and failure.exit_code > 0
         )
-        if slice_id is not None and not software_error:
+        lost_slice = slice_id is not None and not software_error
+        self._policy.record_failure(self._gen_max_step, hardware=lost_slice)
+        reason = self._policy.stop_reason()
+        if reason:
+            return self._finish(1, f"{reason}; last: {failure.detail}")
+        if lost_slice:
+            assert slice_id is not None
             self._apply_announced_outages()
             returns_at = self._pool.evict(slice_id, time.monotonic())
             self._events.emit(
