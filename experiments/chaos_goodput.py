@@ -78,6 +78,21 @@ _OUT = flags.DEFINE_string(
 )
 
 CONFIG_FILE = "configs/tiny_cpu.py"
+# Productive green, then one distinct colour per badput category in goodput.BADPUT order.
+COLOURS = (
+    "#2ca02c",
+    "#7f7f7f",
+    "#ff7f0e",
+    "#bcbd22",
+    "#1f77b4",
+    "#9467bd",
+    "#d62728",
+    "#8c564b",
+    "#e377c2",
+    "#ff9896",
+    "#17becf",
+    "#f0f0f0",
+)
 CLUSTER = ClusterSpec(num_slices=2, processes_per_slice=2, devices_per_process=1)
 COMMON = {
     "total_steps": 1_000_000,  # the run is cut by the time limit
@@ -278,8 +293,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     from matplotlib.patches import Patch
 
     categories = [goodput.PRODUCTIVE, *goodput.BADPUT]
-    colours = {c: plt.cm.tab20(i) for i, c in enumerate(categories)}
-    colours[goodput.PRODUCTIVE] = "#2ca02c"
+    colours = dict(zip(categories, COLOURS, strict=True))
     names = list(results["variants"])
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.7 * len(names)))
     for row, name in enumerate(names):
@@ -287,12 +301,13 @@ def plot(results: dict[str, Any], path: str) -> None:
         t0 = v["segments"][0][0] if v["segments"] else 0.0
         for start, end, category in v["segments"]:
             ax.broken_barh([(start - t0, end - start)], (row - 0.35, 0.7), color=colours[category])
-        ax.text(v["wall_s"], row, f"  goodput {100 * v['goodput']:.1f}%", va="center", fontsize=9)
+        ax.text(v["wall_s"], row, f" {100 * v['goodput']:.1f}%", va="center", fontsize=9)
     for fault in results["trace"]:
         ax.axvline(fault["at_s"], color="black", lw=0.6, ls=":")
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds since the run began (dotted: the trace's faults)")
+    ax.set_xlim(0, 1.08 * max(v["wall_s"] for v in results["variants"].values()))
+    ax.set_xlabel("seconds since the run began (dotted: the trace's faults; right: goodput)")
     used = {c for v in results["variants"].values() for _, _, c in v["segments"]}
     ax.legend(
         handles=[Patch(color=colours[c], label=goodput.LABELS[c]) for c in categories if c in used],

@@ -221,6 +221,23 @@ def test_fault_aimed_at_an_evicted_slice_hits_a_running_one(cluster_dir):
 
 
 @pytest.mark.timeout(120)
+def test_without_a_healthy_slice_a_cooling_one_is_readmitted_at_once(cluster_dir):
+    first = SupervisorAction("kill", slice=1, at_step=5)
+    second = SupervisorAction("kill", slice=0, at_step=15)  # the last healthy slice
+    result, events, _, state = run(
+        cluster_dir,
+        ClusterSpec(2, 1, 1),
+        actions=[first, second],
+        **{"coordinator.readmit_after_s": 300.0},
+    )
+    assert result.exit_code == 0, result.reason
+    (readmit,) = of_type(events, "readmit")
+    assert readmit["slices"] == [1]
+    assert [r["slices"] for r in of_type(events, "restart")] == [[0], [1]]
+    assert state["value"] == pytest.approx(expected_value(), rel=1e-12)
+
+
+@pytest.mark.timeout(120)
 def test_returning_slice_is_readmitted(cluster_dir):
     # The worker announces the outage in the event log (as the chaos hook's lose_slice does) and
     # dies; the supervisor keeps the slice out that long (the cooldown alone would be forever).

@@ -394,8 +394,17 @@ def test_slice_pool_evict_return_and_choose():
     assert pool.next_return() == 110.0
     assert pool.refresh(now=111.0) == [1]
     assert pool.choose([2]) == [2, 1]
+    cooling = SlicePool(target=3, spares=0, readmit_after_s=60.0)
+    cooling.evict(0, now=5.0)
+    cooling.evict(2, now=0.0)
+    cooling.announce_outage(1, until=100.0)
+    cooling.evict(1, now=0.0)
+    assert cooling.readmit_suspects(now=6.0, count=1) == [2]  # due back soonest
+    assert cooling.readmit_suspects(now=6.0, count=5) == [0]  # slice 1's outage is real
+    assert cooling.healthy() == [0, 2]
     never = SlicePool(target=1, spares=0, readmit_after_s=-1.0)
     assert never.evict(0, now=0.0) is None and never.refresh(now=1e9) == []
+    assert never.readmit_suspects(now=1e9, count=1) == []  # evicted for good
 
 
 # Config, environment, plans.

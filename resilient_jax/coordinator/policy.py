@@ -59,6 +59,24 @@ class SlicePool:
                 back.append(slice_id)
         return back
 
+    def readmit_suspects(self, now: float, count: int) -> list[int]:
+        """Up to `count` slices out only for their cooldown (no announced outage, a return time
+        set) become healthy now, those due back soonest first; returns them. For when the job
+        has too few slices to run: a slice that may still be bad costs at most a failed start,
+        waiting costs the rest of its cooldown."""
+        suspects = sorted(
+            (state.returns_at, slice_id)
+            for slice_id, state in self._slices.items()
+            if not state.healthy
+            and state.returns_at is not None
+            and not (state.outage_until is not None and state.outage_until > now)
+        )
+        back = sorted(slice_id for _, slice_id in suspects[:count])
+        for slice_id in back:
+            state = self._slices[slice_id]
+            state.healthy, state.returns_at, state.outage_until = True, None, None
+        return back
+
     def next_return(self) -> float | None:
         times = [st.returns_at for st in self._slices.values() if st.returns_at is not None]
         return min(times) if times else None

@@ -385,6 +385,11 @@ class Supervisor:
             slices, _ = self._fit(self._pool.choose(self._slices))
             if len(slices) >= min_slices:
                 return slices, None
+            early = self._pool.readmit_suspects(time.monotonic(), min_slices - len(slices))
+            if early:
+                self._events.emit("readmit", slices=early, generation=self._generation)
+                self._say(f"too few healthy slices: re-admitting {early} before their cooldown")
+                continue
             back = self._pool.next_return()
             if back is None or back > give_up:
                 return [], (
