@@ -53,6 +53,7 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from resilient_jax.config import apply_overrides  # noqa: E402
 from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction, protocol  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
 
@@ -102,12 +103,7 @@ def load_config(overrides: dict[str, Any]):
     import runpy
 
     config = runpy.run_path(os.path.join(REPO, CONFIG_FILE))["get_config"]()
-    for key, value in overrides.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
+    apply_overrides(config, overrides)
     return config
 
 

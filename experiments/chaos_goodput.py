@@ -57,6 +57,7 @@ sys.path.insert(0, REPO)
 from baseline_launcher import BaselineLauncher  # noqa: E402
 
 from resilient_jax import goodput  # noqa: E402
+from resilient_jax.config import apply_overrides  # noqa: E402
 from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
 
@@ -150,12 +151,7 @@ def make_trace(seed: int, mtbf_s: float, length_s: float, lost_for_s: float) -> 
 
 def load_config(overrides: dict[str, Any]):
     config = runpy.run_path(os.path.join(REPO, CONFIG_FILE))["get_config"]()
-    for key, value in overrides.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
+    apply_overrides(config, overrides)
     return config
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from resilient_jax.config import apply_overrides
 from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction
 from resilient_jax.events import read_events
 
@@ -49,12 +50,7 @@ pytestmark = pytest.mark.slow
 
 def run_trainer(workdir, actions=(), out=None) -> tuple[int, list[dict]]:
     config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
-    for key, value in OVERRIDES.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
+    apply_overrides(config, OVERRIDES)
     argv = [
         sys.executable,
         "launch/train.py",
