@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from resilient_jax.coordinator import ClusterSpec, SupervisorAction, processes, protocol
+from resilient_jax.coordinator.supervisor import action_targets
 from resilient_jax.events import EventLog
 
 _SIGNALS = {"kill": signal.SIGKILL, "lose_slice": signal.SIGKILL, "hang": signal.SIGSTOP}
@@ -166,16 +167,7 @@ class BaselineLauncher:
     def _fire(self, now: float) -> None:
         due = [a for a in self._pending if now - self._start >= (a.at_s or 0.0)]
         for action in due:
-            targets = [
-                w
-                for w in self._workers
-                if w.slice == action.slice
-                and w.running
-                and (
-                    action.process is None
-                    or w.process % self._cluster.processes_per_slice == action.process
-                )
-            ]
+            targets = action_targets(self._workers, action, self._cluster.processes_per_slice)
             if not targets:
                 continue  # as in the supervisor: a fault waits for its hardware to run
             self._pending.remove(action)

@@ -120,6 +120,18 @@ def plan_for(config: ml_collections.ConfigDict, num_slices: int, cluster: Cluste
     return plan_mesh(config, topo, strict=False)
 
 
+def action_targets(workers, action: SupervisorAction, processes_per_slice: int) -> list:
+    """The running workers a fault-injection action hits: its slice, and its process within the
+    slice when it names one."""
+    return [
+        w
+        for w in workers
+        if w.slice == action.slice
+        and w.running
+        and (action.process is None or w.process % processes_per_slice == action.process)
+    ]
+
+
 class Supervisor:
     """Runs `worker_argv` as S x P processes on simulated slices; `run()` returns the verdict."""
 
@@ -640,16 +652,7 @@ class Supervisor:
             if hit not in running:
                 hit = running[planned.slice % len(running)]
             action = dataclasses.replace(planned, slice=hit)
-            targets = [
-                w
-                for w in self._workers
-                if w.slice == action.slice
-                and w.running
-                and (
-                    action.process is None
-                    or w.process % self._cluster.processes_per_slice == action.process
-                )
-            ]
+            targets = action_targets(self._workers, action, self._cluster.processes_per_slice)
             if action.kind == "lose_slice":
                 duration = action.duration_s
                 if duration is None:
