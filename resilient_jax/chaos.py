@@ -22,6 +22,10 @@ Spec: faults separated by `;`, each `kind:key=value,...`. Steps are the step num
                                         nan+spike+kill+hang+corrupt_checkpoint), seeded,
                                         exponential gaps of mean D, timed from the run's start
 
+A fault with a step fires at the first step >= K that its target takes: a process or slice that
+was not running at step K (evicted, or the run resumed past K) gets it when it next runs. Only
+nan and spike fire at exactly step K (they must hit every process at one step, see below).
+
 Each fault fires once per run, even across restarts: `<workdir>/chaos_fired.json` records who
 fired what in which generation, and a fault recorded in an earlier generation (or by an earlier
 incarnation of the same process) is spent. Every injected fault writes a `chaos` event first.
@@ -433,7 +437,7 @@ class ChaosHook(Hook):
 
     def _due(self, fault: Fault, ctx: RunContext, step: int, record: FiredRecord) -> bool:
         if fault.step is not None:
-            return step >= fault.step if fault.kind == "slow" else step == fault.step
+            return step == fault.step if fault.kind in LOSS_KINDS else step >= fault.step
         elapsed = self._clock() - self._start_time
         if fault.kind not in LOSS_KINDS:
             return elapsed >= (fault.at_s or 0.0)

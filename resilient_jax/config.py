@@ -116,6 +116,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.coordinator.hang_factor = 10.0  # no step for max(hang_factor x median step time,
     c.coordinator.hang_floor_s = 60.0  # hang_floor_s) while training is a hang
     c.coordinator.startup_timeout_s = 600.0  # JAX init + restore + compile; also saves
+    # Every process restored and compiled, the first step still not done: it sets up the
+    # collectives (minutes for NCCL at thousands of GPUs), nothing else.
+    c.coordinator.first_step_timeout_s = 300.0
     c.coordinator.min_slices = 1  # fewer healthy slices: wait for one to return, then stop
     c.coordinator.wait_for_slices_s = 300.0
     c.coordinator.max_restarts = 20  # failures only: preemptions and scale-ups are free
@@ -306,7 +309,12 @@ def _validate_health(h: ml_collections.ConfigDict) -> None:
 
 
 def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
-    for key in ("heartbeat_interval_s", "hang_floor_s", "startup_timeout_s"):
+    for key in (
+        "heartbeat_interval_s",
+        "hang_floor_s",
+        "startup_timeout_s",
+        "first_step_timeout_s",
+    ):
         if not c[key] > 0:
             _fail(f"coordinator.{key}", c[key], "must be > 0")
     if not c.heartbeat_timeout_s >= 2 * c.heartbeat_interval_s:

@@ -159,6 +159,24 @@ def test_spent_rule():
     assert chaos.is_spent(data, fault, generation=2, process=0, pid=12)  # restarted process 0
 
 
+def test_a_process_absent_at_its_step_gets_the_fault_when_it_next_runs(tmp_path):
+    blocked = []
+    spec = "hang:process=1,step=5"
+    # Generation 1 runs on one process (process 1's slice evicted) past step 5: nothing fires.
+    alone = chaos.ChaosHook(spec, block_forever=lambda: blocked.append("gen1"))
+    for done in range(8):
+        alone.before_step(fake_ctx(tmp_path, process=0, num_processes=1, generation=1), done)
+    assert blocked == [] and chaos_events(tmp_path) == []
+    # Generation 2 is back on two processes, resumed at step 8: process 1 hangs at step 9.
+    for process in range(2):
+        hook = chaos.ChaosHook(spec, block_forever=lambda p=process: blocked.append(p))
+        ctx = fake_ctx(tmp_path, process=process, num_processes=2, num_slices=2, generation=2)
+        for done in range(8, 11):
+            hook.before_step(ctx, done)
+    assert blocked == [1]
+    assert [(e["kind"], e["step"]) for e in chaos_events(tmp_path)] == [("hang", 9)]
+
+
 def test_slow_stretches_only_the_target_process(tmp_path):
     now = [0.0]
     slept: list[float] = []

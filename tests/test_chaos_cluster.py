@@ -23,7 +23,7 @@ from resilient_jax.events import read_events
 
 pytestmark = pytest.mark.slow
 
-TOTAL_STEPS = 80
+TOTAL_STEPS = 120
 # Short, so that the slice is back while the one-slice generation still has steps to take.
 LOST_FOR_S = 3.0
 CHAOS = ";".join(
@@ -52,6 +52,7 @@ OVERRIDES = {
     "coordinator.heartbeat_timeout_s": 2.0,
     "coordinator.jax_heartbeat_timeout_s": 5,
     "coordinator.hang_floor_s": 3.0,
+    "coordinator.first_step_timeout_s": 8.0,
     "coordinator.startup_timeout_s": 120.0,
     "coordinator.kill_grace_s": 0.5,
     "coordinator.save_grace_s": 30.0,
@@ -115,7 +116,7 @@ def test_every_fault_kind_is_survived_on_a_local_cluster(tmp_path, local_root):
         ("exit", 1),
         ("hang", 1),
         ("exit", 1),
-    ]
+    ], [f["detail"] for f in failures]
     assert all(f["latency_s"] < 3.0 for f in (failures[0], failures[2]))
     evicts = [e for e in sup if e["type"] == "evict"]
     assert [e["slice"] for e in evicts] == [1, 1, 1]

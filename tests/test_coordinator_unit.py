@@ -182,7 +182,11 @@ def report(process: int, now: float, **fields) -> WorkerReport:
 
 
 THRESHOLDS = detector.Thresholds(
-    heartbeat_timeout_s=5.0, hang_factor=10.0, hang_floor_s=3.0, startup_timeout_s=60.0
+    heartbeat_timeout_s=5.0,
+    hang_factor=10.0,
+    hang_floor_s=3.0,
+    startup_timeout_s=60.0,
+    first_step_timeout_s=20.0,
 )
 
 
@@ -232,6 +236,24 @@ def test_detector_slow_phases_get_the_startup_budget():
     assert detector.check(now, {0: now - 59, 1: now - 59}, starting, THRESHOLDS) is None
     failure = detector.check(now, {0: now - 61, 1: now - 61}, starting, THRESHOLDS)
     assert failure.cause == "startup_timeout"
+
+
+def test_detector_first_step_budget_runs_from_the_last_process_ready():
+    now = 1000.0
+    spawned = {0: now - 100, 1: now - 100}
+    # Process 1 compiled 40 s after process 0; process 0 dispatched its first step and waits.
+    reports = {
+        0: report(0, now, step=21, last_progress=now - 45, step_time_s=None),
+        1: report(1, now, step=None, last_progress=None, phase="ready", ready_at=now - 19),
+    }
+    assert detector.check(now, spawned, reports, THRESHOLDS) is None
+    reports[1].ready_at = now - 21
+    failure = detector.check(now, spawned, reports, THRESHOLDS)
+    assert (failure.cause, failure.process, failure.since) == ("hang", 1, now - 21)
+    assert "first_step_timeout_s" in failure.detail
+    # While a peer still compiles, the startup budget applies to everyone.
+    reports[0].phase = "compile"
+    assert detector.check(now, spawned, reports, THRESHOLDS) is None
 
 
 # Standby workers.

@@ -81,3 +81,37 @@ def test_tiny_training_run_loss_falls_and_writes_run_files(tmp_path):
     types = {e["type"] for e in events}
     assert {"process_start", "compile", "step", "stop"} <= types
     assert list((tmp_path / "tensorboard").iterdir())
+
+
+def test_compiled_step_is_cached_per_process_and_a_damaged_entry_is_recompiled(tmp_path):
+    from resilient_jax.events import EventLog, read_events
+    from resilient_jax.train.compile import compile_step
+    from resilient_jax.train.run import prepare
+
+    config = tiny_config()
+    events = EventLog(str(tmp_path / "run"), pid=0)
+    ctx = prepare(config, str(tmp_path / "run"), events)
+    cache = str(tmp_path / "cache")
+
+    def one_step(compiled):
+        loader = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config))
+        state = init_state(config, ctx.mesh)
+        state, metrics = compiled(state, loader.next()[1], jnp.float32(1.0))
+        loader.close()
+        return float(metrics["loss"]), jax.device_get(state.params)
+
+    fresh = one_step(compile_step(ctx, cache))
+    (entry,) = list((tmp_path / "cache").iterdir())
+    assert entry.name.endswith(f"-p{jax.process_index()}.bin")
+    cached = one_step(compile_step(ctx, cache))
+    entry.write_bytes(entry.read_bytes()[:100])  # torn write from an older crash
+    recompiled = one_step(compile_step(ctx, cache))
+
+    for other in (cached, recompiled):
+        assert other[0] == fresh[0]
+        for a, b in zip(jax.tree.leaves(fresh[1]), jax.tree.leaves(other[1]), strict=True):
+            assert np.array_equal(a, b)
+    log = list(read_events(str(tmp_path / "run")))
+    assert [e["cache"] for e in log if e["type"] == "compile"] == ["miss", "hit", "miss"]
+    assert [e["type"] for e in log].count("compile_cache_invalid") == 1
+    assert entry.stat().st_size > 100  # rewritten whole

@@ -151,7 +151,7 @@ class SupervisorClient(Hook):
     # Hook interface.
 
     def on_start(self, ctx: RunContext, state: TrainState) -> None:
-        self.set_phase(protocol.PHASE_COMPILE)  # state exists; the first step compiles
+        self.set_phase(protocol.PHASE_READY)  # restored and compiled: the first step is next
 
     def after_step(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
         self.report_step(info.step, info.step_time_s)

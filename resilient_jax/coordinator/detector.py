@@ -6,8 +6,9 @@ Three signs, from fast to slow:
 - a process stops sending heartbeats (`heartbeat_timeout_s`): dead, stopped or cut off;
 - the job stops making step progress while heartbeats still come: a hang. The budget is
   `max(hang_factor x median step time, hang_floor_s)` while training, and the longer
-  `startup_timeout_s` before a generation's first step (JAX init, restore, compile) and while any
-  process reports a slow phase (save, done).
+  `startup_timeout_s` while any process is starting (JAX init, restore, compile) or reports a slow
+  phase (save, done); once every process is ready, `first_step_timeout_s` for the generation's
+  first step (it sets up the collectives), timed from the last process to get ready.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Thresholds:
     hang_factor: float
     hang_floor_s: float
     startup_timeout_s: float
+    first_step_timeout_s: float
 
     @classmethod
     def from_config(cls, coordinator_config: ml_collections.ConfigDict) -> Thresholds:
@@ -41,6 +43,7 @@ class Thresholds:
             hang_factor=float(c.hang_factor),
             hang_floor_s=float(c.hang_floor_s),
             startup_timeout_s=float(c.startup_timeout_s),
+            first_step_timeout_s=float(c.first_step_timeout_s),
         )
 
     def step_budget_s(self, median_step_time_s: float | None) -> float:
@@ -104,25 +107,31 @@ def _check_progress(
     if not running:
         return None
     progress_times = [r.last_progress for r in running if r.last_progress is not None]
-    slow_phase = any(r.phase != protocol.PHASE_TRAIN for r in running)
-    if not progress_times or slow_phase:
-        budget = thresholds.startup_timeout_s
-        budget_name = "startup_timeout_s"
+    phases = {r.phase for r in running}
+    ready_times = [r.ready_at for r in running if r.ready_at is not None]
+    if phases - {protocol.PHASE_READY, protocol.PHASE_TRAIN} or len(running) < len(spawned_at):
+        # Someone is still starting (or saving, or finishing): the long budget.
+        budget, budget_name = thresholds.startup_timeout_s, "startup_timeout_s"
+        since = max(progress_times) if progress_times else min(spawned_at.values())
+    elif protocol.PHASE_READY in phases:
+        # Everyone is restored and compiled; the first step sets up the collectives. Timed from
+        # the last process to get ready, so a slow compile elsewhere is not held against anyone.
+        budget, budget_name = thresholds.first_step_timeout_s, "first_step_timeout_s"
+        since = max(progress_times + ready_times)
     else:
         medians = [r.step_time_s for r in running if r.step_time_s is not None]
         budget = thresholds.step_budget_s(max(medians) if medians else None)
         budget_name = "hang budget"
-    last_progress = max(progress_times) if progress_times else min(spawned_at.values())
-    stalled = now - last_progress
+        since = max(progress_times)
+    stalled = now - since
     if stalled <= budget:
         return None
     steps = {r.process: -1 if r.step is None else r.step for r in running}
     behind = [p for p, s in sorted(steps.items()) if s < max(steps.values())]
-    phases = sorted({r.phase for r in running})
     detail = (
         f"no step progress for {stalled:.1f}s > {budget_name} {budget:.1f}s "
-        f"(steps {min(steps.values())}..{max(steps.values())}, phases {','.join(phases)})"
+        f"(steps {min(steps.values())}..{max(steps.values())}, phases {','.join(sorted(phases))})"
     )
-    cause = CAUSE_HANG if progress_times else CAUSE_STARTUP
+    cause = CAUSE_HANG if progress_times or ready_times else CAUSE_STARTUP
     # In lockstep collectives the stuck process is the one behind; if all agree, none stands out.
-    return Failure(cause, behind[0] if behind else None, detail, since=last_progress)
+    return Failure(cause, behind[0] if behind else None, detail, since=since)

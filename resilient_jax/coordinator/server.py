@@ -32,6 +32,7 @@ class WorkerReport:
     first_seen: float
     last_seen: float
     last_progress: float | None  # when `step` last increased
+    ready_at: float | None = None  # when it reported phase "ready" (about to take its first step)
     said_bye: bool = False
     error: str | None = None  # what a worker in phase "error" reported
     # step -> unix time the worker got it under way (its own clock), the most recent steps only
@@ -160,6 +161,8 @@ class HeartbeatServer:
                 report.step = step
             phase = message.get("phase")
             if phase in protocol.PHASES:
+                if phase == protocol.PHASE_READY and report.phase != phase:
+                    report.ready_at = now
                 report.phase = phase
             if step_time is not None:
                 report.step_time_s = step_time

@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     state = _load(workdir)
     events.emit("restore", step=state["step"])
     if client:
-        client.set_phase(protocol.PHASE_COMPILE)
+        client.set_phase(protocol.PHASE_READY)
 
     def save(step: int) -> None:
         if process == 0:

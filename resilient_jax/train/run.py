@@ -14,7 +14,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from resilient_jax import config as config_lib
@@ -32,12 +31,12 @@ from resilient_jax.coordinator import (
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.events import EventLog
 from resilient_jax.health import HealthMonitor, Watchdog
+from resilient_jax.train.compile import compile_step
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook, StopTraining
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.state import TrainState, abstract_state, init_state
-from resilient_jax.train.step import make_train_step
 
 EXIT_BAD_INPUT = 2
 EXIT_CHECKPOINT = 5
@@ -76,22 +75,6 @@ def prepare(
         abstract_state=abstract_state(config, mesh),
         generation=generation,
     )
-
-
-def compile_step(ctx: RunContext):
-    """Ahead-of-time compile, so compile time is measured and reported on its own."""
-    start = time.perf_counter()
-    step_fn = make_train_step(ctx.config, ctx.mesh)
-    rows = ctx.config.global_batch_size // ctx.plan.microbatches
-    batch = jax.ShapeDtypeStruct(
-        (ctx.plan.microbatches, rows, ctx.config.data.seq_len + 1),
-        jnp.int32,
-        sharding=mesh_lib.batch_sharding(ctx.mesh),
-    )
-    scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=mesh_lib.replicated(ctx.mesh))
-    compiled = step_fn.lower(ctx.abstract_state, batch, scale).compile()
-    ctx.events.emit("compile", duration_s=time.perf_counter() - start)
-    return compiled
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> int:
