@@ -126,6 +126,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.coordinator.backoff_s = 1.0  # the 2nd failure in a row waits this, doubling each time
     c.coordinator.backoff_max_s = 60.0
     c.coordinator.readmit_after_s = 60.0  # an evicted slice is healthy again after this; < 0 never
+    # Re-admit a returned slice only when the measured speed-up over the observed time between
+    # failures outweighs the measured restart cost (False: at once, at the next save).
+    c.coordinator.scale_up_when_faster = True
     c.coordinator.kill_grace_s = 0.5  # after a failure: SIGTERM, this long, then SIGKILL
     c.coordinator.save_grace_s = 60.0  # asked to save and stop: SIGTERM, this long, then SIGKILL
     # A straggler (health.straggler_factor over health.straggler_window steps) is always reported;

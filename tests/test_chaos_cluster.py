@@ -59,6 +59,8 @@ OVERRIDES = {
     "coordinator.backoff_s": 0.1,
     # Killed and hung slices are back soon, so every fault meets a 2-slice generation.
     "coordinator.readmit_after_s": 2.0,
+    # On 2 cores two slices step no faster than one: re-admission would never pay.
+    "coordinator.scale_up_when_faster": False,
 }
 
 

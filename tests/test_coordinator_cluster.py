@@ -40,6 +40,8 @@ BASE = {
     "coordinator.save_grace_s": 10.0,
     "coordinator.backoff_s": 0.1,
     "coordinator.readmit_after_s": -1.0,
+    # Slices here step no faster than one: re-admission would never pay, and is what is tested.
+    "coordinator.scale_up_when_faster": False,
 }
 
 

@@ -256,6 +256,29 @@ def test_detector_first_step_budget_runs_from_the_last_process_ready():
     assert detector.check(now, spawned, reports, THRESHOLDS) is None
 
 
+def test_scale_up_pays_only_when_the_speed_up_outweighs_the_restart():
+    from resilient_jax.coordinator.policy import ReshapeLedger, scale_up_pays
+
+    ledger = ReshapeLedger()
+    assert scale_up_pays(ledger, 1, 2, 60.0, 1000)[0]  # nothing measured: try it
+    ledger.step_time_s.update({2: 0.5})
+    assert scale_up_pays(ledger, 1, 2, 60.0, 1000)[0]  # restart cost unknown: try it
+    ledger.restart_costs_s += [9.0, 10.0, 30.0]  # median 10 s
+    assert not scale_up_pays(ledger, 1, 2, 60.0, 1000)[0]  # this mesh not measured: wait
+    ledger.step_time_s[1] = 1.0
+    # Twice as fast for the 60 s to the next failure: saves 60 s of work > 10 s restart.
+    pays, why = scale_up_pays(ledger, 1, 2, 60.0, 1000)
+    assert pays and "restart 10.0s" in why
+    # 5% faster: 3 s saved over 60 s does not repay a 10 s restart; no failures yet: it does.
+    ledger.step_time_s[2] = 1.0 / 1.05
+    assert not scale_up_pays(ledger, 1, 2, 60.0, 1000)[0]
+    assert scale_up_pays(ledger, 1, 2, None, 1000)[0]
+    # Few steps left bound the horizon: 8 steps x 1 s x 1.0 = 8 s < 10 s.
+    ledger.step_time_s[2] = 0.5
+    assert not scale_up_pays(ledger, 1, 2, None, 8)[0]
+    assert scale_up_pays(ledger, 1, 2, None, 12)[0]
+
+
 # Standby workers.
 
 

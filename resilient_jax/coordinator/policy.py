@@ -145,3 +145,48 @@ class RestartPolicy:
         if self._last_was_hardware or self.streak <= 1:
             return 0.0
         return min(self._backoff_max_s, self._backoff_s * 2 ** (self.streak - 2))
+
+
+@dataclasses.dataclass
+class ReshapeLedger:
+    """What the job measured about reshaping: the step time on each number of slices, and what a
+    restart costs (stopping the workers to the next generation's first step)."""
+
+    step_time_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    restart_costs_s: list[float] = dataclasses.field(default_factory=list)
+
+    def restart_cost_s(self) -> float | None:
+        costs = sorted(self.restart_costs_s)
+        return costs[len(costs) // 2] if costs else None
+
+
+def scale_up_pays(
+    ledger: ReshapeLedger,
+    slices_now: int,
+    slices_after: int,
+    mtbf_s: float | None,
+    remaining_steps: int | None,
+) -> tuple[bool, str]:
+    """Whether re-admitting slices now gets more steps done before the next failure.
+
+    Staying gives H / t_now steps over the horizon H; growing gives (H - restart) / t_after. So
+    growing pays when H x (t_now / t_after - 1) > restart cost, with H the observed mean time
+    between failures (unbounded before the first), capped by the time the remaining steps take.
+    Unmeasured bigger meshes and restart costs are tried (that measures them)."""
+    t_after = ledger.step_time_s.get(slices_after)
+    cost = ledger.restart_cost_s()
+    if t_after is None:
+        return True, f"the step time on {slices_after} slices is not measured yet"
+    if cost is None:
+        return True, "no restart cost measured yet"
+    t_now = ledger.step_time_s.get(slices_now)
+    if t_now is None:
+        return False, f"waiting for the step time on {slices_now} slices"
+    horizon = float("inf") if mtbf_s is None else mtbf_s
+    if remaining_steps is not None:
+        horizon = min(horizon, remaining_steps * t_now)
+    gain = horizon * (t_now / t_after - 1.0)
+    pace = f"{t_now:.3g}s/step now, {t_after:.3g}s/step on {slices_after} slices"
+    if gain > cost:
+        return True, f"{pace}: saves {gain:.0f}s over {horizon:.0f}s > restart {cost:.1f}s"
+    return False, f"{pace}: saves {max(gain, 0.0):.1f}s over {horizon:.0f}s <= restart {cost:.1f}s"

@@ -30,13 +30,20 @@ from resilient_jax import topology as topology_lib
 from resilient_jax.config import ConfigError
 from resilient_jax.coordinator import compile_cache, detector, processes, protocol
 from resilient_jax.coordinator.outages import OutageReader
-from resilient_jax.coordinator.policy import RestartPolicy, SlicePool
+from resilient_jax.coordinator.policy import (
+    ReshapeLedger,
+    RestartPolicy,
+    SlicePool,
+    scale_up_pays,
+)
 from resilient_jax.coordinator.server import HeartbeatServer, WorkerReport
 from resilient_jax.coordinator.stragglers import Straggler, StragglerWatch
 from resilient_jax.events import EventLog
 from resilient_jax.mesh import MeshPlan, plan_mesh
 
 ACTION_KINDS = ("kill", "hang", "lose_slice", "preempt")
+# A generation's step time counts for the reshape ledger once it is this many steps past its first.
+_STEPS_BEFORE_STEP_TIME = 5
 _ACTION_SIGNALS = {
     "kill": signal.SIGKILL,
     "lose_slice": signal.SIGKILL,
@@ -174,6 +181,11 @@ class Supervisor:
         self._max_step: int | None = None  # highest step any worker reported, any generation
         self._gen_max_step: int | None = None
         self._stragglers: StragglerWatch | None = None  # the running generation's
+        # Step time per slice count and restart costs: whether re-admitting a slice pays.
+        self._ledger = ReshapeLedger()
+        self._gen_started = 0.0  # when stopping the previous generation began
+        self._gen_first_step: int | None = None
+        self._scale_up_deferred = False  # said so in this generation
         # Workers started ahead of the next generation (imports done while the job trains).
         self._standby_argv = processes.standby_argv(self._argv) if self._c.standby_workers else None
         self._standbys: list[processes.Standby] = []
@@ -441,6 +453,9 @@ class Supervisor:
         self._slices = list(slices)
         self._fault_times = {}
         self._gen_max_step = None
+        self._gen_first_step = None
+        self._scale_up_deferred = False
+        self._gen_started = time.monotonic() - (stopping_s or 0.0)
         cluster = self._cluster
         num_processes = len(slices) * cluster.processes_per_slice
         self._stragglers = StragglerWatch(
@@ -571,6 +586,7 @@ class Supervisor:
             if steps:
                 self._gen_max_step = max(steps)
                 self._max_step = max(self._max_step or 0, self._gen_max_step)
+                self._measure(now, reports)
             self._fire_actions(now)
             returned = self._pool.refresh(now)
             if returned:
@@ -628,11 +644,44 @@ class Supervisor:
                 return _Outcome("scale_up")
             time.sleep(self._poll_s)
 
+    def _measure(self, now: float, reports: dict[int, WorkerReport]) -> None:
+        """Feeds the reshape ledger: the restart's cost at a generation's first step, then the
+        generation's step time (the slowest process's median, once it has a few steps)."""
+        assert self._gen_max_step is not None
+        if self._gen_first_step is None:
+            self._gen_first_step = self._gen_max_step
+            if self._generation > 0:
+                self._ledger.restart_costs_s.append(now - self._gen_started)
+        medians = [r.step_time_s for r in reports.values() if r.step_time_s is not None]
+        if medians and self._gen_max_step - self._gen_first_step >= _STEPS_BEFORE_STEP_TIME:
+            self._ledger.step_time_s[len(self._slices)] = max(medians)
+
     def _can_scale_up(self) -> bool:
         # Only once this generation trains: stopping it while it compiles would waste the start.
         if self._gen_max_step is None or len(self._slices) >= self._pool.target:
             return False
-        return len(self._fit(self._pool.choose(self._slices))[0]) > len(self._slices)
+        bigger = len(self._fit(self._pool.choose(self._slices))[0])
+        if bigger <= len(self._slices):
+            return False
+        if not self._c.scale_up_when_faster:
+            return True
+        elapsed = time.monotonic() - self._start_time
+        mtbf_s = elapsed / self._policy.failures if self._policy.failures else None
+        pays, why = scale_up_pays(
+            self._ledger,
+            len(self._slices),
+            bigger,
+            mtbf_s,
+            int(self._config.total_steps) - self._gen_max_step,
+        )
+        measured = len(self._slices) in self._ledger.step_time_s
+        if not pays and measured and not self._scale_up_deferred:
+            self._scale_up_deferred = True
+            self._events.emit(
+                "scale_up_deferred", generation=self._generation, step=self._gen_max_step, why=why
+            )
+            self._say(f"a returned slice waits: re-admitting it does not pay yet ({why})")
+        return pays
 
     def _fire_actions(self, now: float) -> None:
         due = [
