@@ -532,8 +532,11 @@ def validation_inputs(run: RecordedRun) -> dict[str, Any]:
     }
 
 
-def replay_strategy(costs: dict[str, Any]) -> gm.Strategy:
-    missing = [k for k in ("step_s", "restart_s") if k not in costs]
+def replay_strategy(costs: dict[str, Any], restarts: bool = True) -> gm.Strategy:
+    """The recorded run as a model strategy; `restarts`: whether its trace restarts the job (a
+    run without restarts needs no restart cost)."""
+    needed = ("step_s", "restart_s") if restarts else ("step_s",)
+    missing = [k for k in needed if k not in costs]
     persistent = _tier(costs, gm.PERSISTENT)
     if missing or persistent is None:
         raise ValueError(
@@ -546,7 +549,7 @@ def replay_strategy(costs: dict[str, Any]) -> gm.Strategy:
         persistent=persistent,
         local=_tier(costs, gm.LOCAL),
         detection_s=costs.get("detection_s", 0.0),
-        restart_s=costs["restart_s"],
+        restart_s=costs.get("restart_s", 0.0),
         compile_s=costs.get("compile_s", 0.0),
         anomaly_skip=True,
         productive_fraction=costs.get("productive_fraction", 1.0),
@@ -568,7 +571,8 @@ def predict(run: RecordedRun) -> dict[str, Any]:
     the data to replay it gets the reason instead."""
     try:
         inputs = validation_inputs(run)
-        strategy = replay_strategy(inputs["costs"])
+        restarts = any(i.category in (gm.FAILURE, gm.PLANNED) for i in inputs["trace"])
+        strategy = replay_strategy(inputs["costs"], restarts)
     except ValueError as e:
         return {"measured": run.measured, "error": str(e), "within_target": False}
     every = inputs["intervals_steps"]

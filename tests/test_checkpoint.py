@@ -539,3 +539,33 @@ def test_sigterm_saves_and_stops_with_preempted_exit_code(tmp_path, state0):
     assert step_dirs(workdir) == ["3"]
     assert events(workdir, "preemption")[0]["step"] == 3
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_finished_run_gives_its_ram_disk_copies_back(tmp_path, local_root, state0):
+    workdir = str(tmp_path / "run")
+    config = make_config(
+        local_root, **{"checkpoint.every_steps": 2, "checkpoint.local_every_steps": 1}
+    )
+    config.total_steps = 4
+    ctx = make_ctx(config, workdir)
+    run = local.run_dir(local_root, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.on_start(ctx, state0)
+    state, _ = run_steps(ck, ctx, state0, 1, 3)
+    # Left by an earlier, killed instance of process 0 and by a bigger generation's process 3.
+    for stale in ("proc-00000-deadbeef", "proc-00003-cafecafe"):
+        os.makedirs(os.path.join(run, stale))
+        with open(os.path.join(run, stale, local.DATA_FILE), "wb") as f:
+            f.write(b"\0" * 64)
+    ck.on_end(ctx, state, StepInfo(3, 2, position(3), 0.01))  # stopped early: copies stay
+    assert len(os.listdir(run)) == 3
+    state, host = run_steps(ck, ctx, state, 4, 4)
+    ck.on_end(ctx, state, StepInfo(4, 3, position(4), 0.01))
+    ck.close()
+    assert not os.path.exists(run)
+    assert step_dirs(workdir)[-1] == "4"  # the persistent tier keeps the final step
+    ck = Checkpointer(make_ctx(config, workdir), handle_sigterm=False)
+    restored = ck.restore_latest(make_ctx(config, workdir))
+    assert (restored.step, restored.tier) == (4, "persistent")
+    assert_bitwise(restored.state, host[4])
+    ck.close()

@@ -160,11 +160,15 @@ class Checkpointer(Hook):
     def on_end(self, ctx: RunContext, state: TrainState, info: StepInfo | None) -> None:
         """Saves the final step if no save has it yet and waits until it is committed.
 
-        Raises `CheckpointError` if any save failed, so the run does not exit 0.
+        Raises `CheckpointError` if any save failed, so the run does not exit 0. A run that
+        reached `total_steps` then deletes its local-tier copies (`LocalTier.release`).
         """
         if info is not None and info.step != self._last_persistent_step:
             self._save(ctx, state, info, Decision(persistent=True, reason=FINAL))
         self.wait_until_finished()
+        if self._local is not None and info is not None and info.step >= ctx.config.total_steps:
+            # Finished and committed: the RAM-disk copies can only cost memory from here on.
+            self._local.release(ctx.topology.num_processes)
 
     def close(self) -> None:
         """Waits for in-flight saves (reporting failures as events) and releases resources."""

@@ -413,6 +413,30 @@ class LocalTier:
             self._committed = [s for s in self._committed if step is not None and s <= step]
 
 
+    def release(self, num_processes: int) -> None:
+        """Gives the RAM back once the run has finished (its final step committed in the
+        persistent tier): deletes this process's copies and those of earlier instances that no
+        process of the finished job uses (the same index, or an index the job no longer has),
+        then the run's directory once it is empty. Peers on this host may do the same at once."""
+        self.finish()
+        for proc in _proc_dirs(self.root):
+            index = _proc_index(proc)
+            if proc == self.own_dir or index == self.process_index or index >= num_processes:
+                shutil.rmtree(proc, ignore_errors=True)
+        with self._lock:
+            self._committed = []
+        with contextlib.suppress(OSError):
+            os.rmdir(self.root)  # only if empty: the last process of this host removes it
+
+
+def _proc_index(proc_dir: str) -> int:
+    """The process index in `proc-<index>-<token>` (-1 if the name is not of that form)."""
+    try:
+        return int(os.path.basename(proc_dir)[len(PROC_PREFIX) :].split("-")[0])
+    except ValueError:
+        return -1
+
+
 def _named_leaves(tree: Any) -> list[tuple[str, Any]]:
     return list(zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True))
 
