@@ -412,7 +412,6 @@ class LocalTier:
         with self._lock:
             self._committed = [s for s in self._committed if step is not None and s <= step]
 
-
     def release(self, num_processes: int) -> None:
         """Gives the RAM back once the run has finished (its final step committed in the
         persistent tier): deletes this process's copies and those of earlier instances that no
