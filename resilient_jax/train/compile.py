@@ -5,9 +5,9 @@ compilation cache covers that only partly in a multi-process job: only JAX proce
 entries, and on the CPU backend each process's cache key differs (it hashes the process-local
 topology), so every other process recompiles after each restart and the whole job waits for the
 slowest. Here each process also stores its own compiled step (`jax.experimental.
-serialize_executable`) under `<jax_compilation_cache_dir>/train_step/`, keyed by everything that
-decides the executable, and loads it on the next start with the same key: a restart onto a mesh
-seen before costs tracing and lowering only, on every process.
+serialize_executable`) under `<jax_compilation_cache_dir>/train_step/` (a path or gs:// URL),
+keyed by everything that decides the executable, and loads it on the next start with the same
+key: a restart onto a mesh seen before costs tracing and lowering only, on every process.
 
 The key covers the lowered program (shapes, shardings, the computation itself), the JAX and
 jaxlib versions, the backend and its version, the XLA flags in the environment, the global device
@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jaxlib
+from etils import epath
 from jax.experimental import serialize_executable
 
 from resilient_jax import mesh as mesh_lib
@@ -92,30 +93,28 @@ class ExecutableCache:
         digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
         return f"{digest}-p{jax.process_index()}"
 
-    def _path(self, lowered: jax.stages.Lowered) -> str:
-        return os.path.join(self.directory, self.key(lowered) + ".bin")
+    def _path(self, lowered: jax.stages.Lowered) -> epath.Path:
+        return epath.Path(self.directory) / (self.key(lowered) + ".bin")
 
     def load(self, lowered: jax.stages.Lowered) -> Any | None:
         path = self._path(lowered)
         try:
-            with open(path, "rb") as f:
-                payload, in_tree, out_tree = pickle.load(f)
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except FileNotFoundError:
             return None
         except Exception as e:  # a damaged or incompatible entry: compile instead
             logging.warning("compiled step cache: cannot load %s (%s); compiling", path, e)
-            self._ctx.events.emit("compile_cache_invalid", path=path, error=str(e)[:200])
+            self._ctx.events.emit("compile_cache_invalid", path=str(path), error=str(e)[:200])
             return None
 
     def store(self, lowered: jax.stages.Lowered, compiled: Any) -> None:
         path = self._path(lowered)
         try:
-            os.makedirs(self.directory, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             blob = pickle.dumps(serialize_executable.serialize(compiled))
-            tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)  # readers see a whole file or none
+            tmp = path.parent / f"{path.name}.{uuid.uuid4().hex[:8]}.tmp"
+            tmp.write_bytes(blob)
+            tmp.rename(path)  # readers see a whole file or none (local paths; a copy on GCS)
         except Exception as e:  # a cache that cannot be written costs speed, not the run
             logging.warning("compiled step cache: cannot write %s (%s)", path, e)
