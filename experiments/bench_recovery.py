@@ -53,7 +53,8 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from resilient_jax.config import apply_overrides  # noqa: E402
+from cluster_runs import load_config, trainer_argv  # noqa: E402
+
 from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction, protocol  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
 
@@ -99,30 +100,22 @@ BASE_OVERRIDES = {
 }
 
 
-def load_config(overrides: dict[str, Any]):
-    import runpy
-
-    config = runpy.run_path(os.path.join(REPO, CONFIG_FILE))["get_config"]()
-    apply_overrides(config, overrides)
-    return config
-
-
 def run_scenario(
     name: str, overrides: dict[str, Any], cluster: ClusterSpec, log_dir: str
 ) -> dict[str, Any]:
     overrides = {**BASE_OVERRIDES, "total_steps": _TOTAL.value, **overrides}
     workdir = tempfile.mkdtemp(prefix=f"rj_bench_{name}_")
-    argv = [
-        sys.executable,
-        _WORKER.value,
-        f"--config={CONFIG_FILE}",
-        f"--workdir={workdir}",
-        *(f"--config.{k}={v}" for k, v in overrides.items()),
-    ]
+    argv = trainer_argv(_WORKER.value, CONFIG_FILE, workdir, overrides)
     kill = SupervisorAction("kill", slice=1, at_step=_FAULT.value)
     with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
         supervisor = Supervisor(
-            load_config(overrides), cluster, argv, workdir, actions=[kill], out=log, cwd=REPO
+            load_config(CONFIG_FILE, overrides),
+            cluster,
+            argv,
+            workdir,
+            actions=[kill],
+            out=log,
+            cwd=REPO,
         )
         result = supervisor.run(time_limit_s=600)
     events = list(read_events(workdir))

@@ -42,7 +42,6 @@ import math
 import os
 import platform
 import random
-import runpy
 import shutil
 import sys
 import tempfile
@@ -55,9 +54,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from baseline_launcher import BaselineLauncher  # noqa: E402
+from cluster_runs import load_config, trainer_argv  # noqa: E402
 
 from resilient_jax import goodput  # noqa: E402
-from resilient_jax.config import apply_overrides  # noqa: E402
 from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
 
@@ -149,23 +148,6 @@ def make_trace(seed: int, mtbf_s: float, length_s: float, lost_for_s: float) -> 
     return Trace(actions, nan_at_s)
 
 
-def load_config(overrides: dict[str, Any]):
-    config = runpy.run_path(os.path.join(REPO, CONFIG_FILE))["get_config"]()
-    apply_overrides(config, overrides)
-    return config
-
-
-def worker_argv(workdir: str, overrides: dict[str, Any], chaos: str) -> list[str]:
-    argv = [
-        sys.executable,
-        "launch/train.py",
-        f"--config={CONFIG_FILE}",
-        f"--workdir={workdir}",
-        *(f"--config.{k}={v}" for k, v in overrides.items()),
-    ]
-    return argv + ([f"--chaos={chaos}"] if chaos else [])
-
-
 def run_variant(
     name: str, trace: Trace | None, nan_step: int | None, log_dir: str, shm: str
 ) -> list[dict[str, Any]]:
@@ -175,7 +157,7 @@ def run_variant(
     if name == "baseline":
         overrides.update(BASELINE)
     chaos = f"nan:step={nan_step}" if nan_step is not None else ""
-    argv = worker_argv(workdir, overrides, chaos)
+    argv = trainer_argv("launch/train.py", CONFIG_FILE, workdir, overrides, chaos)
     actions = trace.actions if trace is not None else []
     limit_s = 60.0 * _MINUTES.value
     with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
@@ -183,7 +165,7 @@ def run_variant(
             launcher = BaselineLauncher(CLUSTER, argv, workdir, actions, out=log, cwd=REPO)
             code = launcher.run(time_limit_s=limit_s)
         else:
-            config = load_config(overrides)
+            config = load_config(CONFIG_FILE, overrides)
             supervisor = Supervisor(config, CLUSTER, argv, workdir, actions, out=log, cwd=REPO)
             code = supervisor.run(time_limit_s=limit_s).exit_code
     events = list(read_events(workdir))

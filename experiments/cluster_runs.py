@@ -1,0 +1,38 @@
+"""What the local-cluster experiments share: the experiment's config with overrides, and the
+command line of the trainer that their supervisor (or launcher) runs as workers."""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import Any
+
+import ml_collections
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from resilient_jax.config import apply_overrides  # noqa: E402
+
+
+def load_config(config_file: str, overrides: dict[str, Any]) -> ml_collections.ConfigDict:
+    """`config_file` (relative to the repository) with `--config.key=value` style overrides."""
+    config = runpy.run_path(os.path.join(REPO, config_file))["get_config"]()
+    apply_overrides(config, overrides)
+    return config
+
+
+def trainer_argv(
+    worker: str, config_file: str, workdir: str, overrides: dict[str, Any], chaos: str = ""
+) -> list[str]:
+    """The worker command: `worker` (a script relative to the repository) with the config, the
+    workdir, the overrides as flags and an optional `--chaos` spec."""
+    argv = [
+        sys.executable,
+        worker,
+        f"--config={config_file}",
+        f"--workdir={workdir}",
+        *(f"--config.{k}={v}" for k, v in overrides.items()),
+    ]
+    return argv + ([f"--chaos={chaos}"] if chaos else [])
