@@ -79,6 +79,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep_period = 0  # also keep every K-th step for good; 0 = off
     c.checkpoint.local_dir = "/dev/shm/resilient_jax"  # local RAM-disk tier root; "" = off
     c.checkpoint.local_every_steps = 10  # 0 = off
+    # Local saves at the Young/Daly interval (measured save cost and step time, the supervisor's
+    # observed MTBF or checkpoint.mtbf_s), at most local_every_steps apart.
+    c.checkpoint.local_auto_interval = True
     c.checkpoint.local_keep = 2
     c.checkpoint.auto_interval = False  # Young/Daly interval from measured save cost and MTBF
     c.checkpoint.mtbf_s = 3600.0

@@ -29,7 +29,14 @@ from resilient_jax.checkpoint import (
 )
 from resilient_jax.checkpoint.__main__ import main as inspect_main
 from resilient_jax.checkpoint.persistent import RUN_ID_FILE, _KeepPolicy
-from resilient_jax.checkpoint.policy import AUTO, EVERY_MINUTES, EVERY_STEPS, FINAL
+from resilient_jax.checkpoint.policy import (
+    AUTO,
+    ENV_OBSERVED_MTBF_S,
+    EVERY_MINUTES,
+    EVERY_STEPS,
+    FINAL,
+    local_interval_steps,
+)
 from resilient_jax.config import fingerprint
 from resilient_jax.events import EventLog, read_events
 from resilient_jax.train.context import RunContext
@@ -450,6 +457,45 @@ def test_policy_young_daly_interval():
     assert policy.clock_reason() == AUTO
     policy.record_persistent_save(8.0)  # the estimate follows the measured cost
     assert 120.0 < policy.auto_interval_s() < young_daly_interval_s(8.0, 3600.0)
+
+
+def test_local_interval_follows_young_daly_within_the_configured_bound():
+    # sqrt(2 x 0.1 s x 60 s) = 3.46 s at 1 s per step: every 3 steps.
+    assert local_interval_steps(0.1, 60.0, 1.0, at_most=10) == 3
+    assert local_interval_steps(0.1, 3600.0, 1.0, at_most=10) == 10  # bounded by the config
+    assert local_interval_steps(1e-4, 1.0, 1.0, at_most=10) == 1  # at least every step
+    config = make_config("/dev/shm/x", **{"checkpoint.local_every_steps": 10})
+    policy = SavePolicy(config.checkpoint, total_steps=100, clock=FakeClock())
+    policy.set_local_interval(3, from_step=20)
+    assert [s for s in range(15, 31) if policy.decide(s, None).local] == [20, 23, 26, 29]
+
+
+def test_checkpointer_agrees_on_the_local_interval_after_two_saves(
+    tmp_path, local_root, state0, monkeypatch
+):
+    config = make_config(
+        local_root, **{"checkpoint.local_every_steps": 4, "checkpoint.mtbf_s": 1e-6}
+    )
+    ctx = make_ctx(config, str(tmp_path / "run"))
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.on_start(ctx, state0)
+    run_steps(ck, ctx, state0, 1, 12)
+    ck.wait_until_finished()
+    ck.close()
+    local_saves = [e["step"] for e in events(ctx.workdir, "save") if e["tier"] == "local"]
+    assert local_saves == [4, 8, 9, 10, 11, 12]  # a failure every microsecond: every step
+    (interval,) = events(ctx.workdir, "checkpoint_interval")
+    assert (interval["every_steps"], interval["mtbf_source"]) == (1, "checkpoint.mtbf_s")
+
+    # A supervisor's observed failure rate wins over the configured one.
+    monkeypatch.setenv(ENV_OBSERVED_MTBF_S, "1e9")
+    ctx = make_ctx(config, str(tmp_path / "observed"))
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.on_start(ctx, state0)
+    run_steps(ck, ctx, state0, 1, 12)
+    ck.close()
+    (interval,) = events(ctx.workdir, "checkpoint_interval")
+    assert (interval["every_steps"], interval["mtbf_s"]) == (4, 1e9)
 
 
 def test_keep_policy_drops_superseded_temporary_steps():

@@ -40,7 +40,14 @@ from resilient_jax.checkpoint import checksum, manifest
 from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
 from resilient_jax.checkpoint.local import LocalTier, StepFiles, run_dir
 from resilient_jax.checkpoint.persistent import PersistentTier
-from resilient_jax.checkpoint.policy import FINAL, PREEMPTION, Decision, SavePolicy
+from resilient_jax.checkpoint.policy import (
+    ENV_OBSERVED_MTBF_S,
+    FINAL,
+    PREEMPTION,
+    Decision,
+    SavePolicy,
+    local_interval_steps,
+)
 from resilient_jax.checkpoint.policy import LOCAL as LOCAL_RULE
 from resilient_jax.checkpoint.preemption import PreemptionNotice
 from resilient_jax.checkpoint.sync import ProcessSync
@@ -57,6 +64,7 @@ INIT_FROM = "init_from"
 # Process 0 decides wall-clock saves this many steps ahead, so peers read the decision without
 # waiting on it in the common case.
 _CLOCK_LAG = 2
+_STEP_TIMES_KEPT = 64  # step times behind the local interval (only the first ones are used)
 # Published decisions older than this many steps are deleted from the key-value store.
 _CLOCK_KEY_RETENTION = 1000
 
@@ -137,6 +145,10 @@ class Checkpointer(Hook):
         self._timeline = uuid.uuid4().hex[:12]
         self._warmup: threading.Thread | None = None
         self._closed = False
+        # Young/Daly for the local tier: measured over this process's first two local saves.
+        self._local_auto = bool(c.local_auto_interval) and self._local is not None
+        self._local_saves: list[tuple[float, float | None]] = []  # (blocking, commit) seconds
+        self._step_times: list[float] = []
 
     # ------------------------------------------------------------------------------ hook methods
 
@@ -151,6 +163,8 @@ class Checkpointer(Hook):
 
     def after_step(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
         step = info.step
+        if self._local_auto and len(self._step_times) < _STEP_TIMES_KEPT:
+            self._step_times.append(info.step_time_s)
         self._poll_commit()
         if self._preemption.reached(step):
             self._stop_for_preemption(ctx, state, info)
@@ -281,6 +295,38 @@ class Checkpointer(Hook):
         self._events.emit(
             "save", tier=LOCAL, step=info.step, duration_s=blocking, reason=LOCAL_RULE
         )
+        if self._local_auto:
+            self._local_saves.append((blocking, None))
+            if len(self._local_saves) == 2:
+                self._agree_local_interval(ctx, info.step)
+
+    def _agree_local_interval(self, ctx: RunContext, step: int) -> None:
+        """Sets the local tier's Young/Daly interval, the same on every process, from the cost
+        of a local save (the second one's blocking part, which compiles nothing, plus the first
+        one's background write) and the step time, the worst over processes, and the mean time
+        between failures the supervisor observed (`checkpoint.mtbf_s` before the first)."""
+        (first_blocking, first_commit), (blocking, _) = self._local_saves
+        write_s = max(0.0, (first_commit or first_blocking) - first_blocking)
+        times = sorted(self._step_times[1:]) or [0.0]  # the first step includes warm-up
+        mine = [blocking + write_s, times[len(times) // 2]]
+        views = self._sync.all_gather("local_interval", mine)
+        cost_s, step_time_s = max(v[0] for v in views), max(v[1] for v in views)
+        observed = os.environ.get(ENV_OBSERVED_MTBF_S)
+        mtbf_s = float(observed) if observed else float(ctx.config.checkpoint.mtbf_s)
+        every = local_interval_steps(
+            cost_s, mtbf_s, step_time_s, ctx.config.checkpoint.local_every_steps
+        )
+        self._policy.set_local_interval(every, step)
+        self._events.emit(
+            "checkpoint_interval",
+            tier=LOCAL,
+            step=step,
+            every_steps=every,
+            save_cost_s=round(cost_s, 4),
+            step_time_s=round(step_time_s, 4),
+            mtbf_s=mtbf_s,
+            mtbf_source="observed" if observed else "checkpoint.mtbf_s",
+        )
 
     def _save_persistent(
         self, ctx: RunContext, state: TrainState, info: StepInfo, d: Decision
@@ -376,6 +422,8 @@ class Checkpointer(Hook):
             )
 
     def _on_local_commit(self, step: int, commit_s: float, nbytes: int) -> None:
+        if self._local_saves and self._local_saves[0][1] is None and len(self._local_saves) == 1:
+            self._local_saves[0] = (self._local_saves[0][0], commit_s)
         self._events.emit("save_committed", tier=LOCAL, step=step, commit_s=commit_s, bytes=nbytes)
 
     def _report_failure(self, tier: str, error: Exception, step: int | None = None) -> None:

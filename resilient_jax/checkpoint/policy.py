@@ -20,8 +20,19 @@ FINAL = "final"
 LOCAL = "local_every_steps"
 PREEMPTION = "preemption"
 
+# Set by a supervisor for the workers it restarts: the job's mean time between failures so far.
+ENV_OBSERVED_MTBF_S = "RJ_OBSERVED_MTBF_S"
+
 # Weight of the newest measurement in the running estimate of the blocking save cost.
 _COST_EMA = 0.3
+
+
+def local_interval_steps(
+    save_cost_s: float, mtbf_s: float, step_time_s: float, at_most: int
+) -> int:
+    """The Young/Daly local-tier interval in steps, between 1 and `at_most`."""
+    steps = young_daly_interval_s(save_cost_s, mtbf_s) / max(step_time_s, 1e-9)
+    return int(min(max(round(steps), 1), at_most))
 
 
 def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:
@@ -60,11 +71,22 @@ class SavePolicy:
         self._local_enabled = local_enabled and checkpoint.local_every_steps > 0
         self._last_persistent = clock()
         self._cost_s: float | None = None
+        # Local saves every `local_every_steps`, or from `_local_from` on every `_local_every`.
+        self._local_every = checkpoint.local_every_steps
+        self._local_from = 0
 
     @property
     def uses_clock(self) -> bool:
         """Whether decisions depend on wall-clock time (and so need agreement across processes)."""
         return self._c.every_minutes > 0 or self._c.auto_interval
+
+    def set_local_interval(self, every: int, from_step: int) -> None:
+        """Local saves from `from_step` on every `every` steps (the same on every process)."""
+        self._local_every, self._local_from = max(1, every), from_step
+
+    @property
+    def local_interval(self) -> int:
+        return self._local_every
 
     def restart_clock(self) -> None:
         """Count wall-clock intervals from now (run start, restore)."""
@@ -101,7 +123,11 @@ class SavePolicy:
 
     def decide(self, step: int, clock_reason: str | None) -> Decision:
         """Combines the step rules for `step` with an (agreed) wall-clock reason."""
-        local = self._local_enabled and step % self._c.local_every_steps == 0
+        local = self._local_enabled and (
+            (step - self._local_from) % self._local_every == 0
+            if step >= self._local_from
+            else step % self._c.local_every_steps == 0
+        )
         every = self._c.every_steps
         periodic = not self._c.auto_interval and every > 0 and step % every == 0
         if step >= self._total_steps:

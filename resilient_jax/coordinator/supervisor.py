@@ -27,6 +27,7 @@ from typing import IO
 import ml_collections
 
 from resilient_jax import topology as topology_lib
+from resilient_jax.checkpoint.policy import ENV_OBSERVED_MTBF_S
 from resilient_jax.config import ConfigError
 from resilient_jax.coordinator import compile_cache, detector, processes, protocol
 from resilient_jax.coordinator.outages import OutageReader
@@ -537,6 +538,9 @@ class Supervisor:
                 protocol.ENV_GENERATION: str(self._generation),
             }
         )
+        if self._policy.failures:  # the checkpointer's local interval follows the failure rate
+            elapsed = time.monotonic() - self._start_time
+            env[ENV_OBSERVED_MTBF_S] = f"{elapsed / self._policy.failures:.1f}"
         return env
 
     def _spawn_worker(
