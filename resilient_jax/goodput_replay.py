@@ -287,7 +287,7 @@ def checkpoint_intervals(
     config: dict[str, Any], events: Sequence[dict[str, Any]] = ()
 ) -> dict[str, int]:
     """Save intervals in steps per tier (0: tier off): from a run's config.json where it saves by
-    step, else the median distance between the steps the run saved."""
+    a fixed number of steps, else the median distance between the steps the run saved."""
     checkpoint = config.get("checkpoint", {})
     intervals = {
         "local": int(checkpoint.get("local_every_steps", 0)) if checkpoint.get("local_dir") else 0,
@@ -295,6 +295,8 @@ def checkpoint_intervals(
     }
     if checkpoint.get("auto_interval") or checkpoint.get("every_minutes"):
         intervals["persistent"] = 0  # saved by the clock: read it off the events
+    if checkpoint.get("local_auto_interval"):
+        intervals["local"] = 0  # the interval each generation agreed on: read it off the events
     for tier, every in intervals.items():
         if not every:
             intervals[tier] = _saved_every(events, tier)
