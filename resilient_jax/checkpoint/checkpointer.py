@@ -147,7 +147,7 @@ class Checkpointer(Hook):
         self._closed = False
         # Young/Daly for the local tier: measured over this process's first two local saves.
         self._local_auto = bool(c.local_auto_interval) and self._local is not None
-        self._local_saves: list[tuple[float, float | None]] = []  # (blocking, commit) seconds
+        self._local_saves = 0
         self._step_times: list[float] = []
 
     # ------------------------------------------------------------------------------ hook methods
@@ -296,19 +296,17 @@ class Checkpointer(Hook):
             "save", tier=LOCAL, step=info.step, duration_s=blocking, reason=LOCAL_RULE
         )
         if self._local_auto:
-            self._local_saves.append((blocking, None))
-            if len(self._local_saves) == 2:
-                self._agree_local_interval(ctx, info.step)
+            self._local_saves += 1
+            if self._local_saves == 2:
+                self._agree_local_interval(ctx, info.step, blocking)
 
-    def _agree_local_interval(self, ctx: RunContext, step: int) -> None:
+    def _agree_local_interval(self, ctx: RunContext, step: int, blocking_s: float) -> None:
         """Sets the local tier's Young/Daly interval, the same on every process, from the cost
-        of a local save (the second one's blocking part, which compiles nothing, plus the first
-        one's background write) and the step time, the worst over processes, and the mean time
+        of a local save (the blocking part of the second one, which compiles nothing: the write
+        runs beside training) and the step time, the worst over processes, and the mean time
         between failures the supervisor observed (`checkpoint.mtbf_s` before the first)."""
-        (first_blocking, first_commit), (blocking, _) = self._local_saves
-        write_s = max(0.0, (first_commit or first_blocking) - first_blocking)
         times = sorted(self._step_times[1:]) or [0.0]  # the first step includes warm-up
-        mine = [blocking + write_s, times[len(times) // 2]]
+        mine = [blocking_s, times[len(times) // 2]]
         views = self._sync.all_gather("local_interval", mine)
         cost_s, step_time_s = max(v[0] for v in views), max(v[1] for v in views)
         observed = os.environ.get(ENV_OBSERVED_MTBF_S)
@@ -422,8 +420,6 @@ class Checkpointer(Hook):
             )
 
     def _on_local_commit(self, step: int, commit_s: float, nbytes: int) -> None:
-        if self._local_saves and self._local_saves[0][1] is None and len(self._local_saves) == 1:
-            self._local_saves[0] = (self._local_saves[0][0], commit_s)
         self._events.emit("save_committed", tier=LOCAL, step=step, commit_s=commit_s, bytes=nbytes)
 
     def _report_failure(self, tier: str, error: Exception, step: int | None = None) -> None:
