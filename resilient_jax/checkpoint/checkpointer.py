@@ -36,6 +36,7 @@ from typing import Any
 import jax
 
 from resilient_jax import config as config_lib
+from resilient_jax import executables
 from resilient_jax.checkpoint import checksum, manifest
 from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
 from resilient_jax.checkpoint.local import LocalTier, StepFiles, run_dir
@@ -644,7 +645,7 @@ class Checkpointer(Hook):
 def _compile_quietly(abstract_state: Any) -> None:
     # On failure the first save compiles (and reports) it instead.
     with contextlib.suppress(Exception):
-        checksum.compile_digests(abstract_state)
+        checksum.compile_digests(abstract_state, executables.default_dir())
 
 
 def _digest_mismatch(actual: dict[str, str], expected: dict[str, str]) -> str | None:

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from resilient_jax import executables
+
 _W1_MUL = 0x9E3779B1
 _W1_ADD = 0x7F4A7C15
 _MIX_MUL = 0x2C1B3C6D
@@ -93,14 +95,30 @@ def tree_digests(tree: Any) -> dict[str, str]:
     paths = leaf_paths(tree)
     leaves = jax.tree.leaves(tree)
     mesh = _mesh_of(leaves)
-    values = np.asarray(_digest_fn(mesh)(leaves))
+    compiled = _compiled.get(_signature(leaves))
+    try:
+        values = np.asarray((compiled or _digest_fn(mesh))(leaves))
+    except (TypeError, ValueError):  # arrays the ahead-of-time program does not take
+        values = np.asarray(_digest_fn(mesh)(leaves))
     return {p: format_digest(h1, h2) for p, (h1, h2) in zip(paths, values, strict=True)}
 
 
-def compile_digests(abstract_tree: Any) -> None:
-    """Compiles `tree_digests` for a tree of ShapeDtypeStructs ahead of the first save."""
+def compile_digests(abstract_tree: Any, cache_dir: str | None = None) -> None:
+    """Compiles `tree_digests` for a tree of ShapeDtypeStructs ahead of the first save, through
+    the per-process executable cache in `cache_dir` (a restart then loads it)."""
     leaves = jax.tree.leaves(abstract_tree)
-    _digest_fn(_mesh_of(leaves)).lower(leaves).compile()
+    mesh = _mesh_of(leaves)
+    lowered = _digest_fn(mesh).lower(leaves)
+    compiled, _ = executables.compile_cached(lowered, mesh.devices.flat, cache_dir)
+    _compiled[_signature(leaves)] = compiled
+
+
+# Compiled ahead of time by `compile_digests`, by the leaves' shapes, dtypes and shardings.
+_compiled: dict[tuple, Any] = {}
+
+
+def _signature(leaves: list[Any]) -> tuple:
+    return tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
 
 
 def _mesh_of(leaves: list[jax.Array]) -> jax.sharding.Mesh:

@@ -10,8 +10,8 @@ it hit too. The loaded executable is the one compiled before, so resumed runs st
 The supervisor passes the cache to workers through JAX's own environment variables, so workers
 need no code for it and settings the user made in the environment win. Only JAX process 0 writes
 entries (JAX's rule), and on the CPU backend the other processes' keys differ from process 0's, so
-they never hit; the train step, which dominates, is therefore also kept per process under the
-same directory (`resilient_jax.train.compile`).
+they never hit; the train step and the checksum pass are therefore also kept per process under
+the same directory (`resilient_jax.executables`).
 """
 
 from __future__ import annotations
