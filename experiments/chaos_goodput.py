@@ -31,7 +31,8 @@ the run's wall clock, at least `--minutes`: a run that gave up earlier is idle t
 window), badput by category, steps lost (recomputed), failures, mean time to recover (fault to
 the first step after the restart), the mean restart phases, steps reached and the loss there
 against the undisturbed run's loss at the same step.
-Writes experiments/results/chaos_goodput.json (key `goodput` per variant) and .png.
+Writes experiments/results/chaos_goodput.json (key `goodput` per variant) and .png, and keeps
+each variant's events in experiments/results/chaos_goodput_events/ (`logs` in the JSON).
 """
 
 from __future__ import annotations
@@ -298,6 +299,17 @@ def plot(results: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+def keep_events(log_dir: str, keep_dir: str) -> str:
+    """Copies each variant's events next to the results (the simulator's validation replays
+    them); returns that directory, relative to the repository when inside it."""
+    os.makedirs(keep_dir, exist_ok=True)
+    for name in os.listdir(log_dir):
+        if name.endswith(".events.jsonl"):
+            shutil.copy(os.path.join(log_dir, name), keep_dir)
+    absolute = os.path.abspath(keep_dir)
+    return os.path.relpath(absolute, REPO) if absolute.startswith(REPO + os.sep) else absolute
+
+
 def main(argv: list[str]) -> None:
     del argv
     log_dir = tempfile.mkdtemp(prefix="rj_chaos_logs_")
@@ -347,7 +359,7 @@ def main(argv: list[str]) -> None:
         },
         "trace": trace.describe(),
         "variants": variants,
-        "logs": log_dir,
+        "logs": keep_events(log_dir, os.path.splitext(_OUT.value)[0] + "_events"),
     }
     os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
     with open(_OUT.value, "w") as f:

@@ -469,7 +469,10 @@ def recorded_runs(data: dict[str, Any]) -> list[RecordedRun]:
         ]
     runs = []
     for name, variant in data["variants"].items():
-        path = variant.get("events") or os.path.join(data.get("logs") or "", f"{name}.events.jsonl")
+        logs = data.get("logs") or ""
+        if logs and not os.path.isabs(logs):
+            logs = os.path.join(REPO, logs)  # chaos_goodput.py keeps them in the repository
+        path = variant.get("events") or os.path.join(logs, f"{name}.events.jsonl")
         shared = {k: data[k] for k in _SHARED if k in data}
         given = {**shared, **variant}
         if variant.get("failures") and "trace" in data:
