@@ -149,6 +149,7 @@ class Checkpointer(Hook):
         # Young/Daly for the local tier: measured over this process's first two local saves.
         self._local_auto = bool(c.local_auto_interval) and self._local is not None
         self._local_saves = 0
+        self._last_local_commit_s: float | None = None
         self._step_times: list[float] = []
 
     # ------------------------------------------------------------------------------ hook methods
@@ -299,15 +300,24 @@ class Checkpointer(Hook):
         if self._local_auto:
             self._local_saves += 1
             if self._local_saves == 2:
-                self._agree_local_interval(ctx, info.step, blocking)
+                self._agree_local_interval(ctx, info.step)
 
-    def _agree_local_interval(self, ctx: RunContext, step: int, blocking_s: float) -> None:
+    def _agree_local_interval(self, ctx: RunContext, step: int) -> None:
         """Sets the local tier's Young/Daly interval, the same on every process, from the cost
-        of a local save (the blocking part of the second one, which compiles nothing: the write
-        runs beside training) and the step time, the worst over processes, and the mean time
-        between failures the supervisor observed (`checkpoint.mtbf_s` before the first)."""
+        of a local save and the step time, the worst over processes, and the mean time between
+        failures the supervisor observed (`checkpoint.mtbf_s` before the first).
+
+        The cost is the second save's time to commit (the first one warms up): its blocking part
+        plus its background write, which competes for the host and which the next save waits
+        for, so saving more often than a write takes only turns writes into blocking."""
+        assert self._local is not None
+        try:
+            self._local.finish()  # its commit time is known once the write is done
+        except CheckpointError as e:
+            self._report_failure(LOCAL, e, step)
+            raise
         times = sorted(self._step_times[1:]) or [0.0]  # the first step includes warm-up
-        mine = [blocking_s, times[len(times) // 2]]
+        mine = [self._last_local_commit_s or 0.0, times[len(times) // 2]]
         views = self._sync.all_gather("local_interval", mine)
         cost_s, step_time_s = max(v[0] for v in views), max(v[1] for v in views)
         observed = os.environ.get(ENV_OBSERVED_MTBF_S)
@@ -421,6 +431,7 @@ class Checkpointer(Hook):
             )
 
     def _on_local_commit(self, step: int, commit_s: float, nbytes: int) -> None:
+        self._last_local_commit_s = commit_s
         self._events.emit("save_committed", tier=LOCAL, step=step, commit_s=commit_s, bytes=nbytes)
 
     def _report_failure(self, tier: str, error: Exception, step: int | None = None) -> None:
