@@ -313,9 +313,10 @@ class Checkpointer(Hook):
         assert self._local is not None
         try:
             self._local.finish()  # its commit time is known once the write is done
-        except CheckpointError as e:
+        except CheckpointError as e:  # raised at the next save, as for any failed write
             self._report_failure(LOCAL, e, step)
-            raise
+            self._deferred_error = e
+            return
         times = sorted(self._step_times[1:]) or [0.0]  # the first step includes warm-up
         mine = [self._last_local_commit_s or 0.0, times[len(times) // 2]]
         views = self._sync.all_gather("local_interval", mine)
