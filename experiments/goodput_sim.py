@@ -512,11 +512,26 @@ def _end(run: RecordedRun) -> dict[str, float]:
     return {"horizon_s": float(wall)}
 
 
-def validation_inputs(run: RecordedRun) -> dict[str, Any]:
-    """Costs, intervals, the end and the trace of a recorded run, with where each came from."""
+def validation_inputs(
+    run: RecordedRun, donor: tuple[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Costs, intervals, the end and the trace of a recorded run, with where each came from.
+    `donor`: (name, costs) of another run of the same setup, whose persistent-tier costs fill in
+    those this run never measured (every strategy has that tier; a run that never saved still
+    needs its cost to be replayed)."""
     derived = goodput_replay.costs_from_events(run.events) if run.events else {}
     given_costs = run.given.get("costs", {})
-    costs = _merge(derived, given_costs)
+    borrowed: dict[str, Any] = {}
+    if donor is not None:
+        for key in ("save_s", "commit_s", "restore_s"):
+            missing = {
+                tier: cost
+                for tier, cost in donor[1].get(key, {}).items()
+                if tier == gm.PERSISTENT and tier not in derived.get(key, {})
+            }
+            if missing:
+                borrowed[key] = missing
+    costs = _merge(_merge(borrowed, derived), given_costs)
     intervals = run.given.get("intervals_steps") or goodput_replay.checkpoint_intervals(
         run.config, run.events
     )
@@ -528,7 +543,14 @@ def validation_inputs(run: RecordedRun) -> dict[str, Any]:
         "trace": trace,
         "sources": {
             "events": run.events_source if run.events else "not found",
-            "costs": {k: "JSON costs" if k in given_costs else "events" for k in costs},
+            "costs": {
+                k: "JSON costs"
+                if k in given_costs
+                else f"events; {', '.join(borrowed[k])} from {donor[0]}"
+                if k in borrowed and donor is not None
+                else "events"
+                for k in costs
+            },
             "intervals_steps": "JSON" if run.given.get("intervals_steps") else "config/events",
             "trace": trace_source,
         },
@@ -554,6 +576,7 @@ def replay_strategy(costs: dict[str, Any], restarts: bool = True) -> gm.Strategy
         detection_s=costs.get("detection_s", 0.0),
         restart_s=costs.get("restart_s", 0.0),
         compile_s=costs.get("compile_s", 0.0),
+        compile_sequence_s=tuple(costs.get("compile_sequence_s", ())),
         anomaly_skip=True,
         productive_fraction=costs.get("productive_fraction", 1.0),
         startup_s=costs.get("startup_s", 0.0),
@@ -569,11 +592,11 @@ def _shown(path: str) -> str:
     return os.path.relpath(absolute, REPO) if inside else absolute
 
 
-def predict(run: RecordedRun) -> dict[str, Any]:
+def predict(run: RecordedRun, donor: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Replays one recorded run through the discrete-event model and compares; a run without
     the data to replay it gets the reason instead."""
     try:
-        inputs = validation_inputs(run)
+        inputs = validation_inputs(run, donor)
         restarts = any(i.category in (gm.FAILURE, gm.PLANNED) for i in inputs["trace"])
         strategy = replay_strategy(inputs["costs"], restarts)
     except ValueError as e:
@@ -605,7 +628,13 @@ def validate(path: str, out: str) -> dict[str, Any]:
     runs = recorded_runs(data)
     if not runs or any("goodput" not in r.measured for r in runs):
         raise SystemExit(f"{path}: no measured 'goodput'")
-    compared = {run.name: predict(run) for run in runs}
+    donor = None
+    for run in runs:
+        costs = goodput_replay.costs_from_events(run.events) if run.events else {}
+        if gm.PERSISTENT in costs.get("save_s", {}):
+            donor = (run.name, costs)
+            break
+    compared = {run.name: predict(run, donor) for run in runs}
     result = {
         "what": "goodput of recorded chaos runs: measured vs replayed through the goodput model",
         "source": _shown(path),

@@ -117,6 +117,9 @@ class Strategy:
     startup_s: float = 0.0  # before the first step of a run (init and first compile)
     init_s: float = 0.0  # initialising from the seed when a restart finds nothing to restore
     tail_s: float = 0.0  # after the last step of a finite run (final save, shutdown)
+    # A replay's measured compile time of each recovery in order (a mesh's first is a compile,
+    # later ones load it); recoveries beyond the list cost `compile_s`.
+    compile_sequence_s: tuple[float, ...] = ()
 
     def recovery_s(self, restore_s: float) -> float:
         return self.detection_s + self.restart_s + self.compile_s + restore_s
@@ -413,6 +416,7 @@ class _Run:
             self.tiers.insert(0, _TierRun(LOCAL, strategy.local, local_every))
         self.t = 0.0
         self.pos = 0
+        self.recoveries = 0
         self.seconds = dict.fromkeys(CATEGORIES, 0.0)
         self.steps_lost = self.failures = self.anomalies = 0
         self.restores: dict[str, int] = {}
@@ -614,11 +618,16 @@ class _Run:
         in the order a worker goes through it; a failure during the recovery starts it over."""
         while True:
             restore_s = self._roll_back(local_lost, limit)
+            sequence = self.s.compile_sequence_s
+            compile_s = (
+                sequence[self.recoveries] if self.recoveries < len(sequence) else self.s.compile_s
+            )
+            self.recoveries += 1
             phases = [
                 first,
                 ("restart", self.s.restart_s),
                 ("checkpoint_restore", restore_s),
-                ("compilation", self.s.compile_s),
+                ("compilation", compile_s),
             ]
             if self._spend_until_failure(phases):
                 return

@@ -15,7 +15,8 @@ Costs (`costs_from_events`), each a mean or median over the run, lane of process
     detection_s         mean `latency_s` of `failure_detected` events
     restart_s           failure detected -> the next generation's restore (or init) begins
     compile_s           a later generation's restore ends -> its first step begins (compile,
-                        waiting for the slowest process, first batch)
+                        waiting for the slowest process, first batch); `compile_sequence_s`
+                        lists them in order (a mesh's first compiles, later ones load it)
     startup_s           the run's first moment -> its first step begins, or the first failure
                         if that came earlier (the replay meets that failure before step 1)
                         (a step begins one step_s before its event: the model's pace)
@@ -198,6 +199,7 @@ def costs_from_events(
         ),
         "restart_s": _mean(restarts),
         "compile_s": _mean(compiles),
+        "compile_sequence_s": [round(c, 3) for c in compiles],
     }
     if lane_steps:
         first_failure = min(_failure_times(events), default=math.inf)
@@ -207,9 +209,14 @@ def costs_from_events(
     return {k: v for k, v in costs.items() if v is not None and v != {}}
 
 
+_IN_FLIGHT = 1  # steps under way past the last logged one (see `train.loop`)
+
+
 class _StepClock:
-    """The step before which something at a given time happened: one after the last step
-    process 0 had logged by then."""
+    """The step before which something at a given time happened: one after the step that was
+    under way after the last one process 0 had logged by then (a step's event is logged once the
+    next step is dispatched: the loop pulls metrics one step late). A fault during a recovery
+    thus fires on the replay's way back to where the failure struck, as the restart did."""
 
     def __init__(self, events: Sequence[dict[str, Any]]) -> None:
         lane = [e for e in events if e["type"] == "step" and _reference(e)]
@@ -218,7 +225,7 @@ class _StepClock:
 
     def next_step(self, time: float) -> int:
         index = bisect.bisect_right(self._times, time)
-        return self._steps[index - 1] + 1 if index else 1
+        return self._steps[index - 1] + _IN_FLIGHT + 1 if index else 1
 
 
 def _chaos_entries(events: Sequence[dict[str, Any]], clock: _StepClock) -> list[Interruption]:

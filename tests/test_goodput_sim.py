@@ -176,6 +176,16 @@ def test_replay_reads_costs_and_trace_from_events():
     assert goodput_replay.checkpoint_intervals({}, events) == {"local": 0, "persistent": 4}
 
 
+def test_supervisor_faults_strike_the_step_under_way_after_the_last_logged_one():
+    # Step k's event is written once step k + 1 is dispatched: a fault 0.5 s after the event of
+    # step 6 struck step 7, so the replay meets it before step 8.
+    events = [ev(1000.0 + k, "step", step=k) for k in range(1, 7)]
+    events.append(ev(1006.5, "fault_injected", process="supervisor", kind="kill", slice=0))
+    assert goodput_replay.trace_from_events(events) == [gm.Interruption("kill", step=8)]
+    early = [ev(999.0, "fault_injected", process="supervisor", kind="hang", slice=0)]
+    assert goodput_replay.trace_from_events(early) == [gm.Interruption("hang", step=1)]
+
+
 def test_validate_predicts_a_recorded_run(tmp_path):
     events = recorded_run()
     workdir = tmp_path / "run"
