@@ -311,12 +311,14 @@ def analytic(strategy: Strategy, cluster: Cluster, intervals: Intervals) -> Brea
 @dataclasses.dataclass(frozen=True)
 class Interruption:
     """One entry of a failure trace: fires at `time_s` (wall seconds from the run's start) or
-    just before step `step` is taken (once), whichever is given."""
+    just before step `step` is taken (once), whichever is given; a failure at a step may strike
+    `into_step_s` seconds into that step (work lost; saves in flight keep committing)."""
 
     kind: str  # a key of _KIND_CATEGORY
     time_s: float | None = None
     step: int | None = None
     local_lost: bool = False  # this failure takes the local tier with it
+    into_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND_CATEGORY:
@@ -537,6 +539,7 @@ class _Run:
         category = entry.category
         if category == FAILURE:
             self.failures += 1
+            self.t += max(0.0, entry.into_step_s)  # the partial step: lost progress
             self._failure(entry.local_lost)
         elif category == ANOMALY:
             self._anomaly()

@@ -8,8 +8,12 @@ Costs (`costs_from_events`), each a mean or median over the run, lane of process
                         (a mean: slow stretches, such as a reshaped mesh, add up in the wall)
     productive_fraction the productive seconds `resilient_jax.goodput` counts per counted step,
                         over step_s (data waits and stragglers are not productive there)
-    save_s[tier]        mean `duration_s` of `save` events (the blocking part)
-    commit_s[tier]      mean `commit_s` of `save_committed` events
+    save_s[tier]        mean `duration_s` of `save` events (the blocking part, as
+                        `resilient_jax.goodput` charges it)
+    commit_s[tier]      mean `commit_s` of `save_committed` events, less one step: the loop
+                        calls the checkpointer while the step being saved still computes (it
+                        dispatches ahead), so a commit's clock starts about a step before the
+                        model's, which starts it when the step has finished
     restore_s[tier]     mean `duration_s` of `restore` events
     init_s              mean `duration_s` of `init` events (state from the seed: nothing restored)
     detection_s         mean `latency_s` of `failure_detected` events
@@ -29,10 +33,11 @@ replay meets them where the run did, however fast the model's clock runs:
                         check skipped that step (else the crash it caused is a failure below);
                         corrupt_checkpoint -> corrupt; at the event's `step`
     fault_injected      supervisor actions: kill, hang, lose_slice -> failure; preempt -> planned;
-                        before the step after the event's `step` (the highest reported)
+                        in the step under way at the event's time (the one after the last step
+                        process 0 logged), as far into it as the event came after that log
     scale_up            planned (the workers save and stop, the job restarts bigger), likewise
     failure_detected    a failure no injected fault explains (a crash, a crash during recovery),
-                        before the step after the last step process 0 logged before it happened
+                        placed the same way at the moment it happened
     anomaly             a skipped step no chaos event explains
 A failure during a recovery thus fires as the replay's recovery ends: the same extra restart.
 """
@@ -116,6 +121,10 @@ def _by_tier(events: Sequence[dict[str, Any]], typ: str, field: str) -> dict[str
     return {tier: sum(v) / len(v) for tier, v in tiers.items()}
 
 
+def _less_a_step(by_tier: dict[str, float], step_s: float | None) -> dict[str, float]:
+    return {tier: max(0.0, value - (step_s or 0.0)) for tier, value in by_tier.items()}
+
+
 def _step_s(events: Sequence[dict[str, Any]]) -> float | None:
     """Mean wall time per step over consecutive steps with nothing else in between."""
     gaps = []
@@ -189,7 +198,7 @@ def costs_from_events(
         "step_s": step_s,
         "productive_fraction": fraction,
         "save_s": _by_tier(events, "save", "duration_s"),
-        "commit_s": _by_tier(events, "save_committed", "commit_s"),
+        "commit_s": _less_a_step(_by_tier(events, "save_committed", "commit_s"), step_s),
         "restore_s": _by_tier(events, "restore", "duration_s"),
         "init_s": _mean(
             _number(e.get("duration_s")) for e in events if e["type"] == "init" and _reference(e)
@@ -209,23 +218,37 @@ def costs_from_events(
     return {k: v for k, v in costs.items() if v is not None and v != {}}
 
 
-_IN_FLIGHT = 1  # steps under way past the last logged one (see `train.loop`)
-
-
 class _StepClock:
-    """The step before which something at a given time happened: one after the step that was
-    under way after the last one process 0 had logged by then (a step's event is logged once the
-    next step is dispatched: the loop pulls metrics one step late). A fault during a recovery
-    thus fires on the replay's way back to where the failure struck, as the restart did."""
+    """Where something at a given time struck: the step under way then and how far into it.
+    A step's event is logged once the next step is dispatched (the loop pulls metrics one step
+    late), so the step after the last logged one was under way, from about that event on. Long
+    after the last logged step (the run was restarting), it is the next step the replay takes
+    there: a fault during a recovery fires on the replay's way back, as the restart did."""
 
     def __init__(self, events: Sequence[dict[str, Any]]) -> None:
         lane = [e for e in events if e["type"] == "step" and _reference(e)]
         self._times = [float(e["time"]) for e in lane]
         self._steps = [int(e["step"]) for e in lane]
+        self._step_s = _step_s(events) or 0.0
+        self._restarts = sorted(float(e["time"]) for e in events if e["type"] == "restart")
+
+    def at(self, time: float) -> tuple[int, float]:
+        """(the step under way, seconds into it)."""
+        index = bisect.bisect_right(self._times, time)
+        if not index:
+            return 1, 0.0
+        logged = self._times[index - 1]
+        if bisect.bisect_right(self._restarts, time) > bisect.bisect_right(self._restarts, logged):
+            return self._steps[index - 1] + 1, 0.0  # restarting since: no step under way
+        # A step that took longer than usual (a save at its end) was still under way.
+        return self._steps[index - 1] + 1, min(time - logged, 0.999 * self._step_s)
 
     def next_step(self, time: float) -> int:
-        index = bisect.bisect_right(self._times, time)
-        return self._steps[index - 1] + _IN_FLIGHT + 1 if index else 1
+        return self.at(time)[0]
+
+    def failure(self, kind: str, time: float) -> Interruption:
+        step, into = self.at(time)
+        return Interruption(kind, step=step, into_step_s=round(into, 4))
 
 
 def _chaos_entries(events: Sequence[dict[str, Any]], clock: _StepClock) -> list[Interruption]:
@@ -245,7 +268,7 @@ def _supervisor_entries(events: Sequence[dict[str, Any]], clock: _StepClock) -> 
     out = []
     for e in events:
         if e["type"] == "fault_injected" and str(e.get("kind")) in _SUPERVISOR_KINDS:
-            out.append(Interruption(str(e["kind"]), step=clock.next_step(float(e["time"]))))
+            out.append(clock.failure(str(e["kind"]), float(e["time"])))
         elif e["type"] == "scale_up":
             out.append(Interruption("scale_up", step=clock.next_step(float(e["time"]))))
     return out
@@ -261,7 +284,7 @@ def _unexplained_failures(
         happened = float(e["time"]) - max(0.0, _number(e.get("latency_s")))
         # Allow for the second that passes between a fault's event and its effect.
         if not any(happened - 1.0 <= t <= float(e["time"]) for t in injected_at):
-            out.append(Interruption("failure", step=clock.next_step(happened)))
+            out.append(clock.failure("failure", happened))
     return out
 
 

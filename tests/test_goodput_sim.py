@@ -140,8 +140,10 @@ def recorded_run() -> list[dict]:
             if k % 4 == 0:
                 t += 0.2
                 events.append(ev(t, "save", tier="persistent", step=k, duration_s=0.2))
+                # Timed from the checkpointer's call, made while step k still computed.
+                # (The blocking part is charged in full, as the goodput accounting does.)
                 events.append(
-                    ev(t + 0.5, "save_committed", tier="persistent", step=k, commit_s=0.5)
+                    ev(t + 0.5, "save_committed", tier="persistent", step=k, commit_s=1.5)
                 )
 
     train(1, 6, 0)
@@ -177,13 +179,42 @@ def test_replay_reads_costs_and_trace_from_events():
 
 
 def test_supervisor_faults_strike_the_step_under_way_after_the_last_logged_one():
-    # Step k's event is written once step k + 1 is dispatched: a fault 0.5 s after the event of
-    # step 6 struck step 7, so the replay meets it before step 8.
+    # Step k's event is written once step k + 1 is dispatched: a fault 0.4 s after the event of
+    # step 6 struck 0.4 s into step 7; one long after the last step, the next step the run takes.
     events = [ev(1000.0 + k, "step", step=k) for k in range(1, 7)]
-    events.append(ev(1006.5, "fault_injected", process="supervisor", kind="kill", slice=0))
-    assert goodput_replay.trace_from_events(events) == [gm.Interruption("kill", step=8)]
+    events.append(ev(1006.4, "fault_injected", process="supervisor", kind="kill", slice=0))
+    events.append(ev(1006.5, "restart", process="supervisor", generation=1))
+    events.append(ev(1020.0, "fault_injected", process="supervisor", kind="kill", slice=1))
+    assert goodput_replay.trace_from_events(events) == [
+        gm.Interruption("kill", step=7, into_step_s=0.4),
+        gm.Interruption("kill", step=7),
+    ]
     early = [ev(999.0, "fault_injected", process="supervisor", kind="hang", slice=0)]
     assert goodput_replay.trace_from_events(early) == [gm.Interruption("hang", step=1)]
+
+
+def test_a_failure_into_a_step_lets_the_save_before_it_commit():
+    # Local saves every 2 steps take 0.4 s to commit; steps take 0.5 s. A failure right at the
+    # start of step 5 finds step 4's save still committing (back to 2), one 0.45 s into step 5
+    # finds it committed.
+    strategy = gm.Strategy(
+        name="t",
+        step_s=0.5,
+        persistent=gm.Tier(save_s=0.0, commit_s=0.0, restore_s=0.0),
+        local=gm.Tier(save_s=0.0, commit_s=0.4, restore_s=0.0),
+        detection_s=0.0,
+        restart_s=0.0,
+        compile_s=0.0,
+        anomaly_skip=True,
+    )
+    intervals = gm.Intervals(persistent_s=math.inf, local_s=1.0)
+    cluster = gm.Cluster(chips=1, chip_mtbf_s=math.inf)
+    lost = []
+    for into in (0.0, 0.45):
+        trace = [gm.Interruption("kill", step=5, into_step_s=into)]
+        result = gm.simulate(strategy, cluster, intervals, trace=trace, total_steps=8)
+        lost.append(result.steps_lost)
+    assert lost == [2, 0]
 
 
 def test_validate_predicts_a_recorded_run(tmp_path):
