@@ -470,7 +470,7 @@ def test_local_interval_follows_young_daly_within_the_configured_bound():
     assert [s for s in range(15, 31) if policy.decide(s, None).local] == [20, 23, 26, 29]
 
 
-def test_checkpointer_agrees_on_the_local_interval_after_two_saves(
+def test_checkpointer_agrees_on_the_local_interval_after_three_saves(
     tmp_path, local_root, state0, monkeypatch
 ):
     config = make_config(
@@ -479,11 +479,11 @@ def test_checkpointer_agrees_on_the_local_interval_after_two_saves(
     ctx = make_ctx(config, str(tmp_path / "run"))
     ck = Checkpointer(ctx, handle_sigterm=False)
     ck.on_start(ctx, state0)
-    run_steps(ck, ctx, state0, 1, 12)
+    run_steps(ck, ctx, state0, 1, 16)
     ck.wait_until_finished()
     ck.close()
     local_saves = [e["step"] for e in events(ctx.workdir, "save") if e["tier"] == "local"]
-    assert local_saves == [4, 8, 9, 10, 11, 12]  # a failure every microsecond: every step
+    assert local_saves == [4, 8, 12, 13, 14, 15, 16]  # a failure every microsecond: every step
     (interval,) = events(ctx.workdir, "checkpoint_interval")
     assert (interval["every_steps"], interval["mtbf_source"]) == (1, "checkpoint.mtbf_s")
 

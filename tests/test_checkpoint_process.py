@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -77,6 +78,10 @@ def test_save_torn_by_sigkill_falls_back_and_cleans_temp_dirs(tmp_path, local_ro
         deadline = time.monotonic() + TIMEOUT_S
         line = ""
         while not line.startswith("TORN") and time.monotonic() < deadline:
+            # Bounded: a worker stuck before printing must fail the test, not hang it.
+            ready, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
+            if not ready:
+                break
             line = proc.stdout.readline()
             assert line or proc.poll() is None, proc.stderr.read()[-3000:]
         assert line.startswith("TORN"), "worker never reached the torn save"

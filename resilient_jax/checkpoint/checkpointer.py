@@ -146,7 +146,7 @@ class Checkpointer(Hook):
         self._timeline = uuid.uuid4().hex[:12]
         self._warmup: threading.Thread | None = None
         self._closed = False
-        # Young/Daly for the local tier: measured over this process's first two local saves.
+        # Young/Daly for the local tier: measured over this process's first local saves.
         self._local_auto = bool(c.local_auto_interval) and self._local is not None
         self._local_saves = 0
         self._last_local_commit_s: float | None = None
@@ -299,7 +299,7 @@ class Checkpointer(Hook):
         )
         if self._local_auto:
             self._local_saves += 1
-            if self._local_saves == 2:
+            if self._local_saves == 3:
                 self._agree_local_interval(ctx, info.step)
 
     def _agree_local_interval(self, ctx: RunContext, step: int) -> None:
@@ -307,16 +307,10 @@ class Checkpointer(Hook):
         of a local save and the step time, the worst over processes, and the mean time between
         failures the supervisor observed (`checkpoint.mtbf_s` before the first).
 
-        The cost is the second save's time to commit (the first one warms up): its blocking part
-        plus its background write, which competes for the host and which the next save waits
-        for, so saving more often than a write takes only turns writes into blocking."""
-        assert self._local is not None
-        try:
-            self._local.finish()  # its commit time is known once the write is done
-        except CheckpointError as e:  # raised at the next save, as for any failed write
-            self._report_failure(LOCAL, e, step)
-            self._deferred_error = e
-            return
+        The cost is the second save's time to commit (the first one warms up), known by the
+        third, which waited for its write: the blocking part plus the background write, which
+        competes for the host and which the next save waits for, so saving more often than a
+        write takes only turns writes into blocking."""
         times = sorted(self._step_times[1:]) or [0.0]  # the first step includes warm-up
         mine = [self._last_local_commit_s or 0.0, times[len(times) // 2]]
         views = self._sync.all_gather("local_interval", mine)
