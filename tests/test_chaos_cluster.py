@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import run_python
+from conftest import SMALL, run_python
 
 from resilient_jax.events import read_events
 
@@ -35,13 +35,7 @@ CHAOS = ";".join(
     ]
 )
 OVERRIDES = {
-    "model.d_model": 64,
-    "model.num_layers": 2,
-    "model.num_heads": 2,
-    "model.num_kv_heads": 2,
-    "model.head_dim": 32,
-    "model.d_ff": 128,
-    "data.seq_len": 32,
+    **SMALL,  # the small model; the keys below override its steps
     "total_steps": TOTAL_STEPS,
     "global_batch_size": 8,
     "checkpoint.every_steps": 20,

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import SMALL
 
 from resilient_jax.config import apply_overrides
 from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction
@@ -24,13 +25,7 @@ from resilient_jax.events import read_events
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 OVERRIDES = {
-    "model.d_model": 64,
-    "model.num_layers": 2,
-    "model.num_heads": 2,
-    "model.num_kv_heads": 2,
-    "model.head_dim": 32,
-    "model.d_ff": 128,
-    "data.seq_len": 32,
+    **SMALL,  # the small model; the keys below override its steps
     "total_steps": 30,
     "global_batch_size": 8,
     "checkpoint.every_steps": 10,

@@ -84,10 +84,6 @@ class SavePolicy:
         """Local saves from `from_step` on every `every` steps (the same on every process)."""
         self._local_every, self._local_from = max(1, every), from_step
 
-    @property
-    def local_interval(self) -> int:
-        return self._local_every
-
     def restart_clock(self) -> None:
         """Count wall-clock intervals from now (run start, restore)."""
         self._last_persistent = self._clock()

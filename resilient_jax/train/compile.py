@@ -15,13 +15,11 @@ from resilient_jax import mesh as mesh_lib
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.step import make_train_step
 
-_DEFAULT = object()
 
-
-def compile_step(ctx: RunContext, cache_dir: Any = _DEFAULT) -> Any:
+def compile_step(ctx: RunContext, cache_dir: str | None = None) -> Any:
     """The compiled train step for the context's mesh; emits a `compile` event with its duration
     and, with a cache, whether it came from it. `cache_dir`: where executables are kept (default:
-    `executables.default_dir()`; None: no cache)."""
+    `executables.default_dir()`, none when JAX's compilation cache is off)."""
     start = time.perf_counter()
     step_fn = make_train_step(ctx.config, ctx.mesh)
     rows = ctx.config.global_batch_size // ctx.plan.microbatches
@@ -32,7 +30,7 @@ def compile_step(ctx: RunContext, cache_dir: Any = _DEFAULT) -> Any:
     )
     scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=mesh_lib.replicated(ctx.mesh))
     lowered = step_fn.lower(ctx.abstract_state, batch, scale)
-    directory = executables.default_dir() if cache_dir is _DEFAULT else cache_dir
+    directory = cache_dir or executables.default_dir()
     compiled, hit = executables.compile_cached(
         lowered, ctx.mesh.devices.flat, directory, ctx.events
     )
