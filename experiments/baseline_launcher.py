@@ -1,6 +1,6 @@
 """The common baseline for chaos experiments: a plain multi-controller JAX job under a scheduler.
 
-What it does, and what it leaves out compared with `resilient_jax.coordinator.Supervisor`:
+What it does, and what it leaves out compared with `resilient_jax.control.Supervisor`:
 
 - It starts every worker with the job's `RJ_*` environment (as SLURM or a JobSet would) but no
   supervisor address: workers send no heartbeats and report no progress to anyone.
@@ -27,8 +27,9 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from resilient_jax.coordinator import ClusterSpec, SupervisorAction, processes, protocol
-from resilient_jax.coordinator.supervisor import action_targets
+from resilient_jax.contracts import env_vars
+from resilient_jax.control import ClusterSpec, SupervisorAction, processes
+from resilient_jax.control.supervisor import action_targets
 from resilient_jax.events import EventLog
 
 _SIGNALS = {"kill": signal.SIGKILL, "lose_slice": signal.SIGKILL, "hang": signal.SIGSTOP}
@@ -124,13 +125,13 @@ class BaselineLauncher:
             self._events.emit("restart", generation=self._generation, reason=reason)
         port = _free_port()
         env = dict(os.environ)
-        env.pop(protocol.ENV_SUPERVISOR_ADDRESS, None)
+        env.pop(env_vars.SUPERVISOR_ADDRESS, None)
         env.update(
             {
-                protocol.ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
-                protocol.ENV_NUM_PROCESSES: str(num_processes),
-                protocol.ENV_NUM_SLICES: str(c.num_slices),
-                protocol.ENV_GENERATION: str(self._generation),
+                env_vars.COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
+                env_vars.NUM_PROCESSES: str(num_processes),
+                env_vars.NUM_SLICES: str(c.num_slices),
+                env_vars.GENERATION: str(self._generation),
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={c.devices_per_process}",
                 "JAX_PLATFORMS": "cpu",
                 "PYTHONUNBUFFERED": "1",
@@ -141,8 +142,8 @@ class BaselineLauncher:
             slice_id = process // c.processes_per_slice
             worker_env = {
                 **env,
-                protocol.ENV_PROCESS_ID: str(process),
-                protocol.ENV_SLICE: str(slice_id),
+                env_vars.PROCESS_ID: str(process),
+                env_vars.SLICE: str(slice_id),
             }
             prefix = f"[g{self._generation} s{slice_id} p{process}] "
             worker = processes.spawn(

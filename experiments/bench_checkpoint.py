@@ -58,9 +58,9 @@ def main(argv: list[str]) -> None:
     from resilient_jax.checkpoint import Checkpointer, checksum, young_daly_interval_s
     from resilient_jax.data import BatchLoader, make_source
     from resilient_jax.events import EventLog, read_events
+    from resilient_jax.run import compile_step, prepare
     from resilient_jax.train.context import RunContext
     from resilient_jax.train.hooks import StepInfo
-    from resilient_jax.train.run import compile_step, prepare
     from resilient_jax.train.state import abstract_state, init_state
 
     base = _CONFIG.value
@@ -78,8 +78,8 @@ def main(argv: list[str]) -> None:
         workdir = os.path.join(root, name)
         if devices is None:
             return prepare(config, workdir, EventLog(workdir))
-        topology = topology_lib.discover(devices)
-        plan = mesh_lib.plan_mesh(config, topology)
+        topology = mesh_lib.discover(devices)
+        plan = topology_lib.plan_mesh(config, topology)
         mesh = mesh_lib.make_mesh(plan, topology)
         return RunContext(
             config, workdir, topology, plan, mesh, EventLog(workdir), abstract_state(config, mesh)

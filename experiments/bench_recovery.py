@@ -55,7 +55,8 @@ sys.path.insert(0, REPO)
 
 from cluster_runs import load_config, trainer_argv  # noqa: E402
 
-from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction, protocol  # noqa: E402
+from resilient_jax.contracts import env_vars  # noqa: E402
+from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
 
 _TOTAL = flags.DEFINE_integer("total_steps", 60, "Steps of each run.")
@@ -196,9 +197,9 @@ def jax_abort_delay(timeout_s: int, workdir: str) -> float:
         for process in (0, 1):
             env = {
                 **os.environ,
-                protocol.ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
-                protocol.ENV_NUM_PROCESSES: "2",
-                protocol.ENV_PROCESS_ID: str(process),
+                env_vars.COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
+                env_vars.NUM_PROCESSES: "2",
+                env_vars.PROCESS_ID: str(process),
                 "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
                 "JAX_PLATFORMS": "cpu",
             }
@@ -207,7 +208,7 @@ def jax_abort_delay(timeout_s: int, workdir: str) -> float:
                     [
                         sys.executable,
                         "-m",
-                        "resilient_jax.coordinator.sim_worker",
+                        "resilient_jax.testing.sim_worker",
                         f"--config={config}",
                         f"--workdir={workdir}",
                         "--sim_step_time_s=0.02",

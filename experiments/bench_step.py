@@ -40,9 +40,9 @@ def main(argv: list[str]) -> None:
     from resilient_jax.data import BatchLoader, make_source
     from resilient_jax.events import EventLog
     from resilient_jax.model import ModelConfig
+    from resilient_jax.run import compile_step, prepare
     from resilient_jax.train.loop import Loop
     from resilient_jax.train.metrics import MetricsLogger, peak_flops_per_device
-    from resilient_jax.train.run import compile_step, prepare
     from resilient_jax.train.state import init_state
 
     config = _CONFIG.value

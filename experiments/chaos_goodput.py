@@ -26,7 +26,7 @@ the hang and the slice loss are timed from the start of the run and injected by 
 (or the baseline launcher); the NaN is a `--chaos=nan:step=K` fault of the workers, K the step
 the undisturbed run reached at the NaN's time.
 
-Reported per variant (`resilient_jax.goodput` on the run's events): goodput (productive time over
+Reported per variant (`goodput.accounting` on the run's events): goodput (productive time over
 the run's wall clock, at least `--minutes`: a run that gave up earlier is idle to the end of the
 window), badput by category, steps lost (recomputed), failures, mean time to recover (fault to
 the first step after the restart), the mean restart phases, steps reached and the loss there
@@ -57,9 +57,9 @@ sys.path.insert(0, REPO)
 from baseline_launcher import BaselineLauncher  # noqa: E402
 from cluster_runs import load_config, trainer_argv  # noqa: E402
 
-from resilient_jax import goodput  # noqa: E402
-from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
+from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
+from resilient_jax.goodput import accounting as goodput  # noqa: E402
 
 _MINUTES = flags.DEFINE_float("minutes", 10.0, "Wall-clock length of each run.")
 _SEED = flags.DEFINE_integer("seed", 1, "Seed of the failure trace.")

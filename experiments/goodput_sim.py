@@ -8,7 +8,7 @@ common baseline; and a check of the model against a real chaos run.
     python experiments/goodput_sim.py --validate=experiments/results/chaos_goodput.json
         -> experiments/results/goodput_sim_validation.json
 
-Model: `resilient_jax.goodput_model` (analytic renewal model, seeded discrete-event Monte Carlo,
+Model: `resilient_jax.goodput.model` (analytic renewal model, seeded discrete-event Monte Carlo,
 numeric optimisation of the two checkpoint intervals). For each cluster size and strategy the
 intervals are optimised on the analytic model, then the Monte Carlo simulates about
 `--mc_failures` failures at those intervals; `goodput` in the JSON is the Monte Carlo mean,
@@ -21,7 +21,7 @@ resubmitted and re-initialised, rollback on anomalies), and `baseline_async` (th
 async saves: what the framework adds beyond async checkpointing).
 
 Costs. `--costs=scale` (default): a 405B model on H100-class chips from published figures and
-stated assumptions (`resilient_jax.goodput_model.AtScale`; every number's source is in the JSON
+stated assumptions (`resilient_jax.goodput.model.AtScale`; every number's source is in the JSON
 under `assumptions`). `--costs=measured`: save, commit and restore times from
 bench_checkpoint.json, step time from bench_step.json, detection, restart and compile from
 bench_recovery.json (FIELD_NOTES figures where that file is missing), on the same failure model:
@@ -50,7 +50,7 @@ start) or {"kind": K, "step": N} (just before step N is taken, once), K one of k
 hang, failure (a failure), nan, spike, anomaly (a skipped step), scale_up, preempt, planned (save,
 stop and restart), corrupt_checkpoint; optional "local_lost": true when the local tier is gone.
 
-From the events (`resilient_jax.goodput_replay`): the costs, the save intervals (config.json, or
+From the events (`resilient_jax.goodput.replay`): the costs, the save intervals (config.json, or
 the steps saved), and the trace, each interruption at the step before which it happened. A run
 that reached its `total_steps` is replayed to them; one cut by a time limit, for its wall time.
 Writes goodput_sim_validation.json: per run the measured and predicted goodput and badput, the
@@ -73,9 +73,9 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from resilient_jax import goodput_model as gm  # noqa: E402
-from resilient_jax import goodput_replay  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
+from resilient_jax.goodput import model as gm  # noqa: E402
+from resilient_jax.goodput import replay as goodput_replay  # noqa: E402
 
 RESULTS = os.path.join(REPO, "experiments", "results")
 MC_CHIPS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 100_000)

@@ -186,8 +186,8 @@ def main() -> None:
     parser.add_argument("--spike_factor", type=float, default=SPIKE_FACTOR)
     args = parser.parse_args()
     config = spiky_config(args.steps, args.lr)
-    topology = topology_lib.discover(jax.devices()[:1])
-    mesh = mesh_lib.make_mesh(mesh_lib.plan_mesh(config, topology), topology)
+    topology = mesh_lib.discover(jax.devices()[:1])
+    mesh = mesh_lib.make_mesh(topology_lib.plan_mesh(config, topology), topology)
     data = batches(config, config.total_steps, 0)
     held_out = batches(config, EVAL_BATCHES, config.total_steps)
     every = args.spike_every or config.total_steps + 1  # 0: no injected spikes

@@ -6,7 +6,7 @@
 
 Starts num_slices x processes_per_slice workers (`--worker`, by default `launch/train.py`), each
 with devices_per_process CPU devices, watches them and keeps the job training through failures
-(see `resilient_jax.coordinator`). Worker output is merged here, each line prefixed with
+(see `resilient_jax.control`). Worker output is merged here, each line prefixed with
 `[g<generation> s<slice> p<process>]`. Ctrl-C asks the workers to save and stop. Exits 0 only when
 training completed; otherwise non-zero with a one-line reason on stderr. Events: DIR/events.jsonl.
 """
@@ -21,7 +21,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from resilient_jax import config as config_lib
-from resilient_jax.coordinator import ClusterSpec, Supervisor
+from resilient_jax.control import ClusterSpec, Supervisor
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py).", lock_config=True

@@ -16,7 +16,8 @@ import traceback
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from resilient_jax.train.run import EXIT_BAD_INPUT, RunError, train
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.run import RunError, train
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py).", lock_config=True
@@ -47,7 +48,7 @@ def parse_flags(argv: list[str]) -> list[str]:
             key = next((a for a in argv if a.startswith("--config.")), "")
             reason = f"{key.split('=')[0][2:]} is not a known config key"
     print(f"error: {reason.splitlines()[0]}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+    sys.exit(ExitCode.BAD_INPUT)
 
 
 def main(argv: list[str]) -> None:

@@ -109,7 +109,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.health.watchdog_timeout_s = 300.0  # no step completed for this long: hang; 0 = off
     c.health.watchdog_startup_timeout_s = 1800.0  # budget for restore + compile before step 1
 
-    # Multi-controller supervision (resilient_jax.coordinator, launch/local_cluster.py).
+    # Multi-controller supervision (resilient_jax.control, launch/local_cluster.py).
     c.coordinator = ml_collections.ConfigDict()
     c.coordinator.heartbeat_interval_s = 0.5  # worker -> supervisor
     c.coordinator.heartbeat_timeout_s = 5.0  # no heartbeat for this long: the process is lost
@@ -215,7 +215,7 @@ def check_known_keys(config: ml_collections.ConfigDict) -> None:
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-    """Checks that need no devices. Device-dependent checks live in `mesh.plan_mesh`."""
+    """Checks that need no devices. Device-dependent checks live in `topology.plan_mesh`."""
     check_known_keys(config)
     _check_positive(
         config,

@@ -4,7 +4,7 @@ Every phase and decision (start, compile, restore, save, step, failure, restart,
 with at least `time` (unix seconds) and `type`. Several processes append to the same file: each line
 is written with one `write` on a file opened in append mode, which POSIX keeps whole for lines
 shorter than the pipe buffer, so lines from different processes never interleave.
-Goodput accounting (`resilient_jax.goodput`) reads this file back.
+Goodput accounting (`resilient_jax.goodput.accounting`) reads this file back.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from resilient_jax import chaos
+from resilient_jax.chaos import hook as chaos
 from resilient_jax.config import default_config
 from resilient_jax.events import EventLog, read_events
 
@@ -249,7 +249,7 @@ def test_random_loss_faults_hit_every_process_at_the_same_step(tmp_path):
 
 DRIVER = """
 import sys, time, types
-from resilient_jax import chaos
+from resilient_jax.chaos import hook as chaos
 from resilient_jax.config import default_config
 from resilient_jax.events import EventLog
 workdir, spec, process, processes, slices = sys.argv[1:6]

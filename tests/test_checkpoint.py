@@ -19,7 +19,6 @@ from conftest import run_python, tiny_config
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import topology as topology_lib
 from resilient_jax.checkpoint import (
-    PREEMPTED_EXIT_CODE,
     Checkpointer,
     CheckpointError,
     SavePolicy,
@@ -31,13 +30,14 @@ from resilient_jax.checkpoint.__main__ import main as inspect_main
 from resilient_jax.checkpoint.persistent import RUN_ID_FILE, _KeepPolicy
 from resilient_jax.checkpoint.policy import (
     AUTO,
-    ENV_OBSERVED_MTBF_S,
     EVERY_MINUTES,
     EVERY_STEPS,
     FINAL,
     local_interval_steps,
 )
 from resilient_jax.config import fingerprint
+from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.events import EventLog, read_events
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import StepInfo, StopTraining
@@ -70,8 +70,8 @@ def make_config(local_root: str = "", **overrides):
 def make_ctx(config, workdir: str, devices: int = 8, replica: int = -1, fsdp: int = -1):
     config = config.copy_and_resolve_references()
     config.mesh.replica, config.mesh.fsdp = replica, fsdp
-    topology = topology_lib.discover(jax.devices()[:devices])
-    plan = mesh_lib.plan_mesh(config, topology)
+    topology = mesh_lib.discover(jax.devices()[:devices])
+    plan = topology_lib.plan_mesh(config, topology)
     mesh = mesh_lib.make_mesh(plan, topology)
     return RunContext(
         config, workdir, topology, plan, mesh, EventLog(workdir), abstract_state(config, mesh)
@@ -488,7 +488,7 @@ def test_checkpointer_agrees_on_the_local_interval_after_three_saves(
     assert (interval["every_steps"], interval["mtbf_source"]) == (1, "checkpoint.mtbf_s")
 
     # A supervisor's observed failure rate wins over the configured one.
-    monkeypatch.setenv(ENV_OBSERVED_MTBF_S, "1e9")
+    monkeypatch.setenv(env_vars.OBSERVED_MTBF_S, "1e9")
     ctx = make_ctx(config, str(tmp_path / "observed"))
     ck = Checkpointer(ctx, handle_sigterm=False)
     ck.on_start(ctx, state0)
@@ -581,7 +581,7 @@ def test_sigterm_saves_and_stops_with_preempted_exit_code(tmp_path, state0):
             run_steps(ck, ctx, state, 3, 3)
     finally:
         ck.close()
-    assert stop.value.exit_code == PREEMPTED_EXIT_CODE
+    assert stop.value.exit_code == ExitCode.PREEMPTED
     assert step_dirs(workdir) == ["3"]
     assert events(workdir, "preemption")[0]["step"] == 3
     assert signal.getsignal(signal.SIGTERM) == before

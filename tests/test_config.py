@@ -11,7 +11,7 @@ from resilient_jax.config import ConfigError, validate
 
 
 def plan(config, num_devices=8):
-    return mesh.plan_mesh(config, topology.discover(jax.devices()[:num_devices]))
+    return topology.plan_mesh(config, mesh.discover(jax.devices()[:num_devices]))
 
 
 @pytest.mark.parametrize(
@@ -63,7 +63,7 @@ def test_mesh_plan_keeps_global_batch_with_fewer_devices():
 
 def test_reshape_plan_adapts_explicit_axes():
     config = tiny_config(**{"mesh.replica": 2, "mesh.fsdp": 4, "per_device_batch_size": 3})
-    relaxed = mesh.plan_mesh(config, topology.discover(jax.devices()[:4]), strict=False)
+    relaxed = topology.plan_mesh(config, mesh.discover(jax.devices()[:4]), strict=False)
     assert (relaxed.replica * relaxed.fsdp, relaxed.microbatches) == (4, 2)
 
 

@@ -1,5 +1,5 @@
 """The supervisor with real worker processes on CPU: the simulated worker
-(`resilient_jax.coordinator.sim_worker`: JAX distributed init from the environment, one gloo
+(`resilient_jax.testing.sim_worker`: JAX distributed init from the environment, one gloo
 collective per step, heartbeats, saves every few steps, preemption handling).
 
 Every run is bounded by the supervisor's time limit, and every test checks that no worker it
@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction
+from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction
 from resilient_jax.events import read_events
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,7 +66,7 @@ def sim_argv(config_path: str, workdir: str, *flags: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "resilient_jax.coordinator.sim_worker",
+        "resilient_jax.testing.sim_worker",
         f"--config={config_path}",
         f"--workdir={workdir}",
         "--sim_step_time_s=0.05",
@@ -384,7 +384,7 @@ def test_local_cluster_cli_ctrl_c_saves_and_stops(tmp_path):
             f"--config={config_path}",
             f"--workdir={workdir}",
             "--num_slices=2",
-            "--worker=-m resilient_jax.coordinator.sim_worker --sim_step_time_s=0.05",
+            "--worker=-m resilient_jax.testing.sim_worker --sim_step_time_s=0.05",
             "--config.total_steps=100000",
             "--config.coordinator.kill_grace_s",
             "0.25",

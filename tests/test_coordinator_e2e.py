@@ -19,7 +19,7 @@ import pytest
 from conftest import SMALL
 
 from resilient_jax.config import apply_overrides
-from resilient_jax.coordinator import ClusterSpec, Supervisor, SupervisorAction
+from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction
 from resilient_jax.events import read_events
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

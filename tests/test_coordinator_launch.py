@@ -11,7 +11,8 @@ import textwrap
 import pytest
 import yaml
 
-from resilient_jax.coordinator import protocol
+from resilient_jax.contracts import env_vars, exit_codes
+from resilient_jax.contracts.exit_codes import ExitCode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 K8S = os.path.join(REPO, "launch", "k8s")
@@ -42,9 +43,9 @@ def test_jobset_manifest_restarts_and_stops_like_the_supervisor(name):
     assert job["backoffLimit"] == 0  # one failed pod fails the Job: the JobSet restarts all
     fatal, preempted, disrupted = job["podFailurePolicy"]["rules"]
     assert fatal["action"] == "FailJob"
-    assert sorted(fatal["onExitCodes"]["values"]) == sorted(protocol.FATAL_EXIT_CODES)
+    assert sorted(fatal["onExitCodes"]["values"]) == sorted(exit_codes.FATAL)
     assert preempted["action"] == "Ignore"
-    assert preempted["onExitCodes"]["values"] == [protocol.EXIT_PREEMPTED]
+    assert preempted["onExitCodes"]["values"] == [ExitCode.PREEMPTED]
     assert disrupted == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}
     pod = job["template"]["spec"]
     assert pod["restartPolicy"] == "Never" and pod["terminationGracePeriodSeconds"] >= 60
@@ -53,7 +54,7 @@ def test_jobset_manifest_restarts_and_stops_like_the_supervisor(name):
     assert "launch/train.py" in script
     subprocess.run(["bash", "-n", "-c", script], check=True)
     env = {e["name"] for e in train["env"]}
-    assert protocol.ENV_NUM_SLICES in env or protocol.ENV_NUM_SLICES in script
+    assert env_vars.NUM_SLICES in env or env_vars.NUM_SLICES in script
 
 
 def test_gpu_jobset_numbers_processes_slice_by_slice():

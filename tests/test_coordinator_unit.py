@@ -15,14 +15,16 @@ import jax
 import pytest
 
 from resilient_jax import config as config_lib
-from resilient_jax.coordinator import compile_cache, detector, processes, protocol, standby
-from resilient_jax.coordinator.client import SupervisorClient
-from resilient_jax.coordinator.outages import OutageReader
-from resilient_jax.coordinator.policy import RestartPolicy, SlicePool
-from resilient_jax.coordinator.server import HeartbeatServer, WorkerReport
-from resilient_jax.coordinator.stragglers import StragglerWatch
-from resilient_jax.coordinator.supervisor import ClusterSpec, SupervisorAction, plan_for
-from resilient_jax.coordinator.worker import initialize_from_env, read_env
+from resilient_jax.contracts import env_vars
+from resilient_jax.control import compile_cache, detector, processes, protocol
+from resilient_jax.control.outages import OutageReader
+from resilient_jax.control.policy import RestartPolicy, SlicePool
+from resilient_jax.control.server import HeartbeatServer, WorkerReport
+from resilient_jax.control.stragglers import StragglerWatch
+from resilient_jax.control.supervisor import ClusterSpec, SupervisorAction, plan_for
+from resilient_jax.worker import standby
+from resilient_jax.worker.client import SupervisorClient
+from resilient_jax.worker.distributed import initialize_from_env, read_env
 
 TOKEN = "t0ken"
 
@@ -53,17 +55,6 @@ def test_message_round_trip_and_rejections():
         protocol.decode(protocol.encode({**message, "type": "shell"}), TOKEN)
     with pytest.raises(protocol.ProtocolError, match="longer"):
         protocol.decode(b"x" * (protocol.MAX_LINE_BYTES + 1), TOKEN)
-
-
-def test_exit_codes_match_the_trainer_and_health():
-    from resilient_jax.checkpoint import PREEMPTED_EXIT_CODE
-    from resilient_jax.health import ANOMALY_EXIT_CODE
-    from resilient_jax.train.run import EXIT_BAD_INPUT
-
-    assert protocol.EXIT_PREEMPTED == PREEMPTED_EXIT_CODE
-    assert protocol.EXIT_BAD_INPUT == EXIT_BAD_INPUT
-    assert protocol.EXIT_HEALTH_GAVE_UP == ANOMALY_EXIT_CODE
-    assert protocol.EXIT_PREEMPTED not in protocol.FATAL_EXIT_CODES
 
 
 # Heartbeat server and client.
@@ -143,11 +134,11 @@ def test_client_from_env_only_when_supervised():
     assert SupervisorClient.from_env(c, environ={}) is None
     server = HeartbeatServer(TOKEN)
     env = {
-        protocol.ENV_SUPERVISOR_ADDRESS: server.address,
-        protocol.ENV_RUN_TOKEN: TOKEN,
-        protocol.ENV_GENERATION: "3",
-        protocol.ENV_PROCESS_ID: "1",
-        protocol.ENV_SLICE: "2",
+        env_vars.SUPERVISOR_ADDRESS: server.address,
+        env_vars.RUN_TOKEN: TOKEN,
+        env_vars.GENERATION: "3",
+        env_vars.PROCESS_ID: "1",
+        env_vars.SLICE: "2",
     }
     excepthook = sys.excepthook
     client = SupervisorClient.from_env(c, environ=env)
@@ -257,7 +248,7 @@ def test_detector_first_step_budget_runs_from_the_last_process_ready():
 
 
 def test_scale_up_pays_only_when_the_speed_up_outweighs_the_restart():
-    from resilient_jax.coordinator.policy import ReshapeLedger, scale_up_pays
+    from resilient_jax.control.policy import ReshapeLedger, scale_up_pays
 
     ledger = ReshapeLedger()
     assert scale_up_pays(ledger, 1, 2, 60.0, 1000)[0]  # nothing measured: try it
@@ -295,7 +286,7 @@ def test_standby_arguments():
     argv = processes.standby_argv([sys.executable, "w.py", "--x=1"], preload=("json",))
     assert argv[1:] == [
         "-m",
-        "resilient_jax.coordinator.standby",
+        "resilient_jax.worker.standby",
         "--preload=json",
         "--",
         "w.py",
@@ -381,10 +372,10 @@ def test_straggler_watch_needs_every_process_and_consecutive_steps():
 def test_compilation_cache_env_is_under_the_workdir_unless_absolute_or_off(tmp_path):
     c = config_lib.default_config().coordinator
     env = compile_cache.cache_env(c, str(tmp_path))
-    assert env[compile_cache.ENV_CACHE_DIR] == str(tmp_path / ".jax_cache")
+    assert env[env_vars.JAX_COMPILATION_CACHE_DIR] == str(tmp_path / ".jax_cache")
     c.compilation_cache_dir = "/dev/shm/cache"
     assert (
-        compile_cache.cache_env(c, str(tmp_path))[compile_cache.ENV_CACHE_DIR]
+        compile_cache.cache_env(c, str(tmp_path))[env_vars.JAX_COMPILATION_CACHE_DIR]
         == c.compilation_cache_dir
     )
     c.compilation_cache_dir = ""
@@ -475,24 +466,24 @@ def test_read_env():
     assert read_env({}) is None
     env = read_env(
         {
-            protocol.ENV_COORDINATOR_ADDRESS: "127.0.0.1:1234",
-            protocol.ENV_NUM_PROCESSES: "4",
-            protocol.ENV_PROCESS_ID: "3",
-            protocol.ENV_NUM_SLICES: "2",
-            protocol.ENV_SLICE: "5",
-            protocol.ENV_GENERATION: "7",
+            env_vars.COORDINATOR_ADDRESS: "127.0.0.1:1234",
+            env_vars.NUM_PROCESSES: "4",
+            env_vars.PROCESS_ID: "3",
+            env_vars.NUM_SLICES: "2",
+            env_vars.SLICE: "5",
+            env_vars.GENERATION: "7",
         }
     )
     assert (env.processes_per_slice, env.slice_index, env.slice, env.generation) == (2, 1, 5, 7)
     with pytest.raises(ValueError, match="RJ_NUM_PROCESSES"):
-        read_env({protocol.ENV_COORDINATOR_ADDRESS: "127.0.0.1:1"})
+        read_env({env_vars.COORDINATOR_ADDRESS: "127.0.0.1:1"})
     with pytest.raises(ValueError, match="inconsistent"):
         read_env(
             {
-                protocol.ENV_COORDINATOR_ADDRESS: "127.0.0.1:1",
-                protocol.ENV_NUM_PROCESSES: "3",
-                protocol.ENV_PROCESS_ID: "0",
-                protocol.ENV_NUM_SLICES: "2",
+                env_vars.COORDINATOR_ADDRESS: "127.0.0.1:1",
+                env_vars.NUM_PROCESSES: "3",
+                env_vars.PROCESS_ID: "0",
+                env_vars.NUM_SLICES: "2",
             }
         )
 

@@ -16,8 +16,8 @@ from resilient_jax.data.convert import convert
 
 
 def loader_for(config, num_devices, next_batch=0):
-    topo = topology.discover(jax.devices()[:num_devices])
-    plan = mesh.plan_mesh(config, topo)
+    topo = mesh.discover(jax.devices()[:num_devices])
+    plan = topology.plan_mesh(config, topo)
     return BatchLoader(config, mesh.make_mesh(plan, topo), plan, make_source(config), next_batch)
 
 
@@ -56,8 +56,8 @@ class IndexSource:
 
 def test_epochs_are_seeded_permutations_each_with_its_own_order():
     config = tiny_config(global_batch_size=8)
-    topo = topology.discover(jax.devices()[:8])
-    plan = mesh.plan_mesh(config, topo)
+    topo = mesh.discover(jax.devices()[:8])
+    plan = topology.plan_mesh(config, topo)
     loader = BatchLoader(config, mesh.make_mesh(plan, topo), plan, IndexSource(64, 32))
     seen = [np.asarray(loader.next()[1])[..., 0].ravel() for _ in range(16)]
     epoch0, epoch1 = np.concatenate(seen[:8]), np.concatenate(seen[8:])

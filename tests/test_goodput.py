@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from resilient_jax import goodput
+from resilient_jax.goodput import accounting as goodput
 
 
 def ev(time, type, process=0, **fields):

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from experiments import goodput_sim
-from resilient_jax import goodput, goodput_replay
-from resilient_jax import goodput_model as gm
+from resilient_jax.goodput import accounting as goodput
+from resilient_jax.goodput import model as gm
+from resilient_jax.goodput import replay as goodput_replay
 
 
 def single_tier(save_s=10.0, restart_s=50.0, step_s=1.0) -> gm.Strategy:

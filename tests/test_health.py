@@ -17,19 +17,12 @@ import numpy as np
 import pytest
 
 from resilient_jax import config as config_lib
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.control.stragglers import StragglerDetector
 from resilient_jax.events import EventLog, read_events
-from resilient_jax.health import (
-    ANOMALY_EXIT_CODE,
-    HANG_EXIT_CODE,
-    HealthMonitor,
-    HealthStats,
-    StragglerDetector,
-    Watchdog,
-    assess,
-    scale_updates,
-    where_ok,
-)
+from resilient_jax.health import HealthMonitor, Watchdog
 from resilient_jax.train.hooks import Rollback, StepInfo, StopTraining
+from resilient_jax.train.in_band import HealthStats, assess, scale_updates, where_ok
 
 
 def health_config(**overrides):
@@ -170,7 +163,7 @@ def test_monitor_escalates_skip_rollback_stop(tmp_path):
     monitor.on_metrics(ctx, 3, skipped())
     with pytest.raises(StopTraining) as stop:
         monitor.on_metrics(ctx, 4, skipped())
-    assert stop.value.exit_code == ANOMALY_EXIT_CODE == 3
+    assert stop.value.exit_code == ExitCode.HEALTH_GAVE_UP == 3
     events = [e for e in read_events(str(tmp_path)) if e["type"] == "anomaly"]
     assert [(e["step"], e["cause"], e["action"]) for e in events] == [
         (1, "nonfinite", "skip"),
@@ -241,7 +234,7 @@ def test_watchdog_is_kept_alive_by_steps_and_fires_when_they_stop(tmp_path):
     deadline = time.monotonic() + 5
     while not exits and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert exits == [HANG_EXIT_CODE]
+    assert exits == [ExitCode.HUNG]
     (event,) = [e for e in read_events(str(tmp_path)) if e["type"] == "failure_detected"]
     assert event["cause"] == "hang" and event["step"] == 5 and event["phase"] == "step"
     assert event["latency_s"] >= 0.3
@@ -281,7 +274,7 @@ def test_watchdog_exits_a_stuck_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == HANG_EXIT_CODE, err
+    assert proc.returncode == ExitCode.HUNG, err
     assert "stuck" in out and "watchdog: no step completed" in err
     (event,) = [e for e in read_events(str(tmp_path)) if e["type"] == "failure_detected"]
     assert event["cause"] == "hang" and event["step"] == 3 and event["process"] == 0

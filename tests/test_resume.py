@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import REPO, SMALL, as_flags
 
-from resilient_jax.checkpoint import PREEMPTED_EXIT_CODE
+from resilient_jax.contracts.exit_codes import ExitCode
 
 TOTAL_STEPS = 40
 LAUNCH_FLAGS = as_flags(
@@ -54,7 +54,7 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> int:
         proc.kill()
         proc.communicate()
         pytest.fail(f"training did not finish within {timeout}s")
-    assert proc.returncode in (0, PREEMPTED_EXIT_CODE), err[-3000:]
+    assert proc.returncode in (0, ExitCode.PREEMPTED), err[-3000:]
     return proc.returncode
 
 
@@ -130,7 +130,7 @@ def test_preempted_on_8_devices_continues_on_4(tmp_path, uninterrupted):
     proc = start(workdir, devices=8, extra=["--config.per_device_batch_size=2"])
     wait_for_step(workdir, 12, proc)
     proc.send_signal(signal.SIGTERM)  # preemption notice: save, wait for commit, exit 42
-    assert finish(proc) == PREEMPTED_EXIT_CODE
+    assert finish(proc) == ExitCode.PREEMPTED
     assert finish(start(workdir, devices=4, extra=["--config.per_device_batch_size=2"])) == 0
     events = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
     starts = [e for e in events if e["type"] == "process_start"]

@@ -17,8 +17,8 @@ from resilient_jax.train.step import make_train_step
 
 
 def train_losses(config, num_devices: int, steps: int):
-    topo = topology.discover(jax.devices()[:num_devices])
-    plan = mesh.plan_mesh(config, topo)
+    topo = mesh.discover(jax.devices()[:num_devices])
+    plan = topology.plan_mesh(config, topo)
     device_mesh = mesh.make_mesh(plan, topo)
     loader = BatchLoader(config, device_mesh, plan, make_source(config))
     state = init_state(config, device_mesh)
@@ -85,8 +85,8 @@ def test_tiny_training_run_loss_falls_and_writes_run_files(tmp_path):
 
 def test_compiled_step_is_cached_per_process_and_a_damaged_entry_is_recompiled(tmp_path):
     from resilient_jax.events import EventLog, read_events
+    from resilient_jax.run import prepare
     from resilient_jax.train.compile import compile_step
-    from resilient_jax.train.run import prepare
 
     config = tiny_config()
     events = EventLog(str(tmp_path / "run"), pid=0)

@@ -42,7 +42,6 @@ from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
 from resilient_jax.checkpoint.local import LocalTier, StepFiles, run_dir
 from resilient_jax.checkpoint.persistent import PersistentTier
 from resilient_jax.checkpoint.policy import (
-    ENV_OBSERVED_MTBF_S,
     FINAL,
     PREEMPTION,
     Decision,
@@ -52,11 +51,11 @@ from resilient_jax.checkpoint.policy import (
 from resilient_jax.checkpoint.policy import LOCAL as LOCAL_RULE
 from resilient_jax.checkpoint.preemption import PreemptionNotice
 from resilient_jax.checkpoint.sync import ProcessSync
+from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook, StepInfo, StopTraining
 from resilient_jax.train.state import TrainState, init_state
-
-PREEMPTED_EXIT_CODE = 42  # the run stopped after saving for a preemption notice; restart it
 
 LOCAL = "local"
 PERSISTENT = "persistent"
@@ -315,7 +314,7 @@ class Checkpointer(Hook):
         mine = [self._last_local_commit_s or 0.0, times[len(times) // 2]]
         views = self._sync.all_gather("local_interval", mine)
         cost_s, step_time_s = max(v[0] for v in views), max(v[1] for v in views)
-        observed = os.environ.get(ENV_OBSERVED_MTBF_S)
+        observed = os.environ.get(env_vars.OBSERVED_MTBF_S)
         mtbf_s = float(observed) if observed else float(ctx.config.checkpoint.mtbf_s)
         every = local_interval_steps(
             cost_s, mtbf_s, step_time_s, ctx.config.checkpoint.local_every_steps
@@ -384,7 +383,7 @@ class Checkpointer(Hook):
             self._save(ctx, state, info, Decision(persistent=True, reason=PREEMPTION))
         self.wait_until_finished()
         raise StopTraining(
-            f"preempted: saved step {info.step}, restart to continue", PREEMPTED_EXIT_CODE
+            f"preempted: saved step {info.step}, restart to continue", ExitCode.PREEMPTED
         )
 
     def _clock_decision(self, step: int) -> str | None:

@@ -21,7 +21,6 @@ LOCAL = "local_every_steps"
 PREEMPTION = "preemption"
 
 # Set by a supervisor for the workers it restarts: the job's mean time between failures so far.
-ENV_OBSERVED_MTBF_S = "RJ_OBSERVED_MTBF_S"
 
 # Weight of the newest measurement in the running estimate of the blocking save cost.
 _COST_EMA = 0.3

@@ -23,7 +23,8 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from resilient_jax.mesh import MeshPlan, batch_sharding
+from resilient_jax.mesh import batch_sharding
+from resilient_jax.topology import MeshPlan
 
 # Far more batches than any run takes; Grain's range is lazy, so this costs nothing.
 _HORIZON = 1 << 40

@@ -1,20 +1,7 @@
-"""Health of a run: in-band anomaly verdicts (inside the jitted step), the host-side escalation
-policy, the learning-rate controller, straggler detection and the hang watchdog."""
+"""Health of a run seen from the host: the escalation policy over the in-band anomaly verdicts the
+jitted step computes (`resilient_jax.train.in_band`), and the hang watchdog."""
 
-from resilient_jax.health.in_band import HealthStats, assess, scale_updates, where_ok
-from resilient_jax.health.monitor import ANOMALY_EXIT_CODE, HealthMonitor, anomaly_cause
-from resilient_jax.health.straggler import StragglerDetector
-from resilient_jax.health.watchdog import HANG_EXIT_CODE, Watchdog
+from resilient_jax.health.monitor import HealthMonitor, anomaly_cause
+from resilient_jax.health.watchdog import Watchdog
 
-__all__ = [
-    "ANOMALY_EXIT_CODE",
-    "HANG_EXIT_CODE",
-    "HealthMonitor",
-    "HealthStats",
-    "StragglerDetector",
-    "Watchdog",
-    "anomaly_cause",
-    "assess",
-    "scale_updates",
-    "where_ok",
-]
+__all__ = ["ExitCode.HEALTH_GAVE_UP", "ExitCode.HUNG", "HealthMonitor", "Watchdog", "anomaly_cause"]

@@ -18,13 +18,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.train.hooks import Hook, Rollback, StopTraining
 
 if TYPE_CHECKING:
     from resilient_jax.train.context import RunContext
     from resilient_jax.train.state import TrainState
 
-ANOMALY_EXIT_CODE = 3
 _REPORTED = ("loss", "grad_norm", "loss_z", "grad_z", "lr_scale")
 
 
@@ -94,4 +94,4 @@ class HealthMonitor(Hook):
             )
 
     def _stop(self, ctx: RunContext, step: int, why: str) -> None:
-        raise StopTraining(f"health: step {step}: {why}", exit_code=ANOMALY_EXIT_CODE)
+        raise StopTraining(f"health: step {step}: {why}", exit_code=ExitCode.HEALTH_GAVE_UP)

@@ -4,7 +4,7 @@ A process stuck in a collective with a dead peer, or in a deadlocked input pipel
 anything; only a clock notices. A daemon thread holds a deadline that every completed step pushes
 forward. Before the first step of a (re)start the budget is `startup_timeout_s`, because restore and
 compilation take much longer than a step. When the deadline passes the thread writes a
-`failure_detected` event (cause `hang`) and ends the process with `os._exit(HANG_EXIT_CODE)`:
+`failure_detected` event (cause `hang`) and ends the process with `os._exit(ExitCode.HUNG)`:
 `sys.exit` from a thread would end only that thread, and the main thread is stuck, so nothing
 short of `_exit` lets the supervisor see the failure and act.
 """
@@ -18,14 +18,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.train.hooks import Hook, StepInfo
 
 if TYPE_CHECKING:
     from resilient_jax.events import EventLog
     from resilient_jax.train.context import RunContext
     from resilient_jax.train.state import TrainState
-
-HANG_EXIT_CODE = 4
 
 
 class Watchdog(Hook):
@@ -35,7 +34,7 @@ class Watchdog(Hook):
         timeout_s: float,
         startup_timeout_s: float,
         *,
-        exit_code: int = HANG_EXIT_CODE,
+        exit_code: int = ExitCode.HUNG,
         exit_fn: Callable[[int], Any] = os._exit,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

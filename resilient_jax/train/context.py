@@ -8,8 +8,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 from resilient_jax.events import EventLog
-from resilient_jax.mesh import MeshPlan
-from resilient_jax.topology import Topology
+from resilient_jax.topology import MeshPlan, Topology
 from resilient_jax.train.state import TrainState
 
 

@@ -18,8 +18,8 @@ import optax
 from jax.sharding import Mesh
 
 from resilient_jax import mesh as mesh_lib
-from resilient_jax.health.in_band import HealthStats
 from resilient_jax.model import ModelConfig, Transformer
+from resilient_jax.train.in_band import HealthStats
 
 
 @flax.struct.dataclass

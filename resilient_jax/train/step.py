@@ -19,7 +19,7 @@ import optax
 from jax.sharding import Mesh
 
 from resilient_jax import mesh as mesh_lib
-from resilient_jax.health import in_band
+from resilient_jax.train import in_band
 from resilient_jax.train.state import (
     TrainState,
     learning_rate_schedule,

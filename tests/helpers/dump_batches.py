@@ -20,8 +20,8 @@ from resilient_jax import mesh, topology  # noqa: E402
 from resilient_jax.data import BatchLoader, make_source  # noqa: E402
 
 config = tiny_config(per_device_batch_size=1)
-topo = topology.discover()
-plan = mesh.plan_mesh(config, topo)
+topo = mesh.discover()
+plan = topology.plan_mesh(config, topo)
 loader = BatchLoader(config, mesh.make_mesh(plan, topo), plan, make_source(config))
 np.save(os.path.join(out, f"rows_{pid}.npy"), loader._local_rows)
 batches = []

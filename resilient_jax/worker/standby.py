@@ -1,7 +1,7 @@
 """A worker started ahead of need: it pays for Python's imports while the job trains, then waits
 for its place in a generation and runs the worker program as if it had been started with it.
 
-    python -m resilient_jax.coordinator.standby --preload=MOD,... -- WORKER_ARGV...
+    python -m resilient_jax.worker.standby --preload=MOD,... -- WORKER_ARGV...
 
 WORKER_ARGV is the worker command without the interpreter: `launch/train.py --config=...` or
 `-m package.module --flag=...`. The supervisor starts standbys with the environment every worker

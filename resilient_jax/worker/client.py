@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import ml_collections
 
-from resilient_jax.coordinator import protocol
+from resilient_jax.contracts import env_vars
+from resilient_jax.control import protocol
 from resilient_jax.train.hooks import Hook, StepInfo
 
 if TYPE_CHECKING:
@@ -78,18 +79,18 @@ class SupervisorClient(Hook):
         environ: Mapping[str, str] = os.environ,
     ) -> SupervisorClient | None:
         """A started client when a supervisor launched this process, else None."""
-        address = environ.get(protocol.ENV_SUPERVISOR_ADDRESS)
+        address = environ.get(env_vars.SUPERVISOR_ADDRESS)
         if not address:
             return None
-        supervisor_pid = environ.get(protocol.ENV_SUPERVISOR_PID)
+        supervisor_pid = environ.get(env_vars.SUPERVISOR_PID)
         if supervisor_pid:
             _die_with_parent(int(supervisor_pid))
-        slice_id = environ.get(protocol.ENV_SLICE)
+        slice_id = environ.get(env_vars.SLICE)
         client = cls(
             address=address,
-            token=environ.get(protocol.ENV_RUN_TOKEN, ""),
-            generation=int(environ.get(protocol.ENV_GENERATION, "0")),
-            process=int(environ.get(protocol.ENV_PROCESS_ID, "0")),
+            token=environ.get(env_vars.RUN_TOKEN, ""),
+            generation=int(environ.get(env_vars.GENERATION, "0")),
+            process=int(environ.get(env_vars.PROCESS_ID, "0")),
             slice_id=int(slice_id) if slice_id is not None else None,
             interval_s=float(coordinator_config.heartbeat_interval_s),
         )

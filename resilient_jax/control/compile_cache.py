@@ -20,8 +20,8 @@ import os
 
 import ml_collections
 
-ENV_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
-ENV_MIN_COMPILE_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+from resilient_jax.contracts import env_vars
+
 # JAX skips caching computations that compiled faster than 1 s by default; a restart compiles
 # many small ones (state checksums, restore helpers) that add up on a busy host.
 MIN_COMPILE_TIME_S = 0.0
@@ -40,4 +40,7 @@ def cache_env(coordinator_config: ml_collections.ConfigDict, workdir: str) -> di
     path = cache_dir(coordinator_config, workdir)
     if path is None:
         return {}
-    return {ENV_CACHE_DIR: path, ENV_MIN_COMPILE_TIME: str(MIN_COMPILE_TIME_S)}
+    return {
+        env_vars.JAX_COMPILATION_CACHE_DIR: path,
+        env_vars.JAX_MIN_COMPILE_TIME_S: str(MIN_COMPILE_TIME_S),
+    }

@@ -4,7 +4,7 @@ A *generation* is one start of all workers on a set of physical slices, with a f
 coordinator port. The supervisor watches it (process exits, heartbeats, step progress) until it
 completes, fails, is preempted, or a returned slice can be re-admitted; then it stops every worker
 and starts the next generation. Workers restore from the newest checkpoint on whatever mesh the
-new topology gives (`mesh.plan_mesh(strict=False)` keeps the global batch with more microbatches).
+new topology gives (`topology.plan_mesh(strict=False)` keeps the global batch with more microbatches).
 
 Why stop the survivors of a failure instead of keeping them: on CPU a survivor inside a gloo
 collective with a dead peer never returns, and JAX aborts survivors anyway once its coordination
@@ -27,20 +27,21 @@ from typing import IO
 import ml_collections
 
 from resilient_jax import topology as topology_lib
-from resilient_jax.checkpoint.policy import ENV_OBSERVED_MTBF_S
 from resilient_jax.config import ConfigError
-from resilient_jax.coordinator import compile_cache, detector, processes, protocol
-from resilient_jax.coordinator.outages import OutageReader
-from resilient_jax.coordinator.policy import (
+from resilient_jax.contracts import env_vars, exit_codes
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.control import compile_cache, detector, processes
+from resilient_jax.control.outages import OutageReader
+from resilient_jax.control.policy import (
     ReshapeLedger,
     RestartPolicy,
     SlicePool,
     scale_up_pays,
 )
-from resilient_jax.coordinator.server import HeartbeatServer, WorkerReport
-from resilient_jax.coordinator.stragglers import Straggler, StragglerWatch
+from resilient_jax.control.server import HeartbeatServer, WorkerReport
+from resilient_jax.control.stragglers import Straggler, StragglerWatch
 from resilient_jax.events import EventLog
-from resilient_jax.mesh import MeshPlan, plan_mesh
+from resilient_jax.topology import MeshPlan, plan_mesh
 
 ACTION_KINDS = ("kill", "hang", "lose_slice", "preempt")
 # A generation's step time counts for the reshape ledger once it is this many steps past its first.
@@ -51,7 +52,6 @@ _ACTION_SIGNALS = {
     "hang": signal.SIGSTOP,
     "preempt": signal.SIGTERM,
 }
-EXIT_INTERRUPTED = 130
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class SupervisorAction:
 
     kind: "kill" (SIGKILL), "hang" (SIGSTOP: no heartbeats, no progress), "lose_slice" (SIGKILL
     every process of the slice; the slice stays out for `duration_s`, then may be re-admitted) or
-    "preempt" (SIGTERM, as a cloud preemption notice: the workers save and exit EXIT_PREEMPTED).
+    "preempt" (SIGTERM, as a cloud preemption notice: the workers save and exit ExitCode.PREEMPTED).
     `process` is the index inside the slice (None: every process of it). It fires once, when any
     worker has reported `at_step` or `at_s` seconds after the supervisor started, whichever is set.
     Faults hit hardware that runs: aimed at a slice that is out (evicted, lost), it hits the
@@ -229,10 +229,12 @@ class Supervisor:
             if outcome.kind in ("interrupted", "time_limit"):
                 self._stop_workers(float(self._c.save_grace_s))
                 if outcome.kind == "time_limit":
-                    return self._finish(124, "time limit reached; workers asked to save and stop")
+                    return self._finish(
+                        ExitCode.TIME_LIMIT, "time limit reached; workers asked to save and stop"
+                    )
                 name = signal.Signals(self._signals[0]).name
                 return self._finish(
-                    EXIT_INTERRUPTED, f"interrupted by {name}; workers asked to save and stop"
+                    ExitCode.INTERRUPTED, f"interrupted by {name}; workers asked to save and stop"
                 )
             if outcome.kind == "fatal":
                 assert outcome.failure is not None and outcome.failure.exit_code is not None
@@ -240,7 +242,7 @@ class Supervisor:
                 return self._finish(
                     code,
                     f"process {outcome.failure.process} stopped the run: "
-                    f"{protocol.FATAL_EXIT_CODES[code]} (exit {code}); see its output",
+                    f"{exit_codes.FATAL[code]} (exit {code}); see its output",
                 )
             if outcome.kind == "scale_up":
                 result = self._scale_up()
@@ -300,11 +302,11 @@ class Supervisor:
             self._say(f"evicted slice {slice_id}")
         slices, reason = self._wait_for_slices()
         if reason:
-            code = EXIT_INTERRUPTED if self._signals else 1
+            code = ExitCode.INTERRUPTED if self._signals else 1
             return self._finish(code, f"{reason}; last failure: {failure.detail}")
         backoff = self._policy.backoff()
         if backoff and self._sleep(backoff):
-            return self._finish(EXIT_INTERRUPTED, "interrupted during back-off")
+            return self._finish(ExitCode.INTERRUPTED, "interrupted during back-off")
         self._start_generation(slices, reason="failure", stopping_s=stopping_s, backoff_s=backoff)
         return None
 
@@ -325,7 +327,7 @@ class Supervisor:
         self._say(f"re-admitting slices {added}: asking workers to save and stop")
         # SIGTERM is the save-and-stop request: JAX's preemption notifier turns it into a step all
         # processes agree on (multihost_utils.reached_preemption_sync_point), where the
-        # checkpointer saves and the worker exits with EXIT_PREEMPTED.
+        # checkpointer saves and the worker exits with ExitCode.PREEMPTED.
         stopping_s = self._stop_workers(float(self._c.save_grace_s))
         self._start_generation(slices, reason="scale_up", stopping_s=stopping_s)
         return None
@@ -511,9 +513,9 @@ class Supervisor:
         flags.append(f"--xla_force_host_platform_device_count={self._cluster.devices_per_process}")
         env.update(
             {
-                protocol.ENV_SUPERVISOR_ADDRESS: self._server.address,
-                protocol.ENV_SUPERVISOR_PID: str(os.getpid()),
-                protocol.ENV_RUN_TOKEN: self._token,
+                env_vars.SUPERVISOR_ADDRESS: self._server.address,
+                env_vars.SUPERVISOR_PID: str(os.getpid()),
+                env_vars.RUN_TOKEN: self._token,
                 "XLA_FLAGS": " ".join(flags),
                 "PYTHONUNBUFFERED": "1",
             }
@@ -521,7 +523,7 @@ class Supervisor:
         env.setdefault("JAX_PLATFORMS", "cpu")  # simulated slices are host devices
         for key, value in compile_cache.cache_env(self._c, self._workdir).items():
             env.setdefault(key, value)  # a cache configured in our own environment wins
-        env.pop(protocol.ENV_AUTO_DISTRIBUTED, None)
+        env.pop(env_vars.AUTO_DISTRIBUTED, None)
         return env
 
     def _worker_env(
@@ -530,17 +532,17 @@ class Supervisor:
         env = self._shared_env()
         env.update(
             {
-                protocol.ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
-                protocol.ENV_NUM_PROCESSES: str(num_processes),
-                protocol.ENV_PROCESS_ID: str(process),
-                protocol.ENV_NUM_SLICES: str(num_slices),
-                protocol.ENV_SLICE: str(slice_id),
-                protocol.ENV_GENERATION: str(self._generation),
+                env_vars.COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
+                env_vars.NUM_PROCESSES: str(num_processes),
+                env_vars.PROCESS_ID: str(process),
+                env_vars.NUM_SLICES: str(num_slices),
+                env_vars.SLICE: str(slice_id),
+                env_vars.GENERATION: str(self._generation),
             }
         )
         if self._policy.failures:  # the checkpointer's local interval follows the failure rate
             elapsed = time.monotonic() - self._start_time
-            env[ENV_OBSERVED_MTBF_S] = f"{elapsed / self._policy.failures:.1f}"
+            env[env_vars.OBSERVED_MTBF_S] = f"{elapsed / self._policy.failures:.1f}"
         return env
 
     def _spawn_worker(
@@ -598,20 +600,18 @@ class Supervisor:
             running: dict[int, float] = {}
             # A worker that stops the run on purpose outranks its peers, which may fail a moment
             # later in a collective with it: look at fatal exits first.
-            by_severity = sorted(
-                self._workers, key=lambda w: w.poll() not in protocol.FATAL_EXIT_CODES
-            )
+            by_severity = sorted(self._workers, key=lambda w: w.poll() not in exit_codes.FATAL)
             for worker in by_severity:
                 code = worker.poll()
                 if code is None:
                     running[worker.process] = worker.started_at
                 elif code == 0:
                     completed_at = now if completed_at is None else completed_at
-                elif code in protocol.PREEMPTED_STATUSES:
+                elif code in exit_codes.PREEMPTED_STATUSES:
                     return _Outcome("preempted")
                 else:
                     return _Outcome(
-                        "fatal" if code in protocol.FATAL_EXIT_CODES else "failure",
+                        "fatal" if code in exit_codes.FATAL else "failure",
                         detector.Failure(
                             detector.CAUSE_EXIT,
                             worker.process,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from resilient_jax.coordinator import protocol
+from resilient_jax.control import protocol
 
 
 @dataclasses.dataclass

@@ -1,11 +1,11 @@
 """A stand-in training program that speaks the worker side of the protocol, without a model.
 
-    python -m resilient_jax.coordinator.sim_worker --config=CONFIG.py --workdir=DIR
+    python -m resilient_jax.testing.sim_worker --config=CONFIG.py --workdir=DIR
 
 It exercises the supervisor the way `launch/train.py` does, in about a second per start: joins the
 JAX job from the environment, reports heartbeats and progress, runs one cross-process collective per
 step, saves its state every `checkpoint.every_steps`, resumes from the last save after a restart and
-handles preemption (SIGTERM: save at the step all processes agree on, exit EXIT_PREEMPTED).
+handles preemption (SIGTERM: save at the step all processes agree on, exit ExitCode.PREEMPTED).
 Of the trainer's `--chaos` faults it acts out `slow` (a straggler), the one that needs no model.
 
 Its state follows the trainer's contract: step s reduces the global batch of rows
@@ -24,11 +24,12 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from resilient_jax import chaos
-from resilient_jax.coordinator import protocol
-from resilient_jax.coordinator.client import SupervisorClient
-from resilient_jax.coordinator.worker import initialize_from_env
+from resilient_jax.chaos import hook as chaos
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.control import protocol
 from resilient_jax.events import EventLog
+from resilient_jax.worker.client import SupervisorClient
+from resilient_jax.worker.distributed import initialize_from_env
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.", required=True)
@@ -149,7 +150,7 @@ def main(argv: list[str]) -> int:
         if distributed and multihost_utils.reached_preemption_sync_point(step):
             save(step)
             events.emit("stop", reason="preempted", step=step)
-            return protocol.EXIT_PREEMPTED
+            return ExitCode.PREEMPTED
         if every and step % every == 0:
             save(step)
     if client:

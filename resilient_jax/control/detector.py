@@ -17,8 +17,8 @@ import dataclasses
 
 import ml_collections
 
-from resilient_jax.coordinator import protocol
-from resilient_jax.coordinator.server import WorkerReport
+from resilient_jax.control import protocol
+from resilient_jax.control.server import WorkerReport
 
 CAUSE_EXIT = "exit"
 CAUSE_ERROR = "error"

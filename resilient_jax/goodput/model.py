@@ -4,7 +4,7 @@ and the checkpoint intervals that maximise goodput.
 Used by `experiments/goodput_sim.py`. Pure Python and numpy; nothing here touches JAX.
 
 The run. Steps of `step_s` wall seconds each; a share `productive_fraction` of a step counts as
-productive (the rest is data loading and host overhead, as `resilient_jax.goodput` counts it).
+productive (the rest is data loading and host overhead, as `goodput.accounting` counts it).
 Checkpoints are taken by step, like the checkpointer's policies: tier k saves at every multiple of
 its interval. A save blocks the loop for `save_s`, then becomes durable `commit_s` later (an async
 write; 0 for a synchronous save). A save that finds the previous write of its tier still in flight
@@ -51,7 +51,7 @@ DAY = 86400.0
 LOCAL = "local"
 PERSISTENT = "persistent"
 
-# Categories of wall time, as `resilient_jax.goodput` names them where they overlap.
+# Categories of wall time, as `goodput.accounting` names them where they overlap.
 CATEGORIES = (
     "productive",
     "step_overhead",  # the non-productive part of a kept step (data wait, host work)

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 import jax
 import ml_collections
 
-from resilient_jax.coordinator import protocol
+from resilient_jax.contracts import env_vars
+from resilient_jax.control import protocol
 from resilient_jax.events import EventLog
 
 
@@ -43,18 +44,18 @@ class WorkerEnv:
 
 def read_env(environ: Mapping[str, str] = os.environ) -> WorkerEnv | None:
     """The supervisor-given place of this process, or None when no supervisor started it."""
-    address = environ.get(protocol.ENV_COORDINATOR_ADDRESS)
+    address = environ.get(env_vars.COORDINATOR_ADDRESS)
     if not address:
         return None
     try:
-        num_processes = int(environ[protocol.ENV_NUM_PROCESSES])
-        process_id = int(environ[protocol.ENV_PROCESS_ID])
-        num_slices = int(environ.get(protocol.ENV_NUM_SLICES, "1"))
-        generation = int(environ.get(protocol.ENV_GENERATION, "0"))
-        slice_id = environ.get(protocol.ENV_SLICE)
+        num_processes = int(environ[env_vars.NUM_PROCESSES])
+        process_id = int(environ[env_vars.PROCESS_ID])
+        num_slices = int(environ.get(env_vars.NUM_SLICES, "1"))
+        generation = int(environ.get(env_vars.GENERATION, "0"))
+        slice_id = environ.get(env_vars.SLICE)
     except (KeyError, ValueError) as e:
         raise ValueError(
-            f"{protocol.ENV_COORDINATOR_ADDRESS} is set but the worker environment lacks {e}"
+            f"{env_vars.COORDINATOR_ADDRESS} is set but the worker environment lacks {e}"
         ) from e
     if not 0 <= process_id < num_processes or num_slices < 1 or num_processes % num_slices:
         raise ValueError(
@@ -85,7 +86,7 @@ def initialize_from_env(
     before JAX's abort of the survivors blurs the picture.
     """
     env = read_env(environ)
-    auto = environ.get(protocol.ENV_AUTO_DISTRIBUTED, "") == "1"
+    auto = environ.get(env_vars.AUTO_DISTRIBUTED, "") == "1"
     if env is None and not auto:
         return None
     kwargs = dict(
@@ -108,12 +109,12 @@ def initialize_from_env(
         )
     else:
         jax.distributed.initialize(**kwargs)
-        num_slices = int(environ.get(protocol.ENV_NUM_SLICES, "1"))
+        num_slices = int(environ.get(env_vars.NUM_SLICES, "1"))
         env = WorkerEnv(
             num_processes=jax.process_count(),
             process_id=jax.process_index(),
             num_slices=num_slices,
-            generation=int(environ.get(protocol.ENV_GENERATION, "0")),
+            generation=int(environ.get(env_vars.GENERATION, "0")),
             slice=None,
             coordinator_address=None,
         )

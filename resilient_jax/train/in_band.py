@@ -24,7 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from resilient_jax.health import pid
+from resilient_jax.train import pid
 
 # Floors on the standard deviations: late in a smooth run the running variance can get so small
 # that ordinary batch-to-batch noise would read as many sigmas.

@@ -1,6 +1,8 @@
-"""What the supervisor and its workers agree on: environment variables, exit codes, messages.
+"""What the supervisor and its workers say to each other: phases and heartbeat messages.
 
-Workers learn their place in the job from environment variables the supervisor sets. They report
+Workers learn their place in the job from environment variables the supervisor sets
+(`resilient_jax.contracts.env_vars`) and end with an exit code it understands
+(`resilient_jax.contracts.exit_codes`). They report
 to the supervisor over TCP with JSON lines, one self-contained message per line (identity, token
 and the latest progress in every line), so the supervisor keeps no per-connection state and a
 reconnecting worker needs no handshake.
@@ -10,39 +12,7 @@ from __future__ import annotations
 
 import hmac
 import json
-import signal
 from typing import Any
-
-# Environment a supervised worker gets.
-ENV_COORDINATOR_ADDRESS = "RJ_COORDINATOR_ADDRESS"  # host:port of jax.distributed's service
-ENV_NUM_PROCESSES = "RJ_NUM_PROCESSES"
-ENV_PROCESS_ID = "RJ_PROCESS_ID"
-ENV_NUM_SLICES = "RJ_NUM_SLICES"  # read by resilient_jax.topology
-ENV_SLICE = "RJ_SLICE"  # physical slice id (what the supervisor evicts), for reports
-ENV_GENERATION = "RJ_GENERATION"
-ENV_SUPERVISOR_ADDRESS = "RJ_SUPERVISOR_ADDRESS"  # host:port of the heartbeat server
-ENV_SUPERVISOR_PID = "RJ_SUPERVISOR_PID"
-ENV_RUN_TOKEN = "RJ_RUN_TOKEN"
-# Real clusters: let jax.distributed.initialize() detect SLURM, Open MPI or Cloud TPU by itself.
-ENV_AUTO_DISTRIBUTED = "RJ_AUTO_DISTRIBUTED"
-
-# A worker that saved and stopped because it was asked to (SIGTERM: preemption, Ctrl-C, scale-up).
-# The supervisor restarts it without counting an error. The value is the checkpointer's
-# `resilient_jax.checkpoint.PREEMPTED_EXIT_CODE` (a test keeps them equal).
-EXIT_PREEMPTED = 42
-# A worker killed by SIGTERM before it could save counts as preempted too.
-PREEMPTED_STATUSES = (EXIT_PREEMPTED, -signal.SIGTERM, 128 + signal.SIGTERM)
-
-# A worker that stops the run on purpose: restarting would only repeat it, so the supervisor stops
-# too. The values are those of `resilient_jax.train.run.EXIT_BAD_INPUT` and
-# `resilient_jax.health.ANOMALY_EXIT_CODE` (a test keeps them equal; importing them here would
-# load the whole trainer into the supervisor).
-EXIT_BAD_INPUT = 2
-EXIT_HEALTH_GAVE_UP = 3
-FATAL_EXIT_CODES = {
-    EXIT_BAD_INPUT: "bad input (config, flags, data or checkpoint)",
-    EXIT_HEALTH_GAVE_UP: "health checks gave up (anomalies after the last rollback)",
-}
 
 # Phases a worker reports. Before its first step in a generation a worker is starting (JAX init,
 # restore, compile); "save" and "done" are slow on purpose. "ready": compiled and restored, taking

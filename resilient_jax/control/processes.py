@@ -3,7 +3,7 @@
 Each worker runs in its own session (process group), so a SIGKILL to the group also reaches
 whatever the worker started (data loader processes); nothing is left behind after `stop`.
 
-A standby (`resilient_jax.coordinator.standby`) is a worker process started before it is needed:
+A standby (`resilient_jax.worker.standby`) is a worker process started before it is needed:
 `spawn_standby` starts it, `assign` gives it its place in a generation and makes it a worker.
 """
 
@@ -116,7 +116,7 @@ class Standby:
 
 
 # What a standby imports ahead: the trainer's dependencies (JAX, Flax, Optax, Orbax, Grain).
-STANDBY_PRELOAD = ("resilient_jax.train.run",)
+STANDBY_PRELOAD = ("resilient_jax.run",)
 
 
 def standby_argv(
@@ -128,7 +128,7 @@ def standby_argv(
     return [
         sys.executable,
         "-m",
-        "resilient_jax.coordinator.standby",
+        "resilient_jax.worker.standby",
         f"--preload={','.join(preload)}",
         "--",
         *worker_argv[1:],

@@ -1,15 +1,15 @@
 """A recorded run's costs and interruptions, read from its `events.jsonl`, as inputs to the goodput
-model (`resilient_jax.goodput_model`): to predict the run's goodput and compare with what
-`resilient_jax.goodput` measured.
+model (`resilient_jax.goodput.model`): to predict the run's goodput and compare with what
+`goodput.accounting` measured.
 
 Costs (`costs_from_events`), each a mean or median over the run, lane of process 0:
 
     step_s              mean wall time between consecutive steps with nothing else in between
                         (a mean: slow stretches, such as a reshaped mesh, add up in the wall)
-    productive_fraction the productive seconds `resilient_jax.goodput` counts per counted step,
+    productive_fraction the productive seconds `goodput.accounting` counts per counted step,
                         over step_s (data waits and stragglers are not productive there)
     save_s[tier]        mean `duration_s` of `save` events (the blocking part, as
-                        `resilient_jax.goodput` charges it)
+                        `goodput.accounting` charges it)
     commit_s[tier]      mean `commit_s` of `save_committed` events, less one step: the loop
                         calls the checkpointer while the step being saved still computes (it
                         dispatches ahead), so a commit's clock starts about a step before the
@@ -51,8 +51,8 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from resilient_jax import goodput
-from resilient_jax.goodput_model import Interruption
+from resilient_jax.goodput import accounting as goodput
+from resilient_jax.goodput.model import Interruption
 
 # Events of these types between two steps make the gap between them more than a step.
 _INTERFERING = {"save", "restore", "compile", "anomaly", "rollback", "chaos", "preemption", "init"}
@@ -82,7 +82,7 @@ def _number(value: Any, default: float = 0.0) -> float:
 
 
 def _reference(event: dict[str, Any]) -> bool:
-    """Process 0's lane with the supervisor's events, as `resilient_jax.goodput` accounts."""
+    """Process 0's lane with the supervisor's events, as `goodput.accounting` accounts."""
     return str(event.get("process", "supervisor")) in ("0", "supervisor")
 
 
@@ -91,7 +91,7 @@ def _start(event: dict[str, Any]) -> float:
 
 
 def run_start(events: Sequence[dict[str, Any]]) -> float:
-    """The earliest moment any event covers (the start of `resilient_jax.goodput`'s wall)."""
+    """The earliest moment any event covers (the start of `goodput.accounting`'s wall)."""
     return min(_start(e) for e in events)
 
 

@@ -17,19 +17,15 @@ import jax
 import ml_collections
 
 from resilient_jax import config as config_lib
-from resilient_jax import goodput
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import topology as topology_lib
-from resilient_jax.chaos import ChaosHook
+from resilient_jax.chaos.hook import ChaosHook
 from resilient_jax.checkpoint import Checkpointer, CheckpointError
-from resilient_jax.coordinator import (
-    PHASE_COMPILE,
-    PHASE_RESTORE,
-    SupervisorClient,
-    initialize_from_env,
-)
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.control.protocol import PHASE_COMPILE, PHASE_RESTORE
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.events import EventLog
+from resilient_jax.goodput import accounting as goodput
 from resilient_jax.health import HealthMonitor, Watchdog
 from resilient_jax.train.compile import compile_step
 from resilient_jax.train.context import RunContext
@@ -37,9 +33,8 @@ from resilient_jax.train.hooks import Hook, StopTraining
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.state import TrainState, abstract_state, init_state
-
-EXIT_BAD_INPUT = 2
-EXIT_CHECKPOINT = 5
+from resilient_jax.worker.client import SupervisorClient
+from resilient_jax.worker.distributed import initialize_from_env
 
 
 class RunError(Exception):
@@ -61,8 +56,8 @@ def prepare(
 ) -> RunContext:
     """Topology, mesh and state shapes: everything before the first step that touches no
     parameters. Raises ConfigError when the config does not fit the devices."""
-    topology = topology_lib.discover()
-    plan = mesh_lib.plan_mesh(config, topology, strict=generation == 0)
+    topology = mesh_lib.discover()
+    plan = topology_lib.plan_mesh(config, topology, strict=generation == 0)
     mesh = mesh_lib.make_mesh(plan, topology)
     events.update_common(process=jax.process_index(), slice=topology.slice_index)
     return RunContext(
@@ -83,7 +78,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
         config_lib.validate(config)
         faults = ChaosHook(chaos) if chaos else None
     except (config_lib.ConfigError, ValueError) as e:
-        raise RunError(str(e), EXIT_BAD_INPUT) from e
+        raise RunError(str(e), ExitCode.BAD_INPUT) from e
     events = EventLog(workdir, pid=os.getpid())
     hooks: list[Hook] = []
     try:
@@ -99,7 +94,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
         events.update_common(generation=generation)
         return _train(config, workdir, events, hooks, faults, client, generation)
     except ValueError as e:  # an inconsistent worker environment
-        raise RunError(str(e), EXIT_BAD_INPUT) from e
+        raise RunError(str(e), ExitCode.BAD_INPUT) from e
     finally:
         for hook in hooks:
             hook.close()
@@ -111,7 +106,7 @@ def _checked(fn):
     try:
         return fn()
     except CheckpointError as e:
-        raise RunError(f"checkpoint: {e}", EXIT_CHECKPOINT) from e
+        raise RunError(f"checkpoint: {e}", ExitCode.CHECKPOINT) from e
 
 
 def _train(
@@ -130,7 +125,7 @@ def _train(
         ctx = prepare(config, workdir, events, generation)
         source = make_source(config)
     except (config_lib.ConfigError, ValueError) as e:
-        raise RunError(str(e), EXIT_BAD_INPUT) from e
+        raise RunError(str(e), ExitCode.BAD_INPUT) from e
     if jax.process_index() == 0:
         write_config(config, workdir)
     events.emit("process_start", topology=ctx.topology.describe(), mesh=ctx.plan.describe())
@@ -138,7 +133,7 @@ def _train(
     try:
         checkpointer = Checkpointer(ctx)
     except CheckpointError as e:
-        raise RunError(str(e), EXIT_BAD_INPUT) from e
+        raise RunError(str(e), ExitCode.BAD_INPUT) from e
     hooks.append(checkpointer)
 
     def restore(max_step: int | None = None) -> tuple[TrainState, dict] | None:

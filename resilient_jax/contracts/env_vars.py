@@ -1,0 +1,28 @@
+"""Environment variables that cross a process boundary, each named once here.
+
+The supervisor (or a cluster launcher) sets them for the workers it starts; the workers read them.
+"""
+
+from __future__ import annotations
+
+# Where this worker sits in the JAX job.
+COORDINATOR_ADDRESS = "RJ_COORDINATOR_ADDRESS"  # host:port of jax.distributed's service
+NUM_PROCESSES = "RJ_NUM_PROCESSES"
+PROCESS_ID = "RJ_PROCESS_ID"
+NUM_SLICES = "RJ_NUM_SLICES"  # processes are numbered slice by slice
+SLICE = "RJ_SLICE"  # physical slice id (what the supervisor evicts), for reports
+GENERATION = "RJ_GENERATION"  # how many times the supervisor has restarted the job
+# Real clusters: let jax.distributed.initialize() detect SLURM, Open MPI or Cloud TPU by itself.
+AUTO_DISTRIBUTED = "RJ_AUTO_DISTRIBUTED"
+
+# How a worker reaches its supervisor.
+SUPERVISOR_ADDRESS = "RJ_SUPERVISOR_ADDRESS"  # host:port of the heartbeat server
+SUPERVISOR_PID = "RJ_SUPERVISOR_PID"  # a worker whose supervisor is gone stops
+RUN_TOKEN = "RJ_RUN_TOKEN"  # every message carries it: a stray process cannot pose as a worker
+
+# What the supervisor has learned that the workers' policies use.
+OBSERVED_MTBF_S = "RJ_OBSERVED_MTBF_S"  # mean time between failures seen so far (seconds)
+
+# JAX's own persistent compilation cache, set for every worker.
+JAX_COMPILATION_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
+JAX_MIN_COMPILE_TIME_S = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"

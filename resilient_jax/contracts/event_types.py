@@ -1,0 +1,52 @@
+"""Every event type a run writes to `events.jsonl`, with the fields it carries.
+
+An event is one JSON object per line with at least `time` (unix seconds) and `type`; the writer
+adds `process`, `slice`, `pid` and `generation` where it knows them. The fields listed here are the
+ones each type adds. `EventType` members are `str`s, so they compare equal to the strings read
+back from a file and serialise as plain strings.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class EventType(str, enum.Enum):
+    def __str__(self) -> str:  # f-strings and str() give the plain name, as in the file
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    # A worker's life.
+    PROCESS_START = "process_start"  # topology, mesh
+    JAX_INIT = "jax_init"  # duration_s, num_processes, coordinator
+    INIT = "init"  # duration_s: parameters initialised from the seed (no checkpoint)
+    RESTORE = "restore"  # step, tier, duration_s, source
+    COMPILE = "compile"  # duration_s, cached
+    COMPILE_CACHE_INVALID = "compile_cache_invalid"  # path, cause
+    STEP = "step"  # step, loss, step_time_s, ... (one per logged step)
+    STOP = "stop"  # reason, exit_code
+    # Checkpoints.
+    SAVE = "save"  # step, tier, duration_s (time the save blocked training)
+    SAVE_COMMITTED = "save_committed"  # step, tier, duration_s (from the save's start)
+    SAVE_FAILED = "save_failed"  # step, tier, cause
+    CHECKPOINT_INTERVAL = "checkpoint_interval"  # tier, every_steps, cost_s, mtbf_s
+    CHECKPOINT_INVALID = "checkpoint_invalid"  # step, tier, cause: skipped on restore
+    CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # step, path, cause
+    PREEMPTION = "preemption"  # step: a SIGTERM was agreed on; save and stop
+    # In-band health.
+    ANOMALY = "anomaly"  # step, cause, loss, grad_norm, z
+    ROLLBACK = "rollback"  # step, from_step, cause, skips
+    HANG = "hang"  # phase, idle_s: the watchdog ends the process
+    # The supervisor's view and decisions.
+    FAILURE_DETECTED = "failure_detected"  # process, slice, cause, exit_code, latency_s
+    EVICT = "evict"  # slice, cause, for_s
+    RESTART = "restart"  # generation, slices, mesh, cause
+    SCALE_UP = "scale_up"  # slices: a returned slice is re-admitted
+    SCALE_UP_DEFERRED = "scale_up_deferred"  # slices, gain_s, cost_s: not worth a restart yet
+    READMIT = "readmit"  # slice: an evicted slice's cool-down is over
+    STRAGGLER = "straggler"  # process, slice, ratio, median_s, reference_s
+    # Fault injection.
+    CHAOS = "chaos"  # kind, fault, step: written by the process a fault hits, before it acts
+    FAULT_INJECTED = "fault_injected"  # action, slice, process: faults the supervisor carries out

@@ -1,0 +1,44 @@
+"""The fault vocabulary of `--chaos` specs: each kind, the keys it needs and the defaults of the
+others. The parser (`resilient_jax.chaos.spec`), the worker-side injector and the supervisor's
+fault actions all read the kinds from here."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+
+class FaultKind(str, enum.Enum):
+    def __str__(self) -> str:  # f-strings and str() give the plain name, as in the file
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    NAN = "nan"  # the loss of step K is NaN
+    SPIKE = "spike"  # the loss (and so the gradient) of step K is F times larger
+    SLOW = "slow"  # from step K process P takes F times as long
+    HANG = "hang"  # process P stops making progress at step K (mode sleep or stop)
+    KILL = "kill"  # process P SIGKILLs itself at step K
+    LOSE_SLICE = "lose_slice"  # every process of slice S dies at step K; the slice stays out T
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # flip bytes in the newest committed checkpoint
+    RANDOM = "random"  # a seeded schedule of the kinds above
+
+
+SPIKE_FACTOR = 100.0
+HANG_MODES = ("sleep", "stop")
+
+# kind -> (required keys, optional keys with their defaults)
+KEYS: dict[FaultKind, tuple[tuple[str, ...], dict[str, Any]]] = {
+    FaultKind.NAN: (("step",), {}),
+    FaultKind.SPIKE: (("step",), {"factor": SPIKE_FACTOR}),
+    FaultKind.SLOW: (("process", "factor"), {"step": 1}),
+    FaultKind.HANG: (("process", "step"), {"mode": "sleep"}),
+    FaultKind.KILL: (("process", "step"), {}),
+    FaultKind.LOSE_SLICE: (("slice", "step", "for"), {}),
+    FaultKind.CORRUPT_CHECKPOINT: (("step",), {}),
+}
+
+# Kinds that change the loss: every process must apply them at the same step, or replicated
+# values would diverge.
+LOSS_KINDS = (FaultKind.NAN, FaultKind.SPIKE)

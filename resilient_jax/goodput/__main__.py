@@ -1,0 +1,7 @@
+"""python -m resilient_jax.goodput WORKDIR: goodput table, WORKDIR/goodput.json, timeline.png."""
+
+import sys
+
+from resilient_jax.goodput.accounting import main
+
+sys.exit(main(sys.argv))
