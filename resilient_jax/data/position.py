@@ -1,0 +1,34 @@
+"""Where the data stream stands: the next global batch to take and the windows never to take.
+
+It is independent of the mesh and the process count, so it restores onto any topology; it is saved
+with every checkpoint (as JSON) next to the model, and a rollback adds a skip window to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+    next_batch: int = 0  # the global batch index the next step takes
+    skips: tuple[tuple[int, int], ...] = ()  # [start, end) windows of batches never used again
+
+    def skipping(self, start: int, end: int) -> DataPosition:
+        """This position with one more skip window."""
+        return dataclasses.replace(self, skips=tuple(sorted({*self.skips, (start, end)})))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"next_batch": self.next_batch}
+        if self.skips:
+            out["skips"] = [list(window) for window in self.skips]
+        return out
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any] | None) -> DataPosition:
+        """The position a checkpoint recorded (None or {}: the beginning of the data)."""
+        if not value:
+            return cls()
+        skips = tuple(sorted((int(a), int(b)) for a, b in value.get("skips", [])))
+        return cls(next_batch=int(value["next_batch"]), skips=skips)
