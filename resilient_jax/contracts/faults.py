@@ -42,3 +42,17 @@ KEYS: dict[FaultKind, tuple[tuple[str, ...], dict[str, Any]]] = {
 # Kinds that change the loss: every process must apply them at the same step, or replicated
 # values would diverge.
 LOSS_KINDS = (FaultKind.NAN, FaultKind.SPIKE)
+
+
+class SupervisorFaultKind(str, enum.Enum):
+    """Faults only the supervisor injects: a worker does not send itself a preemption notice, so
+    these have no `--chaos` spelling. The supervisor's other faults (kill, hang, lose_slice) are
+    `FaultKind`s."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    PREEMPT = "preempt"  # SIGTERM to a worker, as a cloud preemption notice: it saves and stops
