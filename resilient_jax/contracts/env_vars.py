@@ -26,3 +26,9 @@ OBSERVED_MTBF_S = "RJ_OBSERVED_MTBF_S"  # mean time between failures seen so far
 # JAX's own persistent compilation cache, set for every worker.
 JAX_COMPILATION_CACHE_DIR = "JAX_COMPILATION_CACHE_DIR"
 JAX_MIN_COMPILE_TIME_S = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+
+# Set by the supervisor for every worker it starts: XLA's simulated host devices (one slice's
+# worth per process), the JAX platform, and unbuffered output so merged logs stay in order.
+XLA_FLAGS = "XLA_FLAGS"
+JAX_PLATFORMS = "JAX_PLATFORMS"
+PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
