@@ -7,12 +7,15 @@ common baseline; and a check of the model against a real chaos run.
         -> experiments/results/goodput_sim_measured.json, goodput_sim_measured.png
     python experiments/goodput_sim.py --validate=experiments/results/chaos_goodput.json
         -> experiments/results/goodput_sim_validation.json
+    python experiments/goodput_sim.py --check          # the scenario's claims, a few seconds
+        -> "all claims hold", exit 0
 
-Model: `resilient_jax.goodput.model` (analytic renewal model, seeded discrete-event Monte Carlo,
-numeric optimisation of the two checkpoint intervals). For each cluster size and strategy the
-intervals are optimised on the analytic model, then the Monte Carlo simulates about
-`--mc_failures` failures at those intervals; `goodput` in the JSON is the Monte Carlo mean,
-`goodput_analytic` the model's. Young/Daly's intervals and first-order waste are reported beside.
+Model: `resilient_jax.goodput.model` (analytic renewal model, numeric optimisation of the two
+checkpoint intervals) and `resilient_jax.goodput.simulation` (seeded discrete-event Monte Carlo).
+For each cluster size and strategy the intervals are optimised on the analytic model, then the Monte
+Carlo simulates about `--mc_failures` failures at those intervals; `goodput` in the JSON is the
+Monte Carlo mean, `goodput_analytic` the model's. Young/Daly's intervals and first-order waste are
+reported beside.
 
 Strategies: `framework` (local RAM-disk tier + async persistent tier, detection in seconds, a
 restart of the workers on allocated hosts, in-band anomaly skip), `baseline` (persistent
@@ -20,12 +23,12 @@ checkpoints only, saved synchronously, detection by JAX's 100 s heartbeat timeou
 resubmitted and re-initialised, rollback on anomalies), and `baseline_async` (the baseline with
 async saves: what the framework adds beyond async checkpointing).
 
-Costs. `--costs=scale` (default): a 405B model on H100-class chips from published figures and
-stated assumptions (`resilient_jax.goodput.model.AtScale`; every number's source is in the JSON
-under `assumptions`). `--costs=measured`: save, commit and restore times from
-bench_checkpoint.json, step time from bench_step.json, detection, restart and compile from
-bench_recovery.json (FIELD_NOTES figures where that file is missing), on the same failure model:
-what this 2-core CPU machine's costs would give on a real cluster's failure rate.
+Costs. `--costs=scale` (default): a 405B model on H100-class chips from published figures and stated
+assumptions (`goodput_scenarios.AtScale`; every number's source is in the JSON under `assumptions`);
+the sweep first checks the claims its figures rest on (`--check`). `--costs=measured`: save, commit
+and restore times from bench_checkpoint.json, step time from bench_step.json, detection, restart and
+compile from bench_recovery.json (FIELD_NOTES figures where that file is missing), on the same
+failure model: what this 2-core CPU machine's costs would give on a real cluster's failure rate.
 
 Validation. `--validate=FILE` replays recorded chaos runs through the discrete-event model with
 the costs measured in each run and the failure trace it met, and compares the predicted goodput
@@ -41,20 +44,19 @@ A single run's: `goodput` (required) and `workdir` (its events.jsonl and config.
 top level, with the optional fields below.
 
 Either layout, optional, per variant or at the top level: `costs` overrides what the events give
-(seconds: step_s, productive_fraction, startup_s, init_s, tail_s, detection_s, restart_s,
-compile_s, and
-per tier {"local": s, "persistent": s}: save_s (blocking), commit_s, restore_s), and
+(seconds: step_s, productive_fraction, startup_s, init_s, tail_s, detection_s, restart_s, compile_s,
+and per tier {"local": s, "persistent": s}: save_s (blocking), commit_s, restore_s), and
 `intervals_steps` ({"local": N, "persistent": N}; no local: no local tier), `total_steps`, and
 `failure_trace` replaces the trace: a list of {"kind": K, "time_s": T} (T seconds from the run's
 start) or {"kind": K, "step": N} (just before step N is taken, once), K one of kill, lose_slice,
 hang, failure (a failure), nan, spike, anomaly (a skipped step), scale_up, preempt, planned (save,
 stop and restart), corrupt_checkpoint; optional "local_lost": true when the local tier is gone.
 
-From the events (`resilient_jax.goodput.replay`): the costs, the save intervals (config.json, or
-the steps saved), and the trace, each interruption at the step before which it happened. A run
-that reached its `total_steps` is replayed to them; one cut by a time limit, for its wall time.
-Writes goodput_sim_validation.json: per run the measured and predicted goodput and badput, the
-difference in points, the inputs and where each came from.
+From the events (`resilient_jax.goodput.replay`, `resilient_jax.goodput.validation`): the costs, the
+save intervals (config.json, or the steps saved), and the trace, each interruption at the step
+before which it happened. A run that reached its `total_steps` is replayed to them; one cut by a
+time limit, for its wall time. Writes goodput_sim_validation.json: per run the measured and
+predicted goodput and badput, the difference in points, the inputs and where each came from.
 """
 
 from __future__ import annotations
@@ -73,14 +75,17 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from goodput_scenarios import HOUR, AtScale  # noqa: E402
+
 from resilient_jax.events import read_events  # noqa: E402
 from resilient_jax.goodput import model as gm  # noqa: E402
 from resilient_jax.goodput import replay as goodput_replay  # noqa: E402
+from resilient_jax.goodput import simulation  # noqa: E402
+from resilient_jax.goodput import validation as goodput_validation  # noqa: E402
 
 RESULTS = os.path.join(REPO, "experiments", "results")
 MC_CHIPS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 100_000)
 CURVE_POINTS = 25
-TARGET_POINTS = 3.0
 STRATEGY_STYLE = {
     "framework": ("#2ca02c", "framework: 2 tiers, fast detection, in-band skip"),
     "baseline": ("#d62728", "baseline: sync persistent only, 100 s heartbeat, full restart"),
@@ -151,11 +156,13 @@ def point(
     strategy: gm.Strategy, cluster: gm.Cluster, mc_failures: int, seed: int
 ) -> dict[str, Any]:
     optimum = gm.optimise(strategy, cluster)
-    mc = gm.monte_carlo(strategy, cluster, optimum.intervals, failures=mc_failures, seed=seed)
+    mc = simulation.monte_carlo(
+        strategy, cluster, optimum.intervals, failures=mc_failures, seed=seed
+    )
     return {
         "chips": cluster.chips,
         "strategy": strategy.name,
-        "job_mtbf_h": cluster.job_mtbf_s / gm.HOUR,
+        "job_mtbf_h": cluster.job_mtbf_s / HOUR,
         "replicas": cluster.replicas,
         "local_loss_probability": cluster.local_loss_probability,
         "goodput": mc.goodput,
@@ -325,7 +332,7 @@ def measured_strategies() -> tuple[Callable[[int], dict[str, gm.Strategy]], dict
         **fallback,
         "detection_s": _NOTES_ABORT_AT_100_S,
     }
-    scale = gm.AtScale()
+    scale = AtScale()
     framework = gm.Strategy(
         name="framework",
         step_s=step["framework_median_step_s"],
@@ -377,65 +384,7 @@ def measured_strategies() -> tuple[Callable[[int], dict[str, gm.Strategy]], dict
 # ------------------------------------------------------------------------- validation
 
 
-def _tier(costs: dict[str, Any], name: str) -> gm.Tier | None:
-    if name not in costs.get("save_s", {}):
-        return None
-    return gm.Tier(
-        save_s=costs["save_s"][name],
-        commit_s=costs.get("commit_s", {}).get(name, 0.0),
-        restore_s=costs.get("restore_s", {}).get(name, 0.0),
-    )
-
-
-def _merge(derived: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-    """`given` wins; per-tier dictionaries are merged key by key."""
-    out = dict(derived)
-    for key, value in given.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = {**out[key], **value}
-        else:
-            out[key] = value
-    return out
-
-
-def _trace(entries: Sequence[dict[str, Any]]) -> list[gm.Interruption]:
-    return [
-        gm.Interruption(
-            kind=str(e["kind"]),
-            time_s=None if e.get("time_s") is None else float(e["time_s"]),
-            step=None if e.get("step") is None else int(e["step"]),
-            local_lost=bool(e.get("local_lost", False)),
-        )
-        for e in entries
-    ]
-
-
-def _timed_trace(entries: Sequence[dict[str, Any]]) -> list[gm.Interruption]:
-    """A trace as chaos_goodput.py writes it: {"at_s": T, "kind": K, ...}."""
-    out = []
-    for e in entries:
-        at = e.get("time_s", e.get("at_s"))
-        if at is None:
-            continue
-        kind = str(e["kind"])
-        out.append(gm.Interruption(kind, time_s=float(at), local_lost=bool(e.get("local_lost"))))
-    return out
-
-
-# Fields of a chaos result that apply to each of its variants unless a variant has its own.
 _SHARED = ("costs", "intervals_steps", "total_steps", "failure_trace")
-
-
-@dataclasses.dataclass
-class RecordedRun:
-    """One measured run to replay: what the JSON says about it, and its events if found."""
-
-    name: str
-    measured: dict[str, Any]
-    given: dict[str, Any]  # costs, intervals_steps, total_steps, failure_trace, trace
-    events: list[dict[str, Any]]
-    events_source: str
-    config: dict[str, Any]
 
 
 def _read_config(workdir: str) -> dict[str, Any]:
@@ -450,7 +399,7 @@ def _events(path: str) -> list[dict[str, Any]]:
     return list(read_events(path)) if path and os.path.exists(path) else []
 
 
-def recorded_runs(data: dict[str, Any]) -> list[RecordedRun]:
+def recorded_runs(data: dict[str, Any]) -> list[goodput_validation.RecordedRun]:
     """The runs in a chaos result: chaos_goodput.py's `variants` (events under `logs`, or each
     variant's `events` path; the shared timed `trace` for variants that saw failures), or a
     single run (`goodput` and `workdir` at the top level)."""
@@ -458,7 +407,7 @@ def recorded_runs(data: dict[str, Any]) -> list[RecordedRun]:
     if "variants" not in data:
         workdir = data.get("workdir") or ""
         return [
-            RecordedRun(
+            goodput_validation.RecordedRun(
                 name="run",
                 measured={k: data[k] for k in measured_keys if k in data},
                 given=data,
@@ -478,7 +427,7 @@ def recorded_runs(data: dict[str, Any]) -> list[RecordedRun]:
         if variant.get("failures") and "trace" in data:
             given.setdefault("trace", data["trace"])
         runs.append(
-            RecordedRun(
+            goodput_validation.RecordedRun(
                 name=name,
                 measured={k: variant[k] for k in measured_keys if k in variant},
                 given=given,
@@ -490,136 +439,11 @@ def recorded_runs(data: dict[str, Any]) -> list[RecordedRun]:
     return runs
 
 
-def _trace_of(run: RecordedRun) -> tuple[list[gm.Interruption], str]:
-    if "failure_trace" in run.given:
-        return _trace(run.given["failure_trace"]), "failure_trace in the JSON"
-    if run.events:
-        return goodput_replay.trace_from_events(run.events), "events"
-    return _timed_trace(run.given.get("trace", [])), "trace in the JSON (timed)"
-
-
-def _end(run: RecordedRun) -> dict[str, float]:
-    """Replay to the run's total steps when it completed them, else for its wall time."""
-    steps = [int(e["step"]) for e in run.events if e["type"] == "step"]
-    total = run.given.get("total_steps") or run.config.get("total_steps")
-    if total and (not steps or max(steps) >= int(total)):
-        return {"total_steps": int(total)}
-    wall = run.measured.get("wall_s")
-    if wall is None and run.events:
-        wall = max(e["time"] for e in run.events) - goodput_replay.run_start(run.events)
-    if wall is None:
-        raise ValueError("neither total_steps nor wall_s known")
-    return {"horizon_s": float(wall)}
-
-
-def validation_inputs(
-    run: RecordedRun, donor: tuple[str, dict[str, Any]] | None = None
-) -> dict[str, Any]:
-    """Costs, intervals, the end and the trace of a recorded run, with where each came from.
-    `donor`: (name, costs) of another run of the same setup, whose persistent-tier costs fill in
-    those this run never measured (every strategy has that tier; a run that never saved still
-    needs its cost to be replayed)."""
-    derived = goodput_replay.costs_from_events(run.events) if run.events else {}
-    given_costs = run.given.get("costs", {})
-    borrowed: dict[str, Any] = {}
-    if donor is not None:
-        for key in ("save_s", "commit_s", "restore_s"):
-            missing = {
-                tier: cost
-                for tier, cost in donor[1].get(key, {}).items()
-                if tier == gm.PERSISTENT and tier not in derived.get(key, {})
-            }
-            if missing:
-                borrowed[key] = missing
-    costs = _merge(_merge(borrowed, derived), given_costs)
-    intervals = run.given.get("intervals_steps") or goodput_replay.checkpoint_intervals(
-        run.config, run.events
-    )
-    trace, trace_source = _trace_of(run)
-    return {
-        "costs": costs,
-        "intervals_steps": intervals,
-        "end": _end(run),
-        "trace": trace,
-        "sources": {
-            "events": run.events_source if run.events else "not found",
-            "costs": {
-                k: "JSON costs"
-                if k in given_costs
-                else f"events; {', '.join(borrowed[k])} from {donor[0]}"
-                if k in borrowed and donor is not None
-                else "events"
-                for k in costs
-            },
-            "intervals_steps": "JSON" if run.given.get("intervals_steps") else "config/events",
-            "trace": trace_source,
-        },
-    }
-
-
-def replay_strategy(costs: dict[str, Any], restarts: bool = True) -> gm.Strategy:
-    """The recorded run as a model strategy; `restarts`: whether its trace restarts the job (a
-    run without restarts needs no restart cost)."""
-    needed = ("step_s", "restart_s") if restarts else ("step_s",)
-    missing = [k for k in needed if k not in costs]
-    persistent = _tier(costs, gm.PERSISTENT)
-    if missing or persistent is None:
-        raise ValueError(
-            f"no measured {', '.join(missing) or 'persistent save_s'} "
-            "(no usable events and no such `costs` in the JSON)"
-        )
-    return gm.Strategy(
-        name="recorded run",
-        step_s=costs["step_s"],
-        persistent=persistent,
-        local=_tier(costs, gm.LOCAL),
-        detection_s=costs.get("detection_s", 0.0),
-        restart_s=costs.get("restart_s", 0.0),
-        compile_s=costs.get("compile_s", 0.0),
-        compile_sequence_s=tuple(costs.get("compile_sequence_s", ())),
-        anomaly_skip=True,
-        productive_fraction=costs.get("productive_fraction", 1.0),
-        startup_s=costs.get("startup_s", 0.0),
-        init_s=costs.get("init_s", 0.0),
-        tail_s=costs.get("tail_s", 0.0),
-    )
-
-
 def _shown(path: str) -> str:
     """A path relative to the repository when it is inside it."""
     absolute = os.path.abspath(path)
     inside = absolute.startswith(REPO + os.sep)
     return os.path.relpath(absolute, REPO) if inside else absolute
-
-
-def predict(run: RecordedRun, donor: tuple[str, dict[str, Any]] | None = None) -> dict[str, Any]:
-    """Replays one recorded run through the discrete-event model and compares; a run without
-    the data to replay it gets the reason instead."""
-    try:
-        inputs = validation_inputs(run, donor)
-        restarts = any(i.category in (gm.FAILURE, gm.PLANNED) for i in inputs["trace"])
-        strategy = replay_strategy(inputs["costs"], restarts)
-    except ValueError as e:
-        return {"measured": run.measured, "error": str(e), "within_target": False}
-    every = inputs["intervals_steps"]
-    # No interval known (no periodic save seen): the tier saves only at the end.
-    intervals = gm.Intervals(
-        persistent_s=every["persistent"] * strategy.step_s if every.get("persistent") else math.inf,
-        local_s=every["local"] * strategy.step_s if every.get("local") else math.inf,
-    )
-    cluster = gm.Cluster(chips=1, chip_mtbf_s=math.inf)  # failures come from the trace alone
-    predicted = gm.simulate(strategy, cluster, intervals, trace=inputs["trace"], **inputs["end"])
-    difference = 100 * (predicted.goodput - float(run.measured["goodput"]))
-    return {
-        "measured": run.measured,
-        "predicted": predicted.to_json(),
-        "difference_points": difference,
-        "within_target": abs(difference) <= TARGET_POINTS,
-        "inputs": {
-            **{k: v for k, v in inputs.items() if k != "trace"},
-            "trace": [dataclasses.asdict(i) for i in inputs["trace"]],
-        },
-    }
 
 
 def validate(path: str, out: str) -> dict[str, Any]:
@@ -634,11 +458,11 @@ def validate(path: str, out: str) -> dict[str, Any]:
         if gm.PERSISTENT in costs.get("save_s", {}):
             donor = (run.name, costs)
             break
-    compared = {run.name: predict(run, donor) for run in runs}
+    compared = {run.name: goodput_validation.predict(run, donor) for run in runs}
     result = {
         "what": "goodput of recorded chaos runs: measured vs replayed through the goodput model",
         "source": _shown(path),
-        "target_points": TARGET_POINTS,
+        "target_points": goodput_validation.TARGET_POINTS,
         "within_target": all(c["within_target"] for c in compared.values()),
         "runs": compared,
     }
@@ -651,10 +475,76 @@ def validate(path: str, out: str) -> dict[str, Any]:
         print(
             f"{name}: measured {100 * c['measured']['goodput']:.1f}%, predicted "
             f"{100 * c['predicted']['goodput']:.1f}% ({c['difference_points']:+.1f} points; "
-            f"target within {TARGET_POINTS:g})"
+            f"target within {goodput_validation.TARGET_POINTS:g})"
         )
     print(f"wrote {out}")
     return result
+
+
+# ------------------------------------------------------------------ checks of the scenario
+
+
+def check_scenario(scale: AtScale) -> list[str]:
+    """The claims the sweep's figures rest on, checked on the at-scale data; returns what fails.
+    The model itself is tested in tests/test_goodput_sim.py, on small data of its own."""
+    failed: list[str] = []
+
+    def expect(holds: bool, claim: str) -> None:
+        print(f"  {'ok  ' if holds else 'FAIL'} {claim}", flush=True)
+        if not holds:
+            failed.append(claim)
+
+    cluster = scale.cluster(16384)
+    framework = scale.strategies(16384)["framework"]
+    optimum = gm.optimise(framework, cluster)
+    expect(math.isfinite(optimum.intervals.local_s), "two tiers pay at 16,384 chips")
+    mc = simulation.monte_carlo(framework, cluster, optimum.intervals, failures=300, seed=2)
+    expect(
+        abs(optimum.goodput - mc.goodput) < 0.01,
+        f"two tiers at 16,384 chips: analytic {optimum.goodput:.4f} within 0.01 of "
+        f"Monte Carlo {mc.goodput:.4f}",
+    )
+    for name in ("framework", "baseline"):
+        strategy = scale.strategies(16384)[name]
+        goodputs = [
+            gm.optimise(
+                strategy,
+                gm.Cluster(16384, factor * scale.chip_mtbf_s, replicas=scale.replicas(16384)),
+            ).goodput
+            for factor in (0.25, 0.5, 1.0, 2.0, 4.0)
+        ]
+        expect(
+            goodputs == sorted(goodputs) and goodputs[0] < goodputs[-1],
+            f"{name}: goodput grows with the MTBF",
+        )
+    for chips in (16384, 100_000):
+        cluster = scale.cluster(chips)
+        strategies = scale.strategies(chips)
+        ours = gm.optimise(strategies["framework"], cluster)
+        theirs = gm.optimise(strategies["baseline"], cluster)
+        expect(
+            ours.goodput > theirs.goodput + 0.05,
+            f"{chips:,} chips: framework {ours.goodput:.3f} beats baseline {theirs.goodput:.3f} "
+            "by more than 5 points (analytic)",
+        )
+    ours_mc = simulation.monte_carlo(strategies["framework"], cluster, ours.intervals, failures=200)
+    theirs_mc = simulation.monte_carlo(
+        strategies["baseline"], cluster, theirs.intervals, failures=200
+    )
+    expect(
+        ours_mc.goodput > theirs_mc.goodput + 0.1,
+        f"100,000 chips: framework {ours_mc.goodput:.3f} beats baseline "
+        f"{theirs_mc.goodput:.3f} by more than 10 points (Monte Carlo)",
+    )
+    intervals = gm.Intervals(persistent_s=600.0, local_s=60.0)
+    for host_loss, tier in ((0.0, gm.LOCAL), (1.0, gm.PERSISTENT)):
+        one_replica = gm.Cluster(16384, scale.chip_mtbf_s, host_loss_fraction=host_loss, replicas=1)
+        result = simulation.simulate(framework, one_replica, intervals, seed=0, horizon_s=50 * HOUR)
+        expect(
+            set(result.restores) == {tier},
+            f"one replica, host-loss share {host_loss:g}: every restore from the {tier} tier",
+        )
+    return failed
 
 
 # ------------------------------------------------------------------------------- main
@@ -676,8 +566,11 @@ def summary(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def run_sweep(costs: str, mc_failures: int, seed: int, out_dir: str) -> dict[str, Any]:
-    scale = gm.AtScale()
+    scale = AtScale()
     if costs == "scale":
+        print("checking the scenario's claims", flush=True)
+        if check_scenario(scale):
+            raise SystemExit("goodput_sim: the at-scale scenario fails its checks (above)")
         strategies_for, sources = scale.strategies, scale.sources()
         stem, title = "goodput_sim", "405B-scale costs (published figures + stated assumptions)"
     else:
@@ -710,10 +603,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--costs", choices=("scale", "measured"), default="scale")
     parser.add_argument("--validate", default="", help="a chaos_goodput.json to check against")
+    parser.add_argument(
+        "--check", action="store_true", help="only check the at-scale scenario's claims"
+    )
     parser.add_argument("--mc_failures", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out_dir", default=RESULTS)
     args = parser.parse_args(argv)
+    if args.check:
+        failed = check_scenario(AtScale())
+        print(f"{len(failed)} claim(s) failed" if failed else "all claims hold")
+        return 1 if failed else 0
     os.makedirs(args.out_dir, exist_ok=True)
     if args.validate:
         if not os.path.exists(args.validate):

@@ -74,3 +74,11 @@ def tiny_config(**overrides):
 
     config = apply_overrides(get_config(), {**SMALL, "checkpoint.local_dir": ""})
     return apply_overrides(config, overrides)
+
+
+def event(time: float, type: str, process: int | str | None = 0, **fields) -> dict:
+    """One events.jsonl row for hand-built event logs; `process=None` leaves the field out."""
+    row = {"time": time, "type": type, **fields}
+    if process is not None:
+        row["process"] = process
+    return row

@@ -5,15 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import event as ev
 
 from resilient_jax.goodput import accounting as goodput
-
-
-def ev(time, type, process=0, **fields):
-    event = {"time": time, "type": type, **fields}
-    if process is not None:
-        event["process"] = process
-    return event
+from resilient_jax.goodput import report
 
 
 def step(time, number, duration=1.0, wait=0.25, generation=0, **fields):
@@ -115,14 +110,14 @@ def test_command_line_report(tmp_path, capsys):
         for event in run_with_a_failure():
             f.write(json.dumps(event) + "\n")
         f.write('{"time": 29.0, "type": "st')  # a torn last line from a crash is ignored
-    assert goodput.main(["goodput", str(tmp_path)]) == 0
+    assert report.main(["goodput", str(tmp_path)]) == 0
     table = capsys.readouterr().out
     assert "goodput 27.8% of 27.0 s" in table and "stragglers" in table
-    saved = json.loads((tmp_path / goodput.GOODPUT_FILE).read_text())
+    saved = json.loads((tmp_path / report.GOODPUT_FILE).read_text())
     assert saved["goodput"] == pytest.approx(7.5 / 27.0)
     assert saved["badput_s"]["lost_progress"] == pytest.approx(2.5)
-    assert (tmp_path / goodput.TIMELINE_FILE).stat().st_size > 10_000
-    assert goodput.main(["goodput", str(tmp_path / "missing")]) == 1
+    assert (tmp_path / report.TIMELINE_FILE).stat().st_size > 10_000
+    assert report.main(["goodput", str(tmp_path / "missing")]) == 1
     assert "no events" in capsys.readouterr().err
     result = goodput.print_summary(str(tmp_path), file=None)
     line = capsys.readouterr().err.strip()

@@ -1,5 +1,7 @@
 """The goodput model: analytic against Monte Carlo, the optimiser against Young/Daly, the shape
-of the goodput curves, trace replay, and the validation path from a run's events."""
+of the goodput curves, trace replay, and the validation of a recorded run from its events. The
+strategies and clusters here are small stand-ins made for the tests; the at-scale scenario checks
+its own claims (`python experiments/goodput_sim.py --check`)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,62 @@ import math
 
 import numpy as np
 import pytest
+from conftest import event as ev
 
-from experiments import goodput_sim
-from resilient_jax.goodput import accounting as goodput
+from resilient_jax.goodput import accounting, validation
 from resilient_jax.goodput import model as gm
 from resilient_jax.goodput import replay as goodput_replay
+from resilient_jax.goodput import simulation as sim
+
+HOUR = 3600.0
+CHIP_MTBF_S = 50_000 * HOUR  # about one failure per 3 h at 16,384 chips
+
+
+def large_cluster(chips: int, chip_mtbf_s: float = CHIP_MTBF_S, **overrides) -> gm.Cluster:
+    """One replica of the state per 2,048 chips; most failures take a host (and its RAM disk)."""
+    fields = {
+        "host_loss_fraction": 0.78,
+        "replicas": max(1, chips // 2048),
+        "correlated_loss_fraction": 0.02,
+        "anomaly_mtbf_s": 72 * HOUR,
+    }
+    return gm.Cluster(chips, chip_mtbf_s, **{**fields, **overrides})
+
+
+def step_s(chips: int) -> float:
+    """A fixed global batch: 6 s a step at 16,384 chips, shorter on more."""
+    return 6.0 * 16384 / chips
+
+
+def two_tiers(chips: int) -> gm.Strategy:
+    """Fast recovery: a RAM-disk tier beside async persistent saves, detection in seconds, a
+    restart on allocated hosts, anomalies skipped in-band."""
+    return gm.Strategy(
+        name="two tiers",
+        step_s=step_s(chips),
+        persistent=gm.Tier(save_s=0.1, commit_s=13.0, restore_s=41.0),
+        local=gm.Tier(save_s=0.1, commit_s=2.2, restore_s=5.1),
+        detection_s=10.0,
+        restart_s=60.0,
+        compile_s=30.0,
+        anomaly_skip=True,
+    )
+
+
+def synchronous(chips: int) -> gm.Strategy:
+    """Slow recovery: synchronous persistent saves only, a 100 s heartbeat timeout, the whole job
+    restarted and compiled cold, a rollback after each anomaly."""
+    return gm.Strategy(
+        name="synchronous",
+        step_s=step_s(chips),
+        persistent=gm.Tier(save_s=13.0, commit_s=0.0, restore_s=41.0),
+        local=None,
+        detection_s=100.0,
+        restart_s=600.0,
+        compile_s=180.0,
+        anomaly_skip=False,
+        anomaly_detection_s=600.0,
+    )
 
 
 def single_tier(save_s=10.0, restart_s=50.0, step_s=1.0) -> gm.Strategy:
@@ -29,28 +82,27 @@ def single_tier(save_s=10.0, restart_s=50.0, step_s=1.0) -> gm.Strategy:
 
 
 def test_analytic_matches_monte_carlo_single_tier():
-    strategy, cluster = single_tier(), gm.Cluster(chips=1, chip_mtbf_s=10 * gm.HOUR)
+    strategy, cluster = single_tier(), gm.Cluster(chips=1, chip_mtbf_s=10 * HOUR)
     intervals = gm.Intervals(persistent_s=600.0)
     analytic = gm.analytic(strategy, cluster, intervals)
-    mc = gm.monte_carlo(strategy, cluster, intervals, failures=800, seed=1)
+    mc = sim.monte_carlo(strategy, cluster, intervals, failures=800, seed=1)
     assert mc.failures > 600
     assert abs(analytic.goodput - mc.goodput) < 0.005
     assert math.isclose(sum(analytic.shares.values()), 1.0)
 
 
-def test_analytic_matches_monte_carlo_two_tiers_at_scale():
-    scale = gm.AtScale()
-    cluster = scale.cluster(16384)
-    framework = scale.strategies(16384)["framework"]
-    optimum = gm.optimise(framework, cluster)
+def test_analytic_matches_monte_carlo_two_tiers():
+    cluster = large_cluster(16384)
+    strategy = two_tiers(16384)
+    optimum = gm.optimise(strategy, cluster)
     assert math.isfinite(optimum.intervals.local_s)  # two tiers pay at this size
-    mc = gm.monte_carlo(framework, cluster, optimum.intervals, failures=300, seed=2)
+    mc = sim.monte_carlo(strategy, cluster, optimum.intervals, failures=300, seed=2)
     assert abs(optimum.goodput - mc.goodput) < 0.01
 
 
 def test_numeric_optimum_is_young_daly_for_one_tier_and_negligible_restart():
     strategy = single_tier(save_s=10.0, restart_s=0.0)
-    cluster = gm.Cluster(chips=1, chip_mtbf_s=10 * gm.HOUR)
+    cluster = gm.Cluster(chips=1, chip_mtbf_s=10 * HOUR)
     optimum = gm.optimise(strategy, cluster)
     young_daly = gm.young_daly_interval_s(10.0, cluster.job_mtbf_s)
     assert young_daly == pytest.approx(math.sqrt(2 * 10.0 * 36000.0))
@@ -61,29 +113,24 @@ def test_numeric_optimum_is_young_daly_for_one_tier_and_negligible_restart():
     assert 1 - optimum.goodput == pytest.approx(waste, abs=0.002)
 
 
-@pytest.mark.parametrize("name", ["framework", "baseline"])
-def test_goodput_grows_with_mtbf(name):
-    scale = gm.AtScale()
-    strategy = scale.strategies(16384)[name]
+@pytest.mark.parametrize("strategy_for", [two_tiers, synchronous])
+def test_goodput_grows_with_mtbf(strategy_for):
+    strategy = strategy_for(16384)
     goodputs = []
     for factor in (0.25, 0.5, 1.0, 2.0, 4.0):
-        cluster = gm.Cluster(
-            chips=16384, chip_mtbf_s=factor * scale.chip_mtbf_s, replicas=scale.replicas(16384)
-        )
+        cluster = gm.Cluster(chips=16384, chip_mtbf_s=factor * CHIP_MTBF_S, replicas=8)
         goodputs.append(gm.optimise(strategy, cluster).goodput)
     assert goodputs == sorted(goodputs) and goodputs[0] < goodputs[-1]
 
 
-def test_framework_beats_baseline_at_scale():
-    scale = gm.AtScale()
+def test_fast_recovery_beats_synchronous_saves_on_large_clusters():
     for chips in (16384, 100_000):
-        cluster = scale.cluster(chips)
-        strategies = scale.strategies(chips)
-        ours = gm.optimise(strategies["framework"], cluster)
-        theirs = gm.optimise(strategies["baseline"], cluster)
+        cluster = large_cluster(chips)
+        ours = gm.optimise(two_tiers(chips), cluster)
+        theirs = gm.optimise(synchronous(chips), cluster)
         assert ours.goodput > theirs.goodput + 0.05
-    ours_mc = gm.monte_carlo(strategies["framework"], cluster, ours.intervals, failures=200)
-    theirs_mc = gm.monte_carlo(strategies["baseline"], cluster, theirs.intervals, failures=200)
+    ours_mc = sim.monte_carlo(two_tiers(chips), cluster, ours.intervals, failures=200)
+    theirs_mc = sim.monte_carlo(synchronous(chips), cluster, theirs.intervals, failures=200)
     assert ours_mc.goodput > theirs_mc.goodput + 0.1
 
 
@@ -91,11 +138,10 @@ def test_local_tier_survives_unless_every_replica_loses_it():
     assert gm.Cluster(1, 1.0, host_loss_fraction=0.8, replicas=1).local_loss_probability == 0.8
     two = gm.Cluster(1, 1.0, host_loss_fraction=0.8, replicas=2, correlated_loss_fraction=0.1)
     assert two.local_loss_probability == pytest.approx(0.08)
-    framework = gm.AtScale().strategies(16384)["framework"]
     intervals = gm.Intervals(persistent_s=600.0, local_s=60.0)
     for host_loss, tier in ((0.0, gm.LOCAL), (1.0, gm.PERSISTENT)):
-        cluster = gm.Cluster(16384, gm.LLAMA3_CHIP_MTBF_S, host_loss_fraction=host_loss, replicas=1)
-        result = gm.simulate(framework, cluster, intervals, seed=0, horizon_s=50 * gm.HOUR)
+        cluster = large_cluster(16384, host_loss_fraction=host_loss, replicas=1)
+        result = sim.simulate(two_tiers(16384), cluster, intervals, seed=0, horizon_s=50 * HOUR)
         assert set(result.restores) == {tier}
 
 
@@ -103,8 +149,8 @@ def test_trace_replay_counts_each_second():
     strategy = single_tier(save_s=0.5, restart_s=3.0, step_s=1.0)
     strategy = gm.Strategy(**{**strategy.__dict__, "detection_s": 2.0, "compile_s": 1.0})
     strategy = gm.Strategy(**{**strategy.__dict__, "persistent": gm.Tier(0.5, 0.0, 0.5)})
-    trace = [gm.Interruption("kill", step=25), gm.Interruption("nan", step=50)]
-    result = gm.simulate(
+    trace = [sim.Interruption("kill", step=25), sim.Interruption("nan", step=50)]
+    result = sim.simulate(
         strategy,
         gm.Cluster(chips=1, chip_mtbf_s=math.inf),
         gm.Intervals(persistent_s=10.0),
@@ -117,13 +163,6 @@ def test_trace_replay_counts_each_second():
     assert result.wall_s == pytest.approx(104 + 9 * 0.5 + 6.5 + 1)
     assert result.goodput == pytest.approx(100 / result.wall_s)
     assert result.seconds["lost_progress"] == pytest.approx(4.0)
-
-
-def ev(time, type, process=0, **fields):
-    event = {"time": time, "type": type, **fields}
-    if process is not None:
-        event["process"] = process
-    return event
 
 
 def recorded_run() -> list[dict]:
@@ -175,7 +214,7 @@ def test_replay_reads_costs_and_trace_from_events():
     assert costs["restart_s"] == pytest.approx(1.5)
     assert costs["compile_s"] == pytest.approx(1.0)
     assert costs["startup_s"] == pytest.approx(2.5)
-    assert goodput_replay.trace_from_events(events) == [gm.Interruption("kill", step=7)]
+    assert goodput_replay.trace_from_events(events) == [sim.Interruption("kill", step=7)]
     assert goodput_replay.checkpoint_intervals({}, events) == {"local": 0, "persistent": 4}
 
 
@@ -187,11 +226,11 @@ def test_supervisor_faults_strike_the_step_under_way_after_the_last_logged_one()
     events.append(ev(1006.5, "restart", process="supervisor", generation=1))
     events.append(ev(1020.0, "fault_injected", process="supervisor", kind="kill", slice=1))
     assert goodput_replay.trace_from_events(events) == [
-        gm.Interruption("kill", step=7, into_step_s=0.4),
-        gm.Interruption("kill", step=7),
+        sim.Interruption("kill", step=7, into_step_s=0.4),
+        sim.Interruption("kill", step=7),
     ]
     early = [ev(999.0, "fault_injected", process="supervisor", kind="hang", slice=0)]
-    assert goodput_replay.trace_from_events(early) == [gm.Interruption("hang", step=1)]
+    assert goodput_replay.trace_from_events(early) == [sim.Interruption("hang", step=1)]
 
 
 def test_a_failure_into_a_step_lets_the_save_before_it_commit():
@@ -212,47 +251,47 @@ def test_a_failure_into_a_step_lets_the_save_before_it_commit():
     cluster = gm.Cluster(chips=1, chip_mtbf_s=math.inf)
     lost = []
     for into in (0.0, 0.45):
-        trace = [gm.Interruption("kill", step=5, into_step_s=into)]
-        result = gm.simulate(strategy, cluster, intervals, trace=trace, total_steps=8)
+        trace = [sim.Interruption("kill", step=5, into_step_s=into)]
+        result = sim.simulate(strategy, cluster, intervals, trace=trace, total_steps=8)
         lost.append(result.steps_lost)
     assert lost == [2, 0]
 
 
-def test_validate_predicts_a_recorded_run(tmp_path):
+def test_validation_predicts_a_recorded_run():
     events = recorded_run()
-    workdir = tmp_path / "run"
-    workdir.mkdir()
-    with open(workdir / "events.jsonl", "w") as f:
-        f.writelines(json.dumps(e) + "\n" for e in events)
-    with open(workdir / "config.json", "w") as f:
-        json.dump({"total_steps": 12, "checkpoint": {"every_steps": 4, "local_dir": ""}}, f)
-    measured = goodput.compute(events).goodput
-    chaos = tmp_path / "chaos_goodput.json"
-    chaos.write_text(json.dumps({"goodput": measured, "workdir": str(workdir)}))
-    out = tmp_path / "validation.json"
-    result = goodput_sim.validate(str(chaos), str(out))
+    run = validation.RecordedRun(
+        name="run",
+        measured={"goodput": accounting.compute(events).goodput},
+        given={},
+        events=events,
+        events_source="events.jsonl",
+        config={"total_steps": 12, "checkpoint": {"every_steps": 4, "local_dir": ""}},
+    )
+    result = validation.predict(run)
     assert result["within_target"], result
-    run = result["runs"]["run"]
-    assert run["predicted"]["steps_lost"] == 2 and run["inputs"]["end"] == {"total_steps": 12}
-    assert json.loads(out.read_text())["runs"]["run"]["inputs"]["trace"][0]["step"] == 7
+    assert result["predicted"]["steps_lost"] == 2 and result["inputs"]["end"] == {"total_steps": 12}
+    assert json.loads(json.dumps(result))["inputs"]["trace"][0]["step"] == 7
 
 
-def test_validate_reads_chaos_goodput_variants(tmp_path):
-    """chaos_goodput.py's layout: variants cut by a time limit, their events under `logs`."""
+def test_validation_replays_a_run_cut_by_a_time_limit_for_its_wall_time():
+    """As chaos_goodput.py records its variants: no total_steps, a wall time, a timed trace that
+    the run's own events take precedence over."""
     events = recorded_run()
-    with open(tmp_path / "framework.events.jsonl", "w") as f:
-        f.writelines(json.dumps(e) + "\n" for e in events)
-    measured = goodput.compute(events)
-    chaos = tmp_path / "chaos_goodput.json"
-    variant = {"goodput": measured.goodput, "wall_s": measured.wall_s, "failures": 1}
+    measured = accounting.compute(events)
+    summary = {"goodput": measured.goodput, "wall_s": measured.wall_s, "failures": 1}
     trace = [{"at_s": 7.5, "kind": "kill", "slice": 0, "process": 0}]
-    chaos.write_text(json.dumps({"variants": {"framework": variant}, "logs": str(tmp_path),
-                                 "trace": trace}))  # fmt: skip
-    result = goodput_sim.validate(str(chaos), str(tmp_path / "validation.json"))
-    run = result["runs"]["framework"]
-    assert run["inputs"]["end"] == {"horizon_s": pytest.approx(measured.wall_s)}
-    assert run["inputs"]["sources"]["trace"] == "events"
-    assert abs(run["difference_points"]) < 3.0
+    run = validation.RecordedRun(
+        name="framework",
+        measured=summary,
+        given={**summary, "trace": trace},
+        events=events,
+        events_source="framework.events.jsonl",
+        config={},
+    )
+    result = validation.predict(run)
+    assert result["inputs"]["end"] == {"horizon_s": pytest.approx(measured.wall_s)}
+    assert result["inputs"]["sources"]["trace"] == "events"
+    assert abs(result["difference_points"]) < 3.0
 
 
 def test_age_integrals_match_sampling():

@@ -2,6 +2,6 @@
 
 import sys
 
-from resilient_jax.goodput.accounting import main
+from resilient_jax.goodput.report import main
 
 sys.exit(main(sys.argv))

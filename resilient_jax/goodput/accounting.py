@@ -2,8 +2,11 @@
 
     python -m resilient_jax.goodput WORKDIR    # table on stdout, WORKDIR/goodput.json, timeline.png
 
+(the command is `goodput.report`; the picture is drawn by `goodput.timeline`).
+
 Input is `WORKDIR/events.jsonl` (`resilient_jax.events`). Every event has `time` (unix seconds, at
-the *end* of the phase it reports) and `type`. What this module reads, by type:
+the *end* of the phase it reports) and `type` (`contracts.event_types.EventType`). What this
+module reads, by type:
 
     process_start    generation            a process began; the first one is the run's start
     jax_init, init   duration_s,           joining the JAX job; initialising state from the seed
@@ -56,10 +59,10 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.events import read_events
 
-GOODPUT_FILE = "goodput.json"
-TIMELINE_FILE = "timeline.png"
 DEFAULT_STRAGGLER_FACTOR = 1.5
 _MIN_STEPS_FOR_REFERENCE = 4
 
@@ -107,9 +110,13 @@ LABELS = {
     "idle": "idle",
 }
 _RANK = {c: len(PRIORITY) - i for i, c in enumerate(PRIORITY)}
-_PHASES = {"compile": "compilation", "restore": "checkpoint_restore", "save": "checkpoint_save"}
-_INIT_TYPES = ("jax_init", "init")
-_RESHAPE_TYPES = ("evict", "scale_up")
+_PHASES = {
+    EventType.COMPILE: "compilation",
+    EventType.RESTORE: "checkpoint_restore",
+    EventType.SAVE: "checkpoint_save",
+}
+_INIT_TYPES = (EventType.JAX_INIT, EventType.INIT)
+_RESHAPE_TYPES = (EventType.EVICT, EventType.SCALE_UP)
 
 
 @dataclasses.dataclass
@@ -146,16 +153,22 @@ class Goodput:
         }
 
 
-def _lane(event: dict[str, Any]) -> str:
+# Reading events: shared with `timeline` and `replay`, which must see the same lanes and times.
+
+
+def event_lane(event: dict[str, Any]) -> str:
+    """The process that wrote an event; "supervisor" for events without one."""
     process = event.get("process")
     return "supervisor" if process is None else str(process)
 
 
-def _is_reference(event: dict[str, Any]) -> bool:
-    return _lane(event) in ("0", "supervisor")
+def on_reference_lane(event: dict[str, Any]) -> bool:
+    """Whether the event is on the lane the wall clock is accounted on (process 0, supervisor)."""
+    return event_lane(event) in ("0", "supervisor")
 
 
-def _number(value: Any, default: float = 0.0) -> float:
+def finite_number(value: Any, default: float = 0.0) -> float:
+    """An event field as a finite float; `default` when it is missing, not a number or infinite."""
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -163,10 +176,10 @@ def _number(value: Any, default: float = 0.0) -> float:
     return number if math.isfinite(number) else default
 
 
-def _interval(event: dict[str, Any], previous_end: float | None = None) -> tuple[float, float]:
+def event_interval(event: dict[str, Any], previous_end: float | None = None) -> tuple[float, float]:
     """The time an event covers; without a duration, from `previous_end` (when given)."""
     end = float(event["time"])
-    duration = _number(event.get("duration_s"), -1.0)
+    duration = finite_number(event.get("duration_s"), -1.0)
     if duration < 0:
         return (end if previous_end is None else previous_end), end
     return end - duration, end
@@ -188,16 +201,20 @@ def _markers(events: Sequence[dict[str, Any]]) -> list[_Marker]:
         kind = None
         t = float(e["time"])
         typ = e["type"]
-        if (typ == "process_start" and _is_reference(e)) or typ == "restart":
-            later = _number(e.get("generation")) > 0 or not first_start
+        if (typ == EventType.PROCESS_START and on_reference_lane(e)) or typ == EventType.RESTART:
+            later = finite_number(e.get("generation")) > 0 or not first_start
             kind, first_start = ("restart" if later else "start"), False
-        elif typ == "step" and _is_reference(e):
+        elif typ == EventType.STEP and on_reference_lane(e):
             kind = "progress"
-        elif typ == "failure_detected":
-            kind, t = "fail", t - max(0.0, _number(e.get("latency_s")))
-        elif typ in _RESHAPE_TYPES or (typ == "stop" and _number(e.get("exit_code")) != 0):
+        elif typ == EventType.FAILURE_DETECTED:
+            kind, t = "fail", t - max(0.0, finite_number(e.get("latency_s")))
+        elif typ in _RESHAPE_TYPES or (
+            typ == EventType.STOP and finite_number(e.get("exit_code")) != ExitCode.FINISHED
+        ):
             kind = "fail"
-        elif typ == "rollback" or (typ == "anomaly" and e.get("action") == "rollback"):
+        elif typ == EventType.ROLLBACK or (
+            typ == EventType.ANOMALY and e.get("action") == "rollback"
+        ):
             kind = "rollback"
         if kind:
             out.append(_Marker(t, kind))
@@ -255,11 +272,11 @@ def _steps(events: Sequence[dict[str, Any]], markers: list[_Marker]) -> list[_St
     starts = [m.time for m in markers if m.kind in ("start", "restart")]
     previous_end: float | None = None
     for e in events:
-        if not _is_reference(e):
+        if not on_reference_lane(e):
             continue
-        if e["type"] == "step":
-            start, end = _interval(e, previous_end)
-            wait = min(max(0.0, _number(e.get("data_wait_s"))), end - start)
+        if e["type"] == EventType.STEP:
+            start, end = event_interval(e, previous_end)
+            wait = min(max(0.0, finite_number(e.get("data_wait_s"))), end - start)
             generation = bisect.bisect_right(starts, start)
             steps.append(_Step(int(e["step"]), start, end, wait, generation))
         previous_end = float(e["time"])
@@ -281,7 +298,7 @@ def _mark_fates(
             first.fate = "anomaly" if between else "lost_progress"
             first.rerun = True
     for e in events:
-        if e["type"] != "anomaly" or "step" not in e:
+        if e["type"] != EventType.ANOMALY or "step" not in e:
             continue
         runs = by_number.get(int(e["step"]), [])
         if runs:
@@ -325,16 +342,16 @@ def _phase_intervals(events: Sequence[dict[str, Any]]) -> list[tuple[float, floa
     out = []
     for e in events:
         typ = e["type"]
-        if typ == "failure_detected":
+        if typ == EventType.FAILURE_DETECTED:
             t = float(e["time"])
-            out.append((t - max(0.0, _number(e.get("latency_s"))), t, "failure_detection"))
-        elif not _is_reference(e):
+            out.append((t - max(0.0, finite_number(e.get("latency_s"))), t, "failure_detection"))
+        elif not on_reference_lane(e):
             continue
         elif typ in _PHASES:
-            out.append((*_interval(e), _PHASES[typ]))
+            out.append((*event_interval(e), _PHASES[typ]))
         elif typ in _INIT_TYPES:
-            later = _number(e.get("generation")) > 0
-            out.append((*_interval(e), "restart" if later else "initialisation"))
+            later = finite_number(e.get("generation")) > 0
+            out.append((*event_interval(e), "restart" if later else "initialisation"))
     return out
 
 
@@ -368,9 +385,9 @@ def _sweep(
 def _count_failures(events: Sequence[dict[str, Any]]) -> int:
     """Failure reports, counting overlapping reports of one failure (several observers) once."""
     spans = sorted(
-        (float(e["time"]) - max(0.0, _number(e.get("latency_s"))), float(e["time"]))
+        (float(e["time"]) - max(0.0, finite_number(e.get("latency_s"))), float(e["time"]))
         for e in events
-        if e["type"] == "failure_detected"
+        if e["type"] == EventType.FAILURE_DETECTED
     )
     count, reach = 0, -math.inf
     for start, end in spans:
@@ -387,7 +404,7 @@ def compute(
     events = sorted((e for e in events if "time" in e and "type" in e), key=lambda e: e["time"])
     if not events:
         raise ValueError("no events: nothing to account")
-    t0 = min(_interval(e)[0] for e in events)
+    t0 = min(event_interval(e)[0] for e in events)
     t1 = max(float(e["time"]) for e in events)
     markers = _markers(events)
     steps = _steps(events, markers)
@@ -400,7 +417,7 @@ def compute(
         category = category or gaps.category(start, end)
         seconds[category] += end - start
         segments.append((start, end, category))
-    generations = {_number(e.get("generation")) for e in events if _is_reference(e)}
+    generations = {finite_number(e.get("generation")) for e in events if on_reference_lane(e)}
     return Goodput(
         wall_s=t1 - t0,
         seconds=seconds,
@@ -445,135 +462,15 @@ def print_summary(workdir: str, file: Any = None) -> Goodput | None:
     events = list(read_events(workdir))
     if not events:
         return None
-    result = compute(events, _straggler_factor(workdir))
+    result = compute(events, straggler_factor(workdir))
     print(summary_line(result), file=file or sys.stderr, flush=True)
     return result
 
 
-_CATEGORY_COLOURS = {
-    PRODUCTIVE: "#2ca02c",
-    "initialisation": "#7f7f7f",
-    "compilation": "#ff7f0e",
-    "data_loading": "#bcbd22",
-    "checkpoint_save": "#1f77b4",
-    "checkpoint_restore": "#9467bd",
-    "lost_progress": "#d62728",
-    "failure_detection": "#8c564b",
-    "restart": "#e377c2",
-    "anomaly": "#ff9896",
-    "stragglers": "#17becf",
-    "idle": "#f0f0f0",
-}
-_LANE_BARS = {
-    "step": PRODUCTIVE,
-    "compile": "compilation",
-    "save": "checkpoint_save",
-    "restore": "checkpoint_restore",
-    "jax_init": "initialisation",
-    "init": "initialisation",
-}
-_LANE_MARKS = {
-    "failure_detected": ("X", "#d62728"),
-    "chaos": ("*", "black"),
-    "anomaly": ("v", "#ff7f0e"),
-    "stop": ("s", "#7f7f7f"),
-}
-_VERTICAL = {"restart": "#e377c2", "evict": "#8c564b", "scale_up": "#2ca02c"}
-
-
-def _lane_order(lane: str) -> tuple[int, int]:
-    return (0, 0) if lane == "supervisor" else (1, int(lane) if lane.isdigit() else 0)
-
-
-def plot_timeline(events: Sequence[dict[str, Any]], result: Goodput, path: str) -> None:
-    """A lane per process (steps, saves, restores, compiles, failures, chaos) under the
-    accounting lane (how each moment of the wall clock was classified)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    t0 = result.segments[0][0] if result.segments else 0.0
-    lanes = sorted({_lane(e) for e in events}, key=_lane_order)
-    rows = ["accounting", *[f"process {x}" if x != "supervisor" else x for x in lanes]]
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len(rows)))
-    for start, end, category in result.segments:
-        ax.broken_barh(
-            [(start - t0, end - start)], (-0.4, 0.8), color=_CATEGORY_COLOURS[category], lw=0
-        )
-    for row, lane in enumerate(lanes, start=1):
-        mine = [e for e in events if _lane(e) == lane]
-        bars: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
-        previous_end = None
-        for e in mine:
-            if e["type"] in _LANE_BARS:
-                start, end = _interval(e, previous_end if e["type"] == "step" else None)
-                bars[_LANE_BARS[e["type"]]].append((start - t0, end - start))
-            previous_end = float(e["time"])
-        for category, spans in bars.items():
-            ax.broken_barh(spans, (row - 0.35, 0.7), color=_CATEGORY_COLOURS[category], lw=0)
-        for typ, (marker, colour) in _LANE_MARKS.items():
-            xs = [float(e["time"]) - t0 for e in mine if e["type"] == typ]
-            if xs:
-                ax.plot(xs, [row] * len(xs), marker, color=colour, ms=8, ls="none", label=typ)
-    for e in events:
-        colour = _VERTICAL.get(e["type"])
-        if colour:
-            ax.axvline(float(e["time"]) - t0, color=colour, ls="--", lw=1)
-    ax.set_yticks(range(len(rows)), rows)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds since the run began")
-    ax.set_title(f"goodput {100 * result.goodput:.1f}% of {result.wall_s:.1f} s")
-    used = [c for c in (PRODUCTIVE, *BADPUT) if result.seconds[c] > 1e-3 * result.wall_s]
-    handles = [Patch(color=_CATEGORY_COLOURS[c], label=LABELS[c]) for c in used]
-    seen: dict[str, Any] = {}
-    for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-        seen.setdefault(label, handle)
-    ax.legend(
-        handles=handles + list(seen.values()),
-        loc="upper left",
-        bbox_to_anchor=(1.01, 1.0),
-        fontsize=8,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _straggler_factor(workdir: str) -> float:
+def straggler_factor(workdir: str) -> float:
+    """The run's `health.straggler_factor` from its config.json, else the default."""
     try:
         with open(os.path.join(workdir, "config.json")) as f:
             return float(json.load(f)["health"]["straggler_factor"])
     except (OSError, KeyError, ValueError, TypeError):
         return DEFAULT_STRAGGLER_FACTOR
-
-
-def report(workdir: str) -> Goodput:
-    """Computes goodput for a run directory and writes goodput.json and timeline.png there."""
-    events = list(read_events(workdir))
-    if not events:
-        raise ValueError(f"{workdir}: no events.jsonl with events")
-    result = compute(events, _straggler_factor(workdir))
-    with open(os.path.join(workdir, GOODPUT_FILE), "w") as f:
-        json.dump(result.to_json(), f, indent=2)
-    plot_timeline(events, result, os.path.join(workdir, TIMELINE_FILE))
-    return result
-
-
-def main(argv: Sequence[str]) -> int:
-    if len(argv) != 2 or argv[1].startswith("-"):
-        print("usage: python -m resilient_jax.goodput WORKDIR", file=sys.stderr)
-        return 2
-    try:
-        result = report(argv[1])
-    except ValueError as e:
-        print(f"goodput: {e}", file=sys.stderr)
-        return 1
-    print(format_table(result))
-    print(f"wrote {os.path.join(argv[1], GOODPUT_FILE)} and {TIMELINE_FILE}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

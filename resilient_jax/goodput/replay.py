@@ -1,6 +1,6 @@
 """A recorded run's costs and interruptions, read from its `events.jsonl`, as inputs to the goodput
-model (`resilient_jax.goodput.model`): to predict the run's goodput and compare with what
-`goodput.accounting` measured.
+model (`goodput.model`, run by `goodput.simulation`): to predict the run's goodput and compare it
+with what `goodput.accounting` measured (`goodput.validation`).
 
 Costs (`costs_from_events`), each a mean or median over the run, lane of process 0:
 
@@ -51,43 +51,39 @@ import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from resilient_jax.goodput import accounting as goodput
-from resilient_jax.goodput.model import Interruption
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.faults import FaultKind
+from resilient_jax.goodput.accounting import (
+    DEFAULT_STRAGGLER_FACTOR,
+    PRODUCTIVE,
+    compute,
+    event_interval,
+    finite_number,
+    on_reference_lane,
+)
+from resilient_jax.goodput.simulation import ANOMALY, FAILURE, Interruption
 
 # Events of these types between two steps make the gap between them more than a step.
-_INTERFERING = {"save", "restore", "compile", "anomaly", "rollback", "chaos", "preemption", "init"}
-_INJECTED_FAILURES = {"kill", "lose_slice", "hang"}
-_CHAOS_KINDS = {
-    "kill": "kill",
-    "lose_slice": "lose_slice",
-    "hang": "hang",
-    "nan": "nan",
-    "spike": "spike",
-    "corrupt_checkpoint": "corrupt_checkpoint",
+_INTERFERING = {
+    EventType.SAVE,
+    EventType.RESTORE,
+    EventType.COMPILE,
+    EventType.ANOMALY,
+    EventType.ROLLBACK,
+    EventType.CHAOS,
+    EventType.PREEMPTION,
+    EventType.INIT,
 }
-_SUPERVISOR_KINDS = {
-    "kill": "kill",
-    "hang": "hang",
-    "lose_slice": "lose_slice",
-    "preempt": "preempt",
-}
-
-
-def _number(value: Any, default: float = 0.0) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return default
-    return number if math.isfinite(number) else default
-
-
-def _reference(event: dict[str, Any]) -> bool:
-    """Process 0's lane with the supervisor's events, as `goodput.accounting` accounts."""
-    return str(event.get("process", "supervisor")) in ("0", "supervisor")
+_INJECTED_FAILURES = {FaultKind.KILL, FaultKind.LOSE_SLICE, FaultKind.HANG}
+_ANOMALY_FAULTS = {FaultKind.NAN, FaultKind.SPIKE}
+# Chaos faults a worker reports that interrupt the run (a slowdown does not).
+_CHAOS_KINDS = {*_INJECTED_FAILURES, *_ANOMALY_FAULTS, FaultKind.CORRUPT_CHECKPOINT}
+# The supervisor's fault actions (`fault_injected`); "preempt" asks the workers to save and stop.
+_SUPERVISOR_KINDS = {*_INJECTED_FAILURES, "preempt"}
 
 
 def _start(event: dict[str, Any]) -> float:
-    return float(event["time"]) - max(0.0, _number(event.get("duration_s")))
+    return event_interval(event)[0]
 
 
 def run_start(events: Sequence[dict[str, Any]]) -> float:
@@ -102,9 +98,9 @@ def _step_start(event: dict[str, Any], step_s: float | None) -> float:
 def _failure_times(events: Sequence[dict[str, Any]]) -> list[float]:
     """When each detected failure happened (detection time less its latency)."""
     return [
-        float(e["time"]) - max(0.0, _number(e.get("latency_s")))
+        float(e["time"]) - max(0.0, finite_number(e.get("latency_s")))
         for e in events
-        if e["type"] == "failure_detected"
+        if e["type"] == EventType.FAILURE_DETECTED
     ]
 
 
@@ -116,8 +112,8 @@ def _mean(values: Iterable[float]) -> float | None:
 def _by_tier(events: Sequence[dict[str, Any]], typ: str, field: str) -> dict[str, float]:
     tiers: dict[str, list[float]] = {}
     for e in events:
-        if e["type"] == typ and _reference(e) and e.get("tier") and field in e:
-            tiers.setdefault(str(e["tier"]), []).append(_number(e[field]))
+        if e["type"] == typ and on_reference_lane(e) and e.get("tier") and field in e:
+            tiers.setdefault(str(e["tier"]), []).append(finite_number(e[field]))
     return {tier: sum(v) / len(v) for tier, v in tiers.items()}
 
 
@@ -130,11 +126,11 @@ def _step_s(events: Sequence[dict[str, Any]]) -> float | None:
     gaps = []
     previous: dict[str, Any] | None = None
     for e in events:
-        if not _reference(e):
+        if not on_reference_lane(e):
             continue
         if e["type"] in _INTERFERING:
             previous = None
-        elif e["type"] == "step":
+        elif e["type"] == EventType.STEP:
             if previous is not None and int(e["step"]) == int(previous["step"]) + 1:
                 gaps.append(float(e["time"]) - float(previous["time"]))
             previous = e
@@ -144,10 +140,10 @@ def _step_s(events: Sequence[dict[str, Any]]) -> float | None:
 def _productive_fraction(
     events: Sequence[dict[str, Any]], step_s: float | None, straggler_factor: float
 ) -> float | None:
-    counted = goodput.compute(events, straggler_factor)
+    counted = compute(events, straggler_factor)
     if step_s is None or not counted.steps_counted:
         return None
-    per_step = counted.seconds[goodput.PRODUCTIVE] / counted.steps_counted
+    per_step = counted.seconds[PRODUCTIVE] / counted.steps_counted
     return min(1.0, per_step / step_s)
 
 
@@ -157,17 +153,17 @@ def _recoveries(
     """Per later generation of process 0: (failure detected -> its restore or init begins, when
     a failure started it; that ends -> its first step begins, when it trained). A step begins
     one typical step before its event (the pace the model runs steps at)."""
-    lane = [e for e in events if _reference(e)]
-    detected = [float(e["time"]) for e in events if e["type"] == "failure_detected"]
+    lane = [e for e in events if on_reference_lane(e)]
+    detected = [float(e["time"]) for e in events if e["type"] == EventType.FAILURE_DETECTED]
     generations: dict[int, list[dict[str, Any]]] = {}
     for e in lane:
-        if _number(e.get("generation")) > 0:
-            generations.setdefault(int(_number(e.get("generation"))), []).append(e)
+        if finite_number(e.get("generation")) > 0:
+            generations.setdefault(int(finite_number(e.get("generation"))), []).append(e)
     restarts, compiles = [], []
     previous_begun = -math.inf
     for generation in sorted(generations):
         mine = generations[generation]
-        begun = next((e for e in mine if e["type"] in ("restore", "init")), None)
+        begun = next((e for e in mine if e["type"] in (EventType.RESTORE, EventType.INIT)), None)
         if begun is None:
             continue
         began = _start(begun)
@@ -175,7 +171,11 @@ def _recoveries(
         if cause:  # not a planned restart (scale-up, preemption)
             restarts.append(began - cause[-1])
         step = next(
-            (e for e in mine if e["type"] == "step" and float(e["time"]) > float(begun["time"])),
+            (
+                e
+                for e in mine
+                if e["type"] == EventType.STEP and float(e["time"]) > float(begun["time"])
+            ),
             None,
         )
         if step is not None:
@@ -186,25 +186,29 @@ def _recoveries(
 
 def costs_from_events(
     events: Sequence[dict[str, Any]],
-    straggler_factor: float = goodput.DEFAULT_STRAGGLER_FACTOR,
+    straggler_factor: float = DEFAULT_STRAGGLER_FACTOR,
 ) -> dict[str, Any]:
     """The run's measured costs (see the module docstring); keys without data are left out."""
     events = sorted(events, key=lambda e: float(e["time"]))
     step_s = _step_s(events)
     fraction = _productive_fraction(events, step_s, straggler_factor)
     restarts, compiles = _recoveries(events, step_s)
-    lane_steps = [e for e in events if e["type"] == "step" and _reference(e)]
+    lane_steps = [e for e in events if e["type"] == EventType.STEP and on_reference_lane(e)]
     costs: dict[str, Any] = {
         "step_s": step_s,
         "productive_fraction": fraction,
-        "save_s": _by_tier(events, "save", "duration_s"),
-        "commit_s": _less_a_step(_by_tier(events, "save_committed", "commit_s"), step_s),
-        "restore_s": _by_tier(events, "restore", "duration_s"),
+        "save_s": _by_tier(events, EventType.SAVE, "duration_s"),
+        "commit_s": _less_a_step(_by_tier(events, EventType.SAVE_COMMITTED, "commit_s"), step_s),
+        "restore_s": _by_tier(events, EventType.RESTORE, "duration_s"),
         "init_s": _mean(
-            _number(e.get("duration_s")) for e in events if e["type"] == "init" and _reference(e)
+            finite_number(e.get("duration_s"))
+            for e in events
+            if e["type"] == EventType.INIT and on_reference_lane(e)
         ),
         "detection_s": _mean(
-            _number(e.get("latency_s")) for e in events if e["type"] == "failure_detected"
+            finite_number(e.get("latency_s"))
+            for e in events
+            if e["type"] == EventType.FAILURE_DETECTED
         ),
         "restart_s": _mean(restarts),
         "compile_s": _mean(compiles),
@@ -226,11 +230,11 @@ class _StepClock:
     there: a fault during a recovery fires on the replay's way back, as the restart did."""
 
     def __init__(self, events: Sequence[dict[str, Any]]) -> None:
-        lane = [e for e in events if e["type"] == "step" and _reference(e)]
+        lane = [e for e in events if e["type"] == EventType.STEP and on_reference_lane(e)]
         self._times = [float(e["time"]) for e in lane]
         self._steps = [int(e["step"]) for e in lane]
         self._step_s = _step_s(events) or 0.0
-        self._restarts = sorted(float(e["time"]) for e in events if e["type"] == "restart")
+        self._restarts = sorted(float(e["time"]) for e in events if e["type"] == EventType.RESTART)
 
     def at(self, time: float) -> tuple[int, float]:
         """(the step under way, seconds into it)."""
@@ -256,7 +260,7 @@ def _chaos_entries(events: Sequence[dict[str, Any]], clock: _StepClock) -> list[
     for e in events:
         kind = str(e.get("kind"))
         text = str(e.get("fault", ""))
-        if e["type"] != "chaos" or kind not in _CHAOS_KINDS or (text, kind) in seen:
+        if e["type"] != EventType.CHAOS or kind not in _CHAOS_KINDS or (text, kind) in seen:
             continue  # a fault fires once per run, though several processes may report it
         seen.add((text, kind))
         step = int(e["step"]) if "step" in e else clock.next_step(float(e["time"]))
@@ -267,10 +271,10 @@ def _chaos_entries(events: Sequence[dict[str, Any]], clock: _StepClock) -> list[
 def _supervisor_entries(events: Sequence[dict[str, Any]], clock: _StepClock) -> list[Interruption]:
     out = []
     for e in events:
-        if e["type"] == "fault_injected" and str(e.get("kind")) in _SUPERVISOR_KINDS:
+        if e["type"] == EventType.FAULT_INJECTED and str(e.get("kind")) in _SUPERVISOR_KINDS:
             out.append(clock.failure(str(e["kind"]), float(e["time"])))
-        elif e["type"] == "scale_up":
-            out.append(Interruption("scale_up", step=clock.next_step(float(e["time"]))))
+        elif e["type"] == EventType.SCALE_UP:
+            out.append(Interruption(EventType.SCALE_UP, step=clock.next_step(float(e["time"]))))
     return out
 
 
@@ -279,12 +283,12 @@ def _unexplained_failures(
 ) -> list[Interruption]:
     out = []
     for e in events:
-        if e["type"] != "failure_detected":
+        if e["type"] != EventType.FAILURE_DETECTED:
             continue
-        happened = float(e["time"]) - max(0.0, _number(e.get("latency_s")))
+        happened = float(e["time"]) - max(0.0, finite_number(e.get("latency_s")))
         # Allow for the second that passes between a fault's event and its effect.
         if not any(happened - 1.0 <= t <= float(e["time"]) for t in injected_at):
-            out.append(clock.failure("failure", happened))
+            out.append(clock.failure(FAILURE, happened))
     return out
 
 
@@ -297,17 +301,21 @@ def trace_from_events(events: Sequence[dict[str, Any]]) -> list[Interruption]:
     injected_at = [
         float(e["time"])
         for e in events
-        if (e["type"] == "chaos" and e.get("kind") in _INJECTED_FAILURES)
-        or e["type"] == "fault_injected"
+        if (e["type"] == EventType.CHAOS and e.get("kind") in _INJECTED_FAILURES)
+        or e["type"] == EventType.FAULT_INJECTED
     ]
-    skipped = {int(e["step"]) for e in events if e["type"] == "anomaly" and _reference(e)}
+    skipped = {
+        int(e["step"]) for e in events if e["type"] == EventType.ANOMALY and on_reference_lane(e)
+    }
     # A NaN the health check did not skip (it was off) crashed the run: a failure, found below.
-    chaos = [i for i in chaos if i.kind not in ("nan", "spike") or i.step in skipped]
-    anomaly_steps = {i.step for i in chaos if i.kind in ("nan", "spike")}
+    chaos = [i for i in chaos if i.kind not in _ANOMALY_FAULTS or i.step in skipped]
+    anomaly_steps = {i.step for i in chaos if i.kind in _ANOMALY_FAULTS}
     natural = [
-        Interruption("anomaly", step=int(e["step"]))
+        Interruption(ANOMALY, step=int(e["step"]))
         for e in events
-        if e["type"] == "anomaly" and _reference(e) and int(e["step"]) not in anomaly_steps
+        if e["type"] == EventType.ANOMALY
+        and on_reference_lane(e)
+        and int(e["step"]) not in anomaly_steps
     ]
     unexplained = _unexplained_failures(events, injected_at, clock)
     return [*chaos, *supervisor, *unexplained, *natural]
@@ -335,7 +343,7 @@ def checkpoint_intervals(
 
 def _saved_every(events: Sequence[dict[str, Any]], tier: str) -> int:
     steps = sorted(
-        {int(e["step"]) for e in events if e["type"] == "save" and e.get("tier") == tier}
+        {int(e["step"]) for e in events if e["type"] == EventType.SAVE and e.get("tier") == tier}
     )
     gaps = [b - a for a, b in itertools.pairwise(steps) if b > a]
     return int(statistics.median(gaps)) if gaps else 0
