@@ -14,8 +14,13 @@ import types
 
 import pytest
 
-from resilient_jax.chaos import hook as chaos
+from resilient_jax.chaos import record
+from resilient_jax.chaos import spec as chaos_spec
+from resilient_jax.chaos.hook import SCHEDULE_AHEAD_STEPS, ChaosHook
+from resilient_jax.chaos.step import wrap_step
 from resilient_jax.config import default_config
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.faults import SPIKE_FACTOR, FaultKind
 from resilient_jax.events import EventLog, read_events
 
 
@@ -36,14 +41,14 @@ def fake_ctx(workdir, process=0, num_processes=1, num_slices=1, generation=0):
 
 
 def chaos_events(workdir):
-    return [e for e in read_events(str(workdir)) if e["type"] == "chaos"]
+    return [e for e in read_events(str(workdir)) if e["type"] == EventType.CHAOS]
 
 
 # ------------------------------------------------------------------------------ parsing
 
 
 def test_every_kind_parses():
-    faults = chaos.parse(
+    faults = chaos_spec.parse(
         "nan:step=5; spike:step=6,factor=8; slow:process=1,factor=2.5; "
         "hang:process=0,step=7,mode=stop; kill:process=2,step=9; "
         "lose_slice:slice=1,step=10,for=2m; corrupt_checkpoint:step=11"
@@ -65,10 +70,11 @@ def test_every_kind_parses():
     assert (got["kill"].process, got["kill"].step) == (2, 9)
     assert (got["lose_slice"].slice, got["lose_slice"].for_s) == (1, 120.0)
     assert got["corrupt_checkpoint"].step == 11
-    assert chaos.parse("spike:step=1")[0].factor == chaos.SPIKE_FACTOR
-    assert chaos.parse("hang:process=0,step=1")[0].mode == "sleep"
-    assert len({f.key for f in chaos.parse("nan:step=1;nan:step=1")}) == 2
-    assert chaos.parse("") == []
+    assert all(isinstance(f.kind, FaultKind) for f in faults)
+    assert chaos_spec.parse("spike:step=1")[0].factor == SPIKE_FACTOR
+    assert chaos_spec.parse("hang:process=0,step=1")[0].mode == "sleep"
+    assert len({f.key for f in chaos_spec.parse("nan:step=1;nan:step=1")}) == 2
+    assert chaos_spec.parse("") == []
 
 
 @pytest.mark.parametrize(
@@ -90,28 +96,28 @@ def test_every_kind_parses():
 )
 def test_bad_specs_name_the_bad_part(spec, bad, why):
     with pytest.raises(ValueError) as error:
-        chaos.parse(spec)
+        chaos_spec.parse(spec)
     message = str(error.value)
     assert "\n" not in message and repr(bad) in message and why in message
 
 
 def test_random_schedule_is_seeded():
-    a = chaos.parse("random:mtbf=60s,seed=1")
-    assert a == chaos.parse("random:mtbf=60s,seed=1")
-    assert a != chaos.parse("random:mtbf=60s,seed=2")
-    assert len(a) == chaos.RANDOM_DEFAULT_COUNT
+    a = chaos_spec.parse("random:mtbf=60s,seed=1")
+    assert a == chaos_spec.parse("random:mtbf=60s,seed=1")
+    assert a != chaos_spec.parse("random:mtbf=60s,seed=2")
+    assert len(a) == chaos_spec.RANDOM_DEFAULT_COUNT
     times = [f.at_s for f in a]
     assert times == sorted(times) and all(f.step is None for f in a)
     assert 30 < times[-1] / len(times) < 120  # mean gap near the mtbf
-    assert {f.kind for f in a} == set(chaos.RANDOM_DEFAULT_KINDS)
-    few = chaos.parse("random:mtbf=1h,seed=3,kinds=kill+lose_slice,count=5")
+    assert {f.kind for f in a} == set(chaos_spec.RANDOM_DEFAULT_KINDS)
+    few = chaos_spec.parse("random:mtbf=1h,seed=3,kinds=kill+lose_slice,count=5")
     assert len(few) == 5 and {f.kind for f in few} <= {"kill", "lose_slice"}
 
 
 def test_supervisor_actions_list_slice_outages():
-    actions = chaos.supervisor_actions("nan:step=2;lose_slice:slice=1,step=10,for=45s")
-    assert actions == [chaos.SliceOutage(slice=1, duration_s=45.0, step=10)]
-    randomised = chaos.supervisor_actions(
+    actions = chaos_spec.supervisor_actions("nan:step=2;lose_slice:slice=1,step=10,for=45s")
+    assert actions == [chaos_spec.SliceOutage(slice=1, duration_s=45.0, step=10)]
+    randomised = chaos_spec.supervisor_actions(
         "random:mtbf=10s,seed=0,kinds=lose_slice,count=3", num_slices=2
     )
     assert len(randomised) == 3 and all(a.slice in (0, 1) and a.at_s for a in randomised)
@@ -121,60 +127,111 @@ def test_supervisor_actions_list_slice_outages():
 # --------------------------------------------------------------------- in-process faults
 
 
+class FakeRun:
+    """Drives a ChaosHook as the train loop does: `on_start` with the state it starts from, then
+    per step the wrapped step (a fake compiled step that records its loss scale) and
+    `after_step`. `work` runs inside each step (to advance a fake clock)."""
+
+    def __init__(self, hook, ctx, start=0, work=lambda: None):
+        self.hook, self.ctx, self.work = hook, ctx, work
+        self.state = types.SimpleNamespace(step=start)
+        self.scales = {}  # step -> loss scale it was taken with
+        self.step_fn = wrap_step(self._compiled_step, hook)
+        hook.on_start(ctx, self.state)
+
+    def _compiled_step(self, state, batch, loss_scale):
+        self.work()
+        self.scales[state.step + 1] = float(loss_scale)
+        return types.SimpleNamespace(step=state.step + 1), {"loss": loss_scale}
+
+    def take(self):
+        """Takes the next step; returns its loss scale."""
+        self.state, _ = self.step_fn(self.state, None)
+        self.hook.after_step(self.ctx, self.state, types.SimpleNamespace(step=self.state.step))
+        return self.scales[self.state.step]
+
+    def roll_back(self, to_step):
+        """The loop restored the state of `to_step` (a new state object, as a restore gives)."""
+        self.state = types.SimpleNamespace(step=to_step)
+
+
 def test_nan_and_spike_scale_the_loss_once_per_run(tmp_path):
     ctx = fake_ctx(tmp_path)
-    hook = chaos.ChaosHook("nan:step=3;spike:step=4,factor=7")
-    hook.on_start(ctx, None)
-    # The loop passes the steps completed so far: before_step(ctx, 2) precedes step 3.
-    scales = [hook.before_step(ctx, done) for done in range(6)]
+    run = FakeRun(ChaosHook("nan:step=3;spike:step=4,factor=7"), ctx)
+    scales = [run.take() for _ in range(6)]  # steps 1 to 6
     assert math.isnan(scales[2]) and scales[3] == 7.0
     assert [s for i, s in enumerate(scales) if i not in (2, 3)] == [1.0] * 4
-    assert hook.before_step(ctx, 2) == 1.0  # a rollback re-running step 3 does not re-fire
+    run.roll_back(to_step=2)
+    assert run.take() == 1.0  # a rollback re-running step 3 does not re-fire
     events = chaos_events(tmp_path)
     assert [(e["kind"], e["step"]) for e in events] == [("nan", 3), ("spike", 4)]
     assert events[1]["factor"] == 7.0
-    fired = json.loads((tmp_path / chaos.FIRED_FILE).read_text())
+    fired = json.loads((tmp_path / record.FIRED_FILE).read_text())
     assert set(fired["fired"]) == {"0:nan:step=3", "1:spike:step=4,factor=7"}
 
     # A restarted generation reaches step 3 again: the fault is spent.
     restarted = fake_ctx(tmp_path, generation=1)
-    again = chaos.ChaosHook("nan:step=3;spike:step=4,factor=7")
-    assert [again.before_step(restarted, d) for d in range(6)] == [1.0] * 6
+    again = FakeRun(ChaosHook("nan:step=3;spike:step=4,factor=7"), restarted)
+    assert [again.take() for _ in range(6)] == [1.0] * 6
     assert len(chaos_events(tmp_path)) == 2
+
+
+def test_the_wrapped_step_numbers_steps_from_a_restored_state(tmp_path):
+    run = FakeRun(ChaosHook("nan:step=5"), fake_ctx(tmp_path))
+    assert [run.take() for _ in range(3)] == [1.0] * 3  # steps 1 to 3
+    run.roll_back(to_step=1)
+    assert [run.take() for _ in range(3)] == [1.0] * 3  # steps 2 to 4 again
+    assert math.isnan(run.take()) and run.state.step == 5
 
 
 def test_all_processes_of_one_generation_fire_a_loss_fault(tmp_path):
     scales = []
     for process in range(2):
         ctx = fake_ctx(tmp_path, process=process, num_processes=2)
-        scales.append(chaos.ChaosHook("spike:step=2,factor=3").before_step(ctx, 1))
+        scales.append(FakeRun(ChaosHook("spike:step=2,factor=3"), ctx, start=1).take())
     assert scales == [3.0, 3.0]
 
 
 def test_spent_rule():
-    fault = chaos.parse("nan:step=1")[0]
+    fault = chaos_spec.parse("nan:step=1")[0]
     data = {"fired": {fault.key: {"0": {"generation": 2, "pid": 10}}}, "scheduled": {}}
-    assert chaos.is_spent(data, fault, generation=3, process=1, pid=11)  # older generation
-    assert not chaos.is_spent(data, fault, generation=2, process=1, pid=11)  # a peer, same gen
-    assert chaos.is_spent(data, fault, generation=2, process=0, pid=12)  # restarted process 0
+    assert record.is_spent(data, fault, generation=3, process=1, pid=11)  # older generation
+    assert not record.is_spent(data, fault, generation=2, process=1, pid=11)  # a peer, same gen
+    assert record.is_spent(data, fault, generation=2, process=0, pid=12)  # restarted process 0
 
 
 def test_a_process_absent_at_its_step_gets_the_fault_when_it_next_runs(tmp_path):
     blocked = []
     spec = "hang:process=1,step=5"
     # Generation 1 runs on one process (process 1's slice evicted) past step 5: nothing fires.
-    alone = chaos.ChaosHook(spec, block_forever=lambda: blocked.append("gen1"))
-    for done in range(8):
-        alone.before_step(fake_ctx(tmp_path, process=0, num_processes=1, generation=1), done)
+    alone = ChaosHook(spec, block_forever=lambda: blocked.append("gen1"))
+    run = FakeRun(alone, fake_ctx(tmp_path, process=0, num_processes=1, generation=1))
+    for _ in range(8):
+        run.take()
     assert blocked == [] and chaos_events(tmp_path) == []
     # Generation 2 is back on two processes, resumed at step 8: process 1 hangs at step 9.
     for process in range(2):
-        hook = chaos.ChaosHook(spec, block_forever=lambda p=process: blocked.append(p))
+        hook = ChaosHook(spec, block_forever=lambda p=process: blocked.append(p))
         ctx = fake_ctx(tmp_path, process=process, num_processes=2, num_slices=2, generation=2)
-        for done in range(8, 11):
-            hook.before_step(ctx, done)
+        run = FakeRun(hook, ctx, start=8)
+        for _ in range(3):  # steps 9 to 11
+            run.take()
     assert blocked == [1]
     assert [(e["kind"], e["step"]) for e in chaos_events(tmp_path)] == [("hang", 9)]
+
+
+def test_no_fault_fires_for_a_step_past_the_last(tmp_path):
+    blocked = []
+    ctx = fake_ctx(tmp_path)
+    ctx.config.total_steps = 3
+    hook = ChaosHook("hang:process=0,step=4", block_forever=lambda: blocked.append(4))
+    run = FakeRun(hook, ctx)
+    for _ in range(3):
+        run.take()
+    FakeRun(
+        ChaosHook("hang:process=0,step=4", block_forever=lambda: blocked.append(3)), ctx, start=3
+    )
+    assert blocked == [] and chaos_events(tmp_path) == []
 
 
 def test_slow_stretches_only_the_target_process(tmp_path):
@@ -185,15 +242,18 @@ def test_slow_stretches_only_the_target_process(tmp_path):
         slept.append(seconds)
         now[0] += seconds
 
-    hook = chaos.ChaosHook("slow:process=1,factor=3,step=2", clock=lambda: now[0], sleep=sleep)
-    ctx = fake_ctx(tmp_path, process=1, num_processes=2)
-    for done in range(5):
-        hook.before_step(ctx, done)
-        now[0] += 0.5  # the step's own work
-    assert slept == pytest.approx([1.0, 1.0, 1.0])  # (3 - 1) x 0.5 s from step 2 on
-    other = chaos.ChaosHook("slow:process=1,factor=3", clock=lambda: now[0], sleep=sleep)
-    for done in range(3):
-        other.before_step(fake_ctx(tmp_path, process=0, num_processes=2), done)
+    def work():  # the step's own work
+        now[0] += 0.5
+
+    hook = ChaosHook("slow:process=1,factor=3,step=2", clock=lambda: now[0], sleep=sleep)
+    run = FakeRun(hook, fake_ctx(tmp_path, process=1, num_processes=2), work=work)
+    for _ in range(4):
+        run.take()
+    assert slept == pytest.approx([1.0, 1.0, 1.0])  # (3 - 1) x 0.5 s for steps 2, 3 and 4
+    other = ChaosHook("slow:process=1,factor=3", clock=lambda: now[0], sleep=sleep)
+    run = FakeRun(other, fake_ctx(tmp_path, process=0, num_processes=2), work=work)
+    for _ in range(3):
+        run.take()
     assert len(slept) == 3
     assert [e["kind"] for e in chaos_events(tmp_path)] == ["slow"]
 
@@ -215,8 +275,9 @@ def test_corrupt_checkpoint_flips_array_bytes_of_the_newest_committed_step(tmp_p
     (root / "12.orbax-checkpoint-tmp-99").mkdir()  # in progress: not committed
     local = tmp_path / "local"
     local_new = make_checkpoint(local, 10)
-    hook = chaos.ChaosHook("corrupt_checkpoint:step=11", local_checkpoint_dir=str(local))
-    assert hook.before_step(ctx, 10) == 1.0
+    hook = ChaosHook("corrupt_checkpoint:step=11", local_checkpoint_dir=str(local))
+    run = FakeRun(hook, ctx, start=10)  # step 11 is the first step it takes
+    assert run.take() == 1.0
     assert (new / "ocdbt.process_0" / "d" / "abc").read_bytes() != b"\x01" * 64
     assert (local_new / "ocdbt.process_0" / "d" / "abc").read_bytes() != b"\x01" * 64
     assert (new / "_METADATA").read_bytes() == b'{"tree": 1}'
@@ -231,25 +292,24 @@ def test_corrupt_checkpoint_flips_array_bytes_of_the_newest_committed_step(tmp_p
 def test_random_loss_faults_hit_every_process_at_the_same_step(tmp_path):
     now = [0.0]
     spec = "random:mtbf=10s,seed=0,kinds=nan,count=1"
-    at_s = chaos.parse(spec)[0].at_s
-    hooks = [chaos.ChaosHook(spec, clock=lambda: now[0]) for _ in range(2)]
+    at_s = chaos_spec.parse(spec)[0].at_s
     ctxs = [fake_ctx(tmp_path, process=p, num_processes=2) for p in range(2)]
-    for hook, ctx in zip(hooks, ctxs, strict=True):
-        hook.on_start(ctx, None)
+    runs = [FakeRun(ChaosHook(spec, clock=lambda: now[0]), ctx) for ctx in ctxs]
     fired_at = {0: [], 1: []}
     for done in range(20):
         now[0] = at_s * done / 8  # the fault comes due at step 9
         for p in (1, 0):  # process 1 runs ahead of process 0
-            if math.isnan(hooks[p].before_step(ctxs[p], done)):
+            if math.isnan(runs[p].take()):
                 fired_at[p].append(done + 1)
-    assert fired_at[0] == fired_at[1] == [9 + chaos.SCHEDULE_AHEAD_STEPS]
+    assert fired_at[0] == fired_at[1] == [9 + SCHEDULE_AHEAD_STEPS]
 
 
 # --------------------------------------------------------------------- process faults
 
 DRIVER = """
 import sys, time, types
-from resilient_jax.chaos import hook as chaos
+from resilient_jax.chaos.hook import ChaosHook
+from resilient_jax.chaos.step import wrap_step
 from resilient_jax.config import default_config
 from resilient_jax.events import EventLog
 workdir, spec, process, processes, slices = sys.argv[1:6]
@@ -258,10 +318,14 @@ topology = types.SimpleNamespace(process_index=process, num_processes=processes,
     num_slices=slices, slice_index=process // (processes // slices))
 ctx = types.SimpleNamespace(workdir=workdir, events=EventLog(workdir, process=process),
     topology=topology, generation=0, config=default_config())
-hook = chaos.ChaosHook(spec)
-for done in range(5):
-    hook.before_step(ctx, done)
-    print("took", done + 1, flush=True)
+hook = ChaosHook(spec)
+state = types.SimpleNamespace(step=0)
+step_fn = wrap_step(lambda s, batch, scale: (types.SimpleNamespace(step=s.step + 1), {}), hook)
+hook.on_start(ctx, state)
+for _ in range(5):
+    state, _ = step_fn(state, None)
+    print("took", state.step, flush=True)
+    hook.after_step(ctx, state, types.SimpleNamespace(step=state.step))
     time.sleep(0.01)
 print("done", flush=True)
 """
