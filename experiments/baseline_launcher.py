@@ -12,7 +12,8 @@ What it does, and what it leaves out compared with `resilient_jax.control.Superv
 - It then restarts every worker, on the same number of slices, from the newest checkpoint the
   workers find (the experiment turns the local tier off: the last persistent one). A slice that is
   lost for a while must come back first: a fixed-size job waits for its nodes.
-- It injects the same timed faults as the supervisor does (`SupervisorAction`), and writes the
+- It injects the same timed faults as the supervisor does (`SupervisorAction`, with the signals of
+  `resilient_jax.control.fault_injection`), and writes the
   events goodput accounting reads (`process_start`, `fault_injected`, `failure_detected`,
   `restart`, `stop`) on the supervisor's lane.
 """
@@ -20,26 +21,23 @@ What it does, and what it leaves out compared with `resilient_jax.control.Superv
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import sys
 import time
 from collections.abc import Sequence
 from typing import IO
 
 from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.control import ClusterSpec, SupervisorAction, processes
-from resilient_jax.control.supervisor import action_targets
+from resilient_jax.control.fault_injection import ACTION_SIGNALS, action_targets
+from resilient_jax.control.generation import RestartReason
+from resilient_jax.control.worker_env import free_port, placement_env
 from resilient_jax.events import EventLog
 
-_SIGNALS = {"kill": signal.SIGKILL, "lose_slice": signal.SIGKILL, "hang": signal.SIGSTOP}
-EXIT_TIME_LIMIT = 124
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# A scheduler sees hardware faults, not preemption notices it sends itself.
+_KINDS = (FaultKind.KILL, FaultKind.LOSE_SLICE, FaultKind.HANG)
 
 
 class BaselineLauncher:
@@ -55,7 +53,7 @@ class BaselineLauncher:
         poll_s: float = 0.05,
     ) -> None:
         for action in actions:
-            if action.kind not in _SIGNALS or action.at_s is None:
+            if action.kind not in _KINDS or action.at_s is None:
                 raise ValueError(f"the baseline injects timed kill, hang, lose_slice: {action}")
         self._cluster = cluster
         self._argv = list(worker_argv)
@@ -82,11 +80,11 @@ class BaselineLauncher:
                 now = time.monotonic()
                 if now > deadline:
                     processes.stop(self._workers, self._save_grace_s)
-                    return self._finish(EXIT_TIME_LIMIT, "time limit reached")
+                    return self._finish(ExitCode.TIME_LIMIT, "time limit reached")
                 self._fire(now)
                 codes = [w.poll() for w in self._workers]
-                if all(code == 0 for code in codes):
-                    return self._finish(0, "completed")
+                if all(code == ExitCode.FINISHED for code in codes):
+                    return self._finish(ExitCode.FINISHED, "completed")
                 if self._job_died(codes):
                     self._restart(now, codes, deadline)
                 time.sleep(self._poll_s)
@@ -94,7 +92,7 @@ class BaselineLauncher:
             processes.stop(self._workers, grace_s=0.0)
 
     def _job_died(self, codes: list[int | None]) -> bool:
-        failed = any(code not in (None, 0) for code in codes)
+        failed = any(code not in (None, ExitCode.FINISHED) for code in codes)
         gone = all(
             code is not None or w.process in self._frozen
             for code, w in zip(codes, self._workers, strict=True)
@@ -104,7 +102,7 @@ class BaselineLauncher:
     def _restart(self, now: float, codes: list[int | None], deadline: float) -> None:
         since = min(self._faults) if self._faults else now
         self._events.emit(
-            "failure_detected",
+            EventType.FAILURE_DETECTED,
             cause="job_aborted",
             generation=self._generation,
             latency_s=round(now - since, 4),
@@ -114,37 +112,34 @@ class BaselineLauncher:
         processes.stop(self._workers, grace_s=0.0)
         while time.monotonic() < min(self._outage_until, deadline):
             time.sleep(self._poll_s)  # a fixed-size job waits for its lost nodes
-        self._start_generation(reason="failure")
+        self._start_generation(RestartReason.FAILURE)
 
-    def _start_generation(self, reason: str | None = None) -> None:
+    def _start_generation(self, reason: RestartReason | None = None) -> None:
         self._generation += 1
         self._frozen, self._faults = set(), []
         c = self._cluster
         num_processes = c.num_slices * c.processes_per_slice
         if reason is not None:
-            self._events.emit("restart", generation=self._generation, reason=reason)
-        port = _free_port()
+            self._events.emit(EventType.RESTART, generation=self._generation, reason=reason)
+        port = free_port()
         env = dict(os.environ)
         env.pop(env_vars.SUPERVISOR_ADDRESS, None)
         env.update(
             {
-                env_vars.COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
-                env_vars.NUM_PROCESSES: str(num_processes),
-                env_vars.NUM_SLICES: str(c.num_slices),
-                env_vars.GENERATION: str(self._generation),
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={c.devices_per_process}",
-                "JAX_PLATFORMS": "cpu",
-                "PYTHONUNBUFFERED": "1",
+                env_vars.XLA_FLAGS: (
+                    f"--xla_force_host_platform_device_count={c.devices_per_process}"
+                ),
+                env_vars.JAX_PLATFORMS: "cpu",
+                env_vars.PYTHONUNBUFFERED: "1",
             }
         )
         self._workers = []
         for process in range(num_processes):
             slice_id = process // c.processes_per_slice
-            worker_env = {
-                **env,
-                env_vars.PROCESS_ID: str(process),
-                env_vars.SLICE: str(slice_id),
-            }
+            place = placement_env(
+                port, num_processes, process, c.num_slices, slice_id, self._generation
+            )
+            worker_env = {**env, **place}
             prefix = f"[g{self._generation} s{slice_id} p{process}] "
             worker = processes.spawn(
                 self._argv,
@@ -158,7 +153,7 @@ class BaselineLauncher:
             )
             self._workers.append(worker)
             self._events.emit(
-                "process_start",
+                EventType.PROCESS_START,
                 pid=worker.pid,
                 process=process,
                 slice=slice_id,
@@ -173,14 +168,14 @@ class BaselineLauncher:
                 continue  # as in the supervisor: a fault waits for its hardware to run
             self._pending.remove(action)
             for worker in targets:
-                worker.signal(_SIGNALS[action.kind], group=True)
-                if action.kind == "hang":
+                worker.signal(ACTION_SIGNALS[action.kind], group=True)
+                if action.kind == FaultKind.HANG:
                     self._frozen.add(worker.process)
-            if action.kind == "lose_slice":
+            if action.kind == FaultKind.LOSE_SLICE:
                 self._outage_until = max(self._outage_until, now + (action.duration_s or 0.0))
             self._faults.append(now)
             self._events.emit(
-                "fault_injected",
+                EventType.FAULT_INJECTED,
                 kind=action.kind,
                 slice=action.slice,
                 processes=[w.process for w in targets],
@@ -189,7 +184,9 @@ class BaselineLauncher:
             self._say(f"injected {action.kind} on slice {action.slice}")
 
     def _finish(self, code: int, reason: str) -> int:
-        self._events.emit("stop", reason=reason, exit_code=code, generation=self._generation)
+        self._events.emit(
+            EventType.STOP, reason=reason, exit_code=code, generation=self._generation
+        )
         self._say(f"stop (exit {code}): {reason}")
         return code
 

@@ -41,7 +41,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -56,7 +55,9 @@ sys.path.insert(0, REPO)
 from cluster_runs import load_config, trainer_argv  # noqa: E402
 
 from resilient_jax.contracts import env_vars  # noqa: E402
+from resilient_jax.contracts.faults import FaultKind  # noqa: E402
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
+from resilient_jax.control.worker_env import free_port  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
 
 _TOTAL = flags.DEFINE_integer("total_steps", 60, "Steps of each run.")
@@ -107,7 +108,7 @@ def run_scenario(
     overrides = {**BASE_OVERRIDES, "total_steps": _TOTAL.value, **overrides}
     workdir = tempfile.mkdtemp(prefix=f"rj_bench_{name}_")
     argv = trainer_argv(_WORKER.value, CONFIG_FILE, workdir, overrides)
-    kill = SupervisorAction("kill", slice=1, at_step=_FAULT.value)
+    kill = SupervisorAction(FaultKind.KILL, slice=1, at_step=_FAULT.value)
     with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
         supervisor = Supervisor(
             load_config(CONFIG_FILE, overrides),
@@ -189,9 +190,7 @@ def jax_abort_delay(timeout_s: int, workdir: str) -> float:
             f"    c.coordinator.jax_heartbeat_timeout_s = {timeout_s}\n"
             f"    c.coordinator.heartbeat_timeout_s = {timeout_s / 2}\n    return c\n"
         )
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = []
     try:
         for process in (0, 1):
@@ -200,8 +199,8 @@ def jax_abort_delay(timeout_s: int, workdir: str) -> float:
                 env_vars.COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
                 env_vars.NUM_PROCESSES: "2",
                 env_vars.PROCESS_ID: str(process),
-                "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-                "JAX_PLATFORMS": "cpu",
+                env_vars.XLA_FLAGS: "--xla_force_host_platform_device_count=1",
+                env_vars.JAX_PLATFORMS: "cpu",
             }
             procs.append(
                 subprocess.Popen(

@@ -57,6 +57,7 @@ sys.path.insert(0, REPO)
 from baseline_launcher import BaselineLauncher  # noqa: E402
 from cluster_runs import load_config, trainer_argv  # noqa: E402
 
+from resilient_jax.contracts.faults import FaultKind  # noqa: E402
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
 from resilient_jax.goodput import accounting as goodput  # noqa: E402
@@ -120,7 +121,7 @@ class Trace:
             for a in self.actions
         ]
         if self.nan_at_s is not None:
-            rows.append({"at_s": self.nan_at_s, "kind": "nan"})
+            rows.append({"at_s": self.nan_at_s, "kind": FaultKind.NAN})
         return sorted(rows, key=lambda r: r["at_s"])
 
 
@@ -130,8 +131,8 @@ def make_trace(seed: int, mtbf_s: float, length_s: float, lost_for_s: float) -> 
     while t < length_s:
         times.append(round(t, 1))
         t += rng.expovariate(1.0 / mtbf_s)
-    kinds = ["kill"] * len(times)
-    special = ("hang", "nan", "lose_slice")[: len(times)]
+    kinds = [FaultKind.KILL] * len(times)
+    special = (FaultKind.HANG, FaultKind.NAN, FaultKind.LOSE_SLICE)[: len(times)]
     for index, kind in zip(rng.sample(range(len(times)), len(special)), special, strict=True):
         kinds[index] = kind
     actions, nan_at_s = [], None
@@ -140,9 +141,9 @@ def make_trace(seed: int, mtbf_s: float, length_s: float, lost_for_s: float) -> 
             rng.randrange(CLUSTER.num_slices),
             rng.randrange(CLUSTER.processes_per_slice),
         )
-        if kind == "nan":
+        if kind == FaultKind.NAN:
             nan_at_s = at_s
-        elif kind == "lose_slice":
+        elif kind == FaultKind.LOSE_SLICE:
             actions.append(SupervisorAction(kind, slice_id, at_s=at_s, duration_s=lost_for_s))
         else:
             actions.append(SupervisorAction(kind, slice_id, process=process, at_s=at_s))

@@ -21,6 +21,8 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from resilient_jax import config as config_lib
+from resilient_jax.chaos import spec as chaos_spec
+from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control import ClusterSpec, Supervisor
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -66,13 +68,11 @@ def main(argv: list[str]) -> None:
     try:
         config_lib.validate(config)
         if _CHAOS.value:
-            from resilient_jax import chaos
-
-            chaos.supervisor_actions(_CHAOS.value, _NUM_SLICES.value)  # reject a bad spec now
+            chaos_spec.supervisor_actions(_CHAOS.value, _NUM_SLICES.value)  # reject a bad spec now
         cluster = ClusterSpec(_NUM_SLICES.value, _PROCESSES.value, _DEVICES.value, _SPARES.value)
     except ValueError as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(ExitCode.BAD_INPUT)
     workdir = os.path.abspath(_WORKDIR.value)
     # As given (with any `:argument`); the workers start in our working directory.
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])

@@ -16,12 +16,21 @@ import pytest
 
 from resilient_jax import config as config_lib
 from resilient_jax.contracts import env_vars
-from resilient_jax.control import compile_cache, detector, processes, protocol
+from resilient_jax.contracts.faults import FaultKind, SupervisorFaultKind
+from resilient_jax.control import (
+    ClusterSpec,
+    SupervisorAction,
+    compile_cache,
+    detector,
+    plan_for,
+    processes,
+    protocol,
+    worker_env,
+)
 from resilient_jax.control.outages import OutageReader
-from resilient_jax.control.policy import RestartPolicy, SlicePool
+from resilient_jax.control.policy import RestartPolicy, SlicePool, straggler_eviction_pays
 from resilient_jax.control.server import HeartbeatServer, WorkerReport
 from resilient_jax.control.stragglers import StragglerWatch
-from resilient_jax.control.supervisor import ClusterSpec, SupervisorAction, plan_for
 from resilient_jax.worker import standby
 from resilient_jax.worker.client import SupervisorClient
 from resilient_jax.worker.distributed import initialize_from_env, read_env
@@ -79,8 +88,8 @@ def test_client_reports_phases_steps_and_median_to_server():
         assert report.step_time_s == pytest.approx(0.2)
         assert report.last_progress is not None
         assert server.reports(1) == {}
-        with client.phase(protocol.PHASE_SAVE):
-            wait_for(lambda: server.reports(2)[1].phase == protocol.PHASE_SAVE)
+        with client.phase(protocol.PHASE_RESTORE):
+            wait_for(lambda: server.reports(2)[1].phase == protocol.PHASE_RESTORE)
         wait_for(lambda: server.reports(2)[1].phase == protocol.PHASE_TRAIN)
         with pytest.raises(ValueError, match="phase"):
             client.set_phase("lunch")
@@ -220,7 +229,7 @@ def test_detector_slow_phases_get_the_startup_budget():
     now = 1000.0
     spawned = {0: now - 100, 1: now - 100}
     reports = {p: report(p, now, last_progress=now - 30) for p in (0, 1)}
-    reports[0].phase = protocol.PHASE_SAVE
+    reports[0].phase = protocol.PHASE_DONE
     assert detector.check(now, spawned, reports, THRESHOLDS) is None
     # Before the first step: compile and restore get the startup budget, then it is a stall.
     starting = {p: report(p, now, step=None, last_progress=None, phase="compile") for p in (0, 1)}
@@ -409,6 +418,13 @@ def test_restart_policy_crash_loop_and_backoff():
     assert "crash loop: 3 failures in a row without getting past step 70" in policy.stop_reason()
 
 
+def test_straggler_eviction_pays_only_when_the_rest_is_faster():
+    assert straggler_eviction_pays(1.5, 2, 2) == (True, "a spare slice replaces it")
+    assert straggler_eviction_pays(2.1, 2, 1)[0]  # one slice alone is 2x slower, the straggler 2.1x
+    pays, why = straggler_eviction_pays(1.9, 2, 1)
+    assert not pays and "ratio <= 2.00" in why
+
+
 def test_restart_policy_retry_budget():
     policy = RestartPolicy(coordinator_config(max_restarts=2, crash_loop_limit=10))
     for step in (10, 20):
@@ -488,6 +504,33 @@ def test_read_env():
         )
 
 
+def test_worker_env_is_read_back_by_the_worker():
+    shared = worker_env.shared_env(
+        {env_vars.XLA_FLAGS: "--xla_force_host_platform_device_count=8 --other", "KEEP": "1"},
+        "127.0.0.1:9",
+        supervisor_pid=77,
+        token=TOKEN,
+        devices_per_process=2,
+        cache_env={env_vars.JAX_COMPILATION_CACHE_DIR: "/tmp/cache"},
+    )
+    assert shared[env_vars.XLA_FLAGS] == "--other --xla_force_host_platform_device_count=2"
+    assert (shared["KEEP"], shared[env_vars.RUN_TOKEN], shared[env_vars.SUPERVISOR_PID]) == (
+        "1",
+        TOKEN,
+        "77",
+    )
+    assert shared[env_vars.JAX_COMPILATION_CACHE_DIR] == "/tmp/cache"
+    place = worker_env.placement_env(1234, 4, 3, 2, slice_id=5, generation=7)
+    env = read_env({**shared, **place})
+    assert (env.process_id, env.slice_index, env.slice, env.generation) == (3, 1, 5, 7)
+    assert env.coordinator_address == "127.0.0.1:1234"
+
+
+def test_exit_descriptions():
+    assert processes.describe_exit(3) == "exited with code 3"
+    assert processes.describe_exit(-9) == "was killed by SIGKILL"
+
+
 def test_initialize_from_env_does_nothing_for_a_single_process():
     c = config_lib.default_config().coordinator
     assert initialize_from_env(c, environ={}) is None
@@ -510,6 +553,12 @@ def test_plan_for_keeps_the_global_batch_with_fewer_slices():
 def test_actions_and_cluster_are_checked():
     with pytest.raises(ValueError, match="kind"):
         SupervisorAction("reboot", slice=0, at_step=1)
+    with pytest.raises(ValueError, match="kind"):
+        SupervisorAction(
+            FaultKind.NAN, slice=0, at_step=1
+        )  # a worker's fault, not the supervisor's
+    assert SupervisorAction("kill", slice=0, at_step=1).kind is FaultKind.KILL
+    assert SupervisorAction("preempt", slice=0, at_s=1.0).kind is SupervisorFaultKind.PREEMPT
     with pytest.raises(ValueError, match="exactly one"):
         SupervisorAction("kill", slice=0)
     with pytest.raises(ValueError, match="num_slices"):

@@ -6,8 +6,8 @@ Three signs, from fast to slow:
 - a process stops sending heartbeats (`heartbeat_timeout_s`): dead, stopped or cut off;
 - the job stops making step progress while heartbeats still come: a hang. The budget is
   `max(hang_factor x median step time, hang_floor_s)` while training, and the longer
-  `startup_timeout_s` while any process is starting (JAX init, restore, compile) or reports a slow
-  phase (save, done); once every process is ready, `first_step_timeout_s` for the generation's
+  `startup_timeout_s` while any process is starting (JAX init, restore, compile) or finishing
+  (done); once every process is ready, `first_step_timeout_s` for the generation's
   first step (it sets up the collectives), timed from the last process to get ready.
 """
 
@@ -110,7 +110,7 @@ def _check_progress(
     phases = {r.phase for r in running}
     ready_times = [r.ready_at for r in running if r.ready_at is not None]
     if phases - {protocol.PHASE_READY, protocol.PHASE_TRAIN} or len(running) < len(spawned_at):
-        # Someone is still starting (or saving, or finishing): the long budget.
+        # Someone is still starting (or finishing): the long budget.
         budget, budget_name = thresholds.startup_timeout_s, "startup_timeout_s"
         since = max(progress_times) if progress_times else min(spawned_at.values())
     elif protocol.PHASE_READY in phases:

@@ -13,6 +13,8 @@ import dataclasses
 import json
 import os
 
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.events import EVENTS_FILE
 
 
@@ -45,9 +47,9 @@ class OutageReader:
                 event = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if not isinstance(event, dict) or event.get("type") != "chaos":
+            if not isinstance(event, dict) or event.get("type") != EventType.CHAOS:
                 continue
-            if event.get("kind") != "lose_slice" or not isinstance(event.get("slice"), int):
+            if event.get("kind") != FaultKind.LOSE_SLICE or not isinstance(event.get("slice"), int):
                 continue
             generation = event.get("generation")
             outages.append(

@@ -2,7 +2,8 @@
 
 `SlicePool` knows which physical slices are healthy, which are evicted and when they come back.
 `RestartPolicy` counts failures and decides between "restart after a back-off" and "stop": a retry
-budget, exponential back-off, and crash-loop detection.
+budget, exponential back-off, and crash-loop detection. `scale_up_pays` and
+`straggler_eviction_pays` weigh a reshape's gain against what it costs.
 """
 
 from __future__ import annotations
@@ -190,3 +191,16 @@ def scale_up_pays(
     if gain > cost:
         return True, f"{pace}: saves {gain:.0f}s over {horizon:.0f}s > restart {cost:.1f}s"
     return False, f"{pace}: saves {max(gain, 0.0):.1f}s over {horizon:.0f}s <= restart {cost:.1f}s"
+
+
+def straggler_eviction_pays(ratio: float, slices_now: int, slices_after: int) -> tuple[bool, str]:
+    """Whether evicting a slice that takes `ratio` times its peers' step time makes the job faster,
+    leaving `slices_after` of `slices_now` slices: a spare takes its place, or the others alone
+    step faster than the job waiting for it (the step time grows by N / N_after on fewer devices,
+    so the ratio must exceed that)."""
+    if slices_after >= slices_now:
+        return True, "a spare slice replaces it"
+    needed = slices_now / slices_after
+    if ratio > needed:
+        return True, f"the other {slices_after} slice(s) alone are faster (ratio > {needed:.2f})"
+    return False, f"the other {slices_after} slice(s) alone are slower (ratio <= {needed:.2f})"

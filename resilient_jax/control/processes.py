@@ -219,3 +219,13 @@ def stop(
         worker.poll()
         worker.reader.join(timeout=1.0)
     return time.monotonic() - start
+
+
+def describe_exit(code: int) -> str:
+    """How a worker ended, for people: `exited with code N` or `was killed by SIGNAME`."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -15,16 +15,16 @@ import json
 from typing import Any
 
 # Phases a worker reports. Before its first step in a generation a worker is starting (JAX init,
-# restore, compile); "save" and "done" are slow on purpose. "ready": compiled and restored, taking
-# the generation's first step (which sets up the collectives). Only "train" is judged by step time.
-# "error": the worker hit an error it cannot recover from. It says so at once because it may not
-# manage to exit: JAX's exit-time shutdown barrier waits for peers that are stuck in a collective.
+# restore, compile); "done" (the final save and exit) is slow on purpose. "ready": compiled and
+# restored, taking the generation's first step (which sets up the collectives). Only "train" is
+# judged by step time. "error": the worker hit an error it cannot recover from. It says so at
+# once because it may not manage to exit: JAX's exit-time shutdown barrier waits for peers that
+# are stuck in a collective.
 PHASE_INIT = "init"
 PHASE_RESTORE = "restore"
 PHASE_COMPILE = "compile"
 PHASE_READY = "ready"
 PHASE_TRAIN = "train"
-PHASE_SAVE = "save"
 PHASE_DONE = "done"
 PHASE_ERROR = "error"
 PHASES = (
@@ -33,7 +33,6 @@ PHASES = (
     PHASE_COMPILE,
     PHASE_READY,
     PHASE_TRAIN,
-    PHASE_SAVE,
     PHASE_DONE,
     PHASE_ERROR,
 )

@@ -24,8 +24,10 @@ import time
 from absl import app, flags
 from ml_collections import config_flags
 
-from resilient_jax.chaos import hook as chaos
+from resilient_jax.chaos import spec as chaos_spec
+from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.control import protocol
 from resilient_jax.events import EventLog
 from resilient_jax.worker.client import SupervisorClient
@@ -71,15 +73,15 @@ def _save(workdir: str, state: dict) -> None:
     os.replace(path + ".tmp", path)  # atomic: a crash mid-save leaves the previous state
 
 
-def _slow_faults(spec: str) -> list[chaos.Fault]:
-    faults = chaos.parse(spec)
-    other = sorted({f.kind for f in faults if f.kind != "slow"})
+def _slow_faults(spec: str) -> list[chaos_spec.Fault]:
+    faults = chaos_spec.parse(spec)
+    other = sorted({f.kind.value for f in faults if f.kind != FaultKind.SLOW})
     if other:
         raise app.UsageError(f"the stand-in worker acts out only `slow` faults, not {other}")
     return faults
 
 
-def _step_time(slow: list[chaos.Fault], process: int, num_processes: int, step: int) -> float:
+def _step_time(slow: list[chaos_spec.Fault], process: int, num_processes: int, step: int) -> float:
     factor = 1.0
     for fault in slow:
         if fault.target_process(num_processes) == process and step >= (fault.step or 1):
@@ -110,14 +112,14 @@ def main(argv: list[str]) -> int:
     if client:
         client.set_phase(protocol.PHASE_RESTORE)
     state = _load(workdir)
-    events.emit("restore", step=state["step"])
+    events.emit(EventType.RESTORE, step=state["step"])
     if client:
         client.set_phase(protocol.PHASE_READY)
 
     def save(step: int) -> None:
         if process == 0:
             _save(workdir, {"step": step, "value": state["value"]})
-            events.emit("save", step=step)
+            events.emit(EventType.SAVE, step=step)
 
     generation = env.generation if env else 0
     faulty = process == _FAULT_PROCESS.value and _FAULT_GENERATION.value in (-1, generation)
@@ -127,7 +129,10 @@ def main(argv: list[str]) -> int:
             if _LOSE_SLICE_FOR.value > 0:
                 slice_index = env.slice_index if env else 0
                 events.emit(
-                    "chaos", kind="lose_slice", slice=slice_index, for_s=_LOSE_SLICE_FOR.value
+                    EventType.CHAOS,
+                    kind=FaultKind.LOSE_SLICE,
+                    slice=slice_index,
+                    for_s=_LOSE_SLICE_FOR.value,
                 )
                 os.kill(os.getpid(), signal.SIGKILL)
             if _CRASH_CODE.value:
@@ -149,7 +154,7 @@ def main(argv: list[str]) -> int:
         every = config.checkpoint.every_steps
         if distributed and multihost_utils.reached_preemption_sync_point(step):
             save(step)
-            events.emit("stop", reason="preempted", step=step)
+            events.emit(EventType.STOP, reason="preempted", step=step)
             return ExitCode.PREEMPTED
         if every and step % every == 0:
             save(step)
@@ -158,7 +163,7 @@ def main(argv: list[str]) -> int:
     save(config.total_steps)
     if client:
         client.close()
-    return 0
+    return ExitCode.FINISHED
 
 
 if __name__ == "__main__":

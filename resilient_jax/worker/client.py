@@ -108,7 +108,7 @@ class SupervisorClient(Hook):
 
     @contextlib.contextmanager
     def phase(self, phase: str) -> Iterator[None]:
-        """Reports `phase` (e.g. "save", "restore") while the block runs, then the previous one."""
+        """Reports `phase` (e.g. "restore") while the block runs, then the previous one."""
         with self._lock:
             previous = self._phase
         self.set_phase(phase)
@@ -137,7 +137,7 @@ class SupervisorClient(Hook):
     def report_step(self, step: int, step_time_s: float) -> None:
         # When this process got step `step` under way, on the wall clock every process of the
         # job shares (to the precision of clock sync): the supervisor compares these arrivals
-        # across processes to find the one the others wait for (`coordinator.stragglers`).
+        # across processes to find the one the others wait for (`control.stragglers`).
         arrival = round(time.time(), 4)
         with self._lock:
             self._arrivals.append((step, arrival))

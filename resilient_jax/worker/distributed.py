@@ -17,6 +17,7 @@ import jax
 import ml_collections
 
 from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.event_types import EventType
 from resilient_jax.control import protocol
 from resilient_jax.events import EventLog
 
@@ -120,7 +121,7 @@ def initialize_from_env(
         )
     if events is not None:
         events.emit(
-            "jax_init",
+            EventType.JAX_INIT,
             duration_s=time.monotonic() - start,
             process=env.process_id,
             num_processes=env.num_processes,

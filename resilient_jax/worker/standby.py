@@ -23,6 +23,8 @@ import os
 import runpy
 import sys
 
+from resilient_jax.contracts.exit_codes import ExitCode
+
 _PRELOAD_FLAG = "--preload="
 
 
@@ -58,12 +60,12 @@ def main(argv: list[str]) -> int:
         preload, worker = parse_args(argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.BAD_INPUT
     for module in preload:
         importlib.import_module(module)
     line = sys.stdin.readline()
-    if not line.strip():
-        return 0
+    if not line.strip():  # not needed after all: nothing to do, nothing failed
+        return ExitCode.FINISHED
     assignment = json.loads(line)
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in assignment["env"].items()})
@@ -72,7 +74,7 @@ def main(argv: list[str]) -> int:
     os.dup2(devnull, sys.stdin.fileno())
     os.close(devnull)
     run_worker(worker)
-    return 0
+    return ExitCode.FINISHED
 
 
 if __name__ == "__main__":

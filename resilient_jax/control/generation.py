@@ -1,0 +1,98 @@
+"""One generation as the supervisor tracks it: its record, how a watch over it ends, and what its
+workers' exits say.
+
+A generation is one start of all workers on a set of physical slices. Its watch ends in an
+`Outcome`; the supervisor then stops it and, unless the run is over, starts the next one for a
+`RestartReason`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from resilient_jax.contracts import exit_codes
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.control import detector
+from resilient_jax.control.processes import WorkerProcess, describe_exit
+from resilient_jax.control.stragglers import Straggler, StragglerWatch
+
+
+class Outcome(enum.Enum):
+    """What ends the watch over a generation."""
+
+    COMPLETE = "complete"  # every worker finished training
+    FAILURE = "failure"  # a worker failed: restart on what is left
+    FATAL = "fatal"  # a worker stopped the run on purpose (exit_codes.FATAL)
+    PREEMPTED = "preempted"  # a worker saved and left on a preemption notice
+    SCALE_UP = "scale_up"  # a returned slice is worth re-admitting
+    STRAGGLER = "straggler"  # a slow slice is worth evicting
+    INTERRUPTED = "interrupted"  # the supervisor itself was asked to stop
+    TIME_LIMIT = "time_limit"
+
+
+class RestartReason(str, enum.Enum):
+    """Why a generation started (the `reason` of a `restart` event)."""
+
+    FAILURE = "failure"
+    PREEMPTION = "preemption"
+    SCALE_UP = "scale_up"
+    STRAGGLER = "straggler"
+
+
+@dataclasses.dataclass(frozen=True)
+class Watched:
+    """How a watch ended, with the failure or straggler that ended it."""
+
+    outcome: Outcome
+    failure: detector.Failure | None = None
+    straggler: Straggler | None = None
+
+
+@dataclasses.dataclass
+class Generation:
+    """One start of all workers, and what the supervisor has seen of it so far."""
+
+    number: int = -1
+    slices: list[int] = dataclasses.field(default_factory=list)
+    workers: list[WorkerProcess] = dataclasses.field(default_factory=list)
+    started: float = 0.0  # when stopping the previous generation began: a restart's cost from it
+    stragglers: StragglerWatch | None = None
+    fault_times: dict[int, float] = dataclasses.field(default_factory=dict)  # process -> when hit
+    max_step: int | None = None  # the highest step any of its workers reported
+    first_step: int | None = None
+    scale_up_deferred: bool = False  # said so already
+
+    def worker(self, process: int | None) -> WorkerProcess | None:
+        return next((w for w in self.workers if w.process == process), None)
+
+
+def poll_exits(
+    workers: Sequence[WorkerProcess], now: float, poll_s: float
+) -> tuple[dict[int, float], bool, Watched | None]:
+    """The running workers (process -> when started), whether any finished training, and the
+    outcome an exit calls for (None: no worker failed or was preempted)."""
+    running: dict[int, float] = {}
+    finished = False
+    # A worker that stops the run on purpose outranks its peers, which may fail a moment later in
+    # a collective with it: look at fatal exits first.
+    for worker in sorted(workers, key=lambda w: w.poll() not in exit_codes.FATAL):
+        code = worker.poll()
+        if code is None:
+            running[worker.process] = worker.started_at
+        elif code == ExitCode.FINISHED:
+            finished = True
+        elif code in exit_codes.PREEMPTED_STATUSES:
+            return running, finished, Watched(Outcome.PREEMPTED)
+        else:
+            failure = detector.Failure(
+                detector.CAUSE_EXIT,
+                worker.process,
+                f"process {worker.process} {describe_exit(code)}",
+                since=now - poll_s,  # it exited since the last poll
+                exit_code=code,
+            )
+            outcome = Outcome.FATAL if code in exit_codes.FATAL else Outcome.FAILURE
+            return running, finished, Watched(outcome, failure)
+    return running, finished, None
