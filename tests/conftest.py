@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -82,3 +83,106 @@ def event(time: float, type: str, process: int | str | None = 0, **fields) -> di
     if process is not None:
         row["process"] = process
     return row
+
+
+# ------------------------------------------------------------------ checkpoint engine helpers
+# Shared by test_checkpoint.py and the workers of test_checkpoint_process.py (which run outside
+# pytest, so these are plain functions; JAX is imported inside them, not when tests collect).
+
+
+@pytest.fixture
+def local_root():
+    """A fresh local-tier root on the RAM disk, removed afterwards."""
+    import shutil
+    import uuid
+
+    root = f"/dev/shm/rj-test-{uuid.uuid4().hex[:8]}"
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def checkpoint_config(local_root: str = "", **overrides):
+    """tiny_config for checkpoint tests: 100 steps, no saves unless `overrides` ask for them."""
+    return tiny_config(
+        total_steps=100,
+        **{
+            "checkpoint.every_steps": 0,
+            "checkpoint.local_every_steps": 0,
+            "checkpoint.local_dir": local_root,
+            "checkpoint.sync_timeout_s": 30.0,
+            **overrides,
+        },
+    )
+
+
+def run_context(config, workdir: str, devices: int = 8, replica: int = -1, fsdp: int = -1):
+    """A RunContext on the first `devices` devices with the given mesh axes (-1: planned)."""
+    import jax
+
+    from resilient_jax import mesh as mesh_lib
+    from resilient_jax import topology as topology_lib
+    from resilient_jax.events import EventLog
+    from resilient_jax.train.context import RunContext
+    from resilient_jax.train.state import abstract_state
+
+    config = config.copy_and_resolve_references()
+    config.mesh.replica, config.mesh.fsdp = replica, fsdp
+    topology = mesh_lib.discover(jax.devices()[:devices])
+    plan = topology_lib.plan_mesh(config, topology)
+    mesh = mesh_lib.make_mesh(plan, topology)
+    return RunContext(
+        config, workdir, topology, plan, mesh, EventLog(workdir), abstract_state(config, mesh)
+    )
+
+
+def data_position(step: int):
+    """The data position the hook is given after `step` (with a skip window, to carry one)."""
+    from resilient_jax.data.position import DataPosition
+
+    return DataPosition(next_batch=step, skips=((1, 3),))
+
+
+@functools.cache
+def _bump():
+    """A jitted function giving a new state in which every leaf changed (floats and integers)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(
+        lambda state: jax.tree.map(
+            lambda x: x + (0.25 if jnp.issubdtype(x.dtype, jnp.floating) else 1), state
+        )
+    )
+
+
+def step_through(hook, ctx, state, first: int, last: int, clock=None, tick_s: float = 0.0):
+    """Steps `first..last` through `hook.after_step`, every leaf changing each step; returns the
+    final state and host copies by step. `clock` (a FakeClock) advances `tick_s` per step."""
+    import jax
+    import numpy as np
+
+    from resilient_jax.train.hooks import StepInfo
+
+    host = {}
+    for step in range(first, last + 1):
+        state = _bump()(state)
+        if clock is not None:
+            clock.now += tick_s
+        hook.after_step(ctx, state, StepInfo(step, step - 1, data_position(step), 0.01))
+        host[step] = jax.tree.map(np.asarray, state)
+    return state, host
+
+
+def persistent_step_dirs(workdir: str) -> list[str]:
+    """What the persistent directory holds besides its run-id file."""
+    from resilient_jax.checkpoint.persistent import DEFAULT_DIR, RUN_ID_FILE
+
+    names = os.listdir(os.path.join(workdir, DEFAULT_DIR))
+    return sorted((n for n in names if n != RUN_ID_FILE), key=lambda n: (not n.isdigit(), n))
+
+
+def events_of(workdir: str, kind: str) -> list[dict]:
+    """The events of one type in a run's events.jsonl."""
+    from resilient_jax.events import read_events
+
+    return [e for e in read_events(workdir) if e["type"] == kind]

@@ -8,40 +8,40 @@ import os
 import shutil
 import signal
 import textwrap
-import uuid
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import run_python, tiny_config
+from conftest import (
+    checkpoint_config,
+    data_position,
+    events_of,
+    persistent_step_dirs,
+    run_context,
+    run_python,
+    step_through,
+)
 
-from resilient_jax import mesh as mesh_lib
-from resilient_jax import topology as topology_lib
 from resilient_jax.checkpoint import (
     Checkpointer,
     CheckpointError,
     SavePolicy,
+    SaveReason,
+    Tier,
     checksum,
     local,
-    young_daly_interval_s,
 )
 from resilient_jax.checkpoint.__main__ import main as inspect_main
-from resilient_jax.checkpoint.persistent import RUN_ID_FILE, _KeepPolicy
-from resilient_jax.checkpoint.policy import (
-    AUTO,
-    EVERY_MINUTES,
-    EVERY_STEPS,
-    FINAL,
-    local_interval_steps,
-)
+from resilient_jax.checkpoint.persistent import _KeepPolicy
+from resilient_jax.checkpoint.policy import local_interval_steps
 from resilient_jax.config import fingerprint
 from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.events import EventLog, read_events
-from resilient_jax.train.context import RunContext
+from resilient_jax.data.position import DataPosition
+from resilient_jax.goodput.model import young_daly_interval_s
 from resilient_jax.train.hooks import StepInfo, StopTraining
-from resilient_jax.train.state import abstract_state, init_state
+from resilient_jax.train.state import init_state
 
 # ---------------------------------------------------------------------------------------- helpers
 
@@ -54,89 +54,26 @@ class FakeClock:
         return self.now
 
 
-def make_config(local_root: str = "", **overrides):
-    return tiny_config(
-        total_steps=100,
-        **{
-            "checkpoint.every_steps": 0,
-            "checkpoint.local_every_steps": 0,
-            "checkpoint.local_dir": local_root,
-            "checkpoint.sync_timeout_s": 30.0,
-            **overrides,
-        },
-    )
-
-
-def make_ctx(config, workdir: str, devices: int = 8, replica: int = -1, fsdp: int = -1):
-    config = config.copy_and_resolve_references()
-    config.mesh.replica, config.mesh.fsdp = replica, fsdp
-    topology = mesh_lib.discover(jax.devices()[:devices])
-    plan = topology_lib.plan_mesh(config, topology)
-    mesh = mesh_lib.make_mesh(plan, topology)
-    return RunContext(
-        config, workdir, topology, plan, mesh, EventLog(workdir), abstract_state(config, mesh)
-    )
-
-
-@jax.jit
-def _bump(state):
-    """A new state in which every leaf changed (floats and integers alike)."""
-    return jax.tree.map(lambda x: x + (0.25 if jnp.issubdtype(x.dtype, jnp.floating) else 1), state)
-
-
-def position(step: int) -> dict:
-    return {"next_batch": step, "skips": [[1, 3]]}
-
-
-def run_steps(ck: Checkpointer, ctx, state, first: int, last: int, clock=None, tick_s=0.0):
-    """Steps `first..last` through the hook; returns the final state and host copies by step."""
-    host = {}
-    for step in range(first, last + 1):
-        state = _bump(state)
-        if clock is not None:
-            clock.now += tick_s
-        ck.after_step(ctx, state, StepInfo(step, step - 1, position(step), 0.01))
-        host[step] = jax.tree.map(np.asarray, state)
-    return state, host
-
-
 def assert_bitwise(restored, expected) -> None:
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), restored, expected)
     assert all(jax.tree.leaves(same))
 
 
-def step_dirs(workdir: str) -> list[str]:
-    """What the persistent directory holds besides its run-id file."""
-    names = os.listdir(os.path.join(workdir, "checkpoints"))
-    return sorted((n for n in names if n != RUN_ID_FILE), key=lambda n: (not n.isdigit(), n))
-
-
-def events(workdir: str, kind: str) -> list[dict]:
-    return [e for e in read_events(workdir) if e["type"] == kind]
-
-
-@pytest.fixture
-def local_root():
-    root = f"/dev/shm/rj-test-{uuid.uuid4().hex[:8]}"
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def state0(tmp_path_factory):
-    ctx = make_ctx(make_config(), str(tmp_path_factory.mktemp("init")))
+    ctx = run_context(checkpoint_config(), str(tmp_path_factory.mktemp("init")))
     return init_state(ctx.config, ctx.mesh)
 
 
 def _saved_run(workdir: str, local_root: str, state0, last: int = 4, **overrides):
     """A run that saved steps up to `last` (persistent every 2 steps unless overridden)."""
     overrides = {"checkpoint.every_steps": 2, **overrides}
-    config = make_config(local_root, **overrides)
-    ctx = make_ctx(config, workdir)
+    config = checkpoint_config(local_root, **overrides)
+    ctx = run_context(config, workdir)
     ck = Checkpointer(ctx, handle_sigterm=False)
     assert ck.restore_latest(ctx) is None
     ck.on_start(ctx, state0)
-    state, host = run_steps(ck, ctx, state0, 1, last)
+    state, host = step_through(ck, ctx, state0, 1, last)
     ck.wait_until_finished()
     ck.close()
     return config, state, host
@@ -172,39 +109,44 @@ def test_local_tier_round_trip_onto_other_meshes(
         state0,
         **{"checkpoint.local_every_steps": 1, "checkpoint.every_steps": 0},
     )
-    ctx = make_ctx(config, workdir, devices, replica, fsdp)
+    ctx = run_context(config, workdir, devices, replica, fsdp)
     ck = Checkpointer(ctx, handle_sigterm=False)
     restored = ck.restore_latest(ctx)
     ck.close()
-    assert (restored.tier, restored.step) == ("local", 4)
-    assert restored.data_position == position(4)
+    assert (restored.tier, restored.step) == (Tier.LOCAL, 4)
+    assert restored.data_position == data_position(4)
     assert_bitwise(restored.state, host[4])
     for leaf, target in zip(
         jax.tree.leaves(restored.state), jax.tree.leaves(ctx.abstract_state), strict=True
     ):
         assert leaf.sharding == target.sharding
-    (event,) = events(workdir, "restore")
+    (event,) = events_of(workdir, EventType.RESTORE)
     assert event["tier"] == "local" and event["step"] == 4 and event["duration_s"] > 0
 
 
 def test_persistent_round_trip_onto_fewer_devices_and_replicas(tmp_path, state0):
     workdir = str(tmp_path)
     config, _, host = _saved_run(workdir, "", state0)
-    saves = [e for e in events(workdir, "save") if e["tier"] == "persistent"]
+    saves = [e for e in events_of(workdir, EventType.SAVE) if e["tier"] == "persistent"]
     assert [e["step"] for e in saves] == [2, 4] and all(e["duration_s"] > 0 for e in saves)
-    assert {e["step"] for e in events(workdir, "save_committed")} == {2, 4}
+    assert {e["step"] for e in events_of(workdir, EventType.SAVE_COMMITTED)} == {2, 4}
     for devices, replica, fsdp in [(4, -1, -1), (8, 2, 4)]:
-        ctx = make_ctx(config, workdir, devices, replica, fsdp)
+        ctx = run_context(config, workdir, devices, replica, fsdp)
         ck = Checkpointer(ctx, handle_sigterm=False)
         restored = ck.restore_latest(ctx)
         ck.close()
-        assert (restored.tier, restored.step) == ("persistent", 4)
-        assert restored.data_position == position(4)
+        assert (restored.tier, restored.step) == (Tier.PERSISTENT, 4)
+        assert restored.data_position == data_position(4)
         assert_bitwise(restored.state, host[4])
     with open(os.path.join(workdir, "checkpoints", "4", "meta", "metadata")) as f:
         meta = json.load(f)
     assert meta["checksums"][".params['embed']"] == checksum.host_digest(host[4].params["embed"])
     assert meta["mesh"]["fsdp"] == 8 and meta["temporary"] is False
+    # The data position is saved as the same JSON as before it became a DataPosition, so
+    # checkpoints written by earlier versions restore.
+    assert meta["data_position"] == {"next_batch": 4, "skips": [[1, 3]]}
+    with open(os.path.join(workdir, "checkpoints", "4", "data", "metadata")) as f:
+        assert json.load(f) == {"next_batch": 4, "skips": [[1, 3]]}
 
 
 def test_plain_orbax_reads_state_without_this_package(tmp_path, state0):
@@ -275,13 +217,13 @@ def test_corrupt_persistent_step_falls_back_and_quarantines(tmp_path, state0, ca
     rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows[2]["status"] == "ok" and rows[2]["fingerprint"] == fingerprint(config)
     assert rows[4]["status"] != "ok"
-    ctx = make_ctx(config, workdir)
+    ctx = run_context(config, workdir)
     ck = Checkpointer(ctx, handle_sigterm=False)
     restored = ck.restore_latest(ctx)
     ck.close()
-    assert (restored.tier, restored.step) == ("persistent", 2)
+    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 2)
     assert_bitwise(restored.state, host[2])
-    (invalid,) = events(workdir, "checkpoint_invalid")
+    (invalid,) = events_of(workdir, EventType.CHECKPOINT_INVALID)
     assert invalid["tier"] == "persistent" and invalid["step"] == 4 and invalid["cause"]
     if damage == "silent_change":
         assert "checksum mismatch" in invalid["cause"] and "embed" in invalid["cause"]
@@ -312,13 +254,13 @@ def test_corrupt_local_piece_falls_back_to_older_step(tmp_path, local_root, stat
     assert inspect_main(["inspect", workdir, "--local-dir", local_root]) == 1
     out = capsys.readouterr().out
     assert "bad piece" in out and "local step 2" in out
-    ctx = make_ctx(config, workdir, 4)
+    ctx = run_context(config, workdir, 4)
     ck = Checkpointer(ctx, handle_sigterm=False)
     restored = ck.restore_latest(ctx)
     ck.close()
-    assert (restored.tier, restored.step) == ("local", 2)
+    assert (restored.tier, restored.step) == (Tier.LOCAL, 2)
     assert_bitwise(restored.state, host[2])
-    (invalid,) = events(workdir, "checkpoint_invalid")
+    (invalid,) = events_of(workdir, EventType.CHECKPOINT_INVALID)
     assert invalid["step"] == 3
     assert ("CRC" if damage == "flip" else "truncated") in invalid["cause"]
 
@@ -332,11 +274,11 @@ def test_local_copies_of_a_deleted_workdir_are_not_restored(tmp_path, local_root
         **{"checkpoint.local_every_steps": 1, "checkpoint.every_steps": 0},
     )
     shutil.rmtree(workdir)  # the user starts over in the same place; the RAM disk remembers
-    ctx = make_ctx(config, workdir)
+    ctx = run_context(config, workdir)
     ck = Checkpointer(ctx, handle_sigterm=False)
     assert ck.restore_latest(ctx) is None
     ck.close()
-    causes = [e["cause"] for e in events(workdir, "checkpoint_invalid")]
+    causes = [e["cause"] for e in events_of(workdir, EventType.CHECKPOINT_INVALID)]
     assert causes and all("earlier run" in c for c in causes)
     run_dir = local.run_dir(local_root, workdir)
     left = [n for proc in os.listdir(run_dir) for n in os.listdir(os.path.join(run_dir, proc))]
@@ -346,38 +288,41 @@ def test_local_copies_of_a_deleted_workdir_are_not_restored(tmp_path, local_root
 def test_refuses_other_model_and_config_unless_init_from(tmp_path, state0):
     workdir = str(tmp_path / "a")
     _, _, host = _saved_run(workdir, "", state0)
-    wider = make_config(**{"model.d_model": 96})
+    wider = checkpoint_config(**{"model.d_model": 96})
     with pytest.raises(CheckpointError, match="different model"):
-        Checkpointer(make_ctx(wider, workdir), handle_sigterm=False)
-    reseeded = make_config(**{"seed": 7})
+        Checkpointer(run_context(wider, workdir), handle_sigterm=False)
+    reseeded = checkpoint_config(**{"seed": 7})
     with pytest.raises(CheckpointError, match="fingerprint"):
-        Checkpointer(make_ctx(reseeded, workdir), handle_sigterm=False)
-    assert step_dirs(workdir) == ["2", "4"]  # untouched
+        Checkpointer(run_context(reseeded, workdir), handle_sigterm=False)
+    assert persistent_step_dirs(workdir) == ["2", "4"]  # untouched
 
     # init_from naming this very directory accepts the other config and resumes from it.
-    same_dir = make_config(
+    same_dir = checkpoint_config(
         **{"seed": 7, "checkpoint.init_from": os.path.join(workdir, "checkpoints")}
     )
-    ctx = make_ctx(same_dir, workdir)
+    ctx = run_context(same_dir, workdir)
     ck = Checkpointer(ctx, handle_sigterm=False)
     assert ck.restore_latest(ctx).step == 4
     ck.close()
 
     # init_from another run: a fresh run takes its parameters only.
     other = str(tmp_path / "b")
-    fresh = make_config(**{"seed": 7, "checkpoint.init_from": os.path.join(workdir, "checkpoints")})
-    ctx = make_ctx(fresh, other)
+    fresh = checkpoint_config(
+        **{"seed": 7, "checkpoint.init_from": os.path.join(workdir, "checkpoints")}
+    )
+    ctx = run_context(fresh, other)
     ck = Checkpointer(ctx, handle_sigterm=False)
     restored = ck.restore_latest(ctx)
     ck.close()
-    assert (restored.tier, restored.step, restored.data_position) == ("init_from", 0, None)
+    assert (restored.tier, restored.step) == (Tier.INIT_FROM, 0)
+    assert restored.data_position == DataPosition()  # the data starts from the beginning
     assert_bitwise(restored.state.params, host[4].params)
     assert int(restored.state.step) == 0
 
-    wider_from = make_config(
+    wider_from = checkpoint_config(
         **{"model.d_model": 96, "checkpoint.init_from": os.path.join(workdir, "checkpoints")}
     )
-    ctx = make_ctx(wider_from, str(tmp_path / "c"))
+    ctx = run_context(wider_from, str(tmp_path / "c"))
     ck = Checkpointer(ctx, handle_sigterm=False)
     with pytest.raises(CheckpointError, match="different model"):
         ck.restore_latest(ctx)
@@ -393,45 +338,47 @@ def test_rollback_restores_exact_step_and_quarantines_newer(tmp_path, local_root
         last=6,
         **{"checkpoint.local_every_steps": 1, "checkpoint.local_keep": 2},
     )
-    ctx = make_ctx(config, workdir)
+    ctx = run_context(config, workdir)
     ck = Checkpointer(ctx, handle_sigterm=False)
     assert ck.latest_step() == 6 and ck.latest_step(max_step=5) == 5
     restored = ck.restore_latest(ctx, max_step=5)
-    assert (restored.tier, restored.step) == ("local", 5)
+    assert (restored.tier, restored.step) == (Tier.LOCAL, 5)
     restored = ck.restore_step(ctx, 2)
-    assert (restored.tier, restored.step) == ("persistent", 2)
+    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 2)
     assert_bitwise(restored.state, host[2])
     assert ck.latest_step() == 2
     ck.close()
-    assert step_dirs(workdir) == ["2", "quarantine"]
+    assert persistent_step_dirs(workdir) == ["2", "quarantine"]
 
 
 # -------------------------------------------------------------------------------- policies
 
 
 def test_policy_every_n_steps_and_final():
-    config = make_config(
+    config = checkpoint_config(
         "/dev/shm/x", **{"checkpoint.every_steps": 4, "checkpoint.local_every_steps": 2}
     )
     policy = SavePolicy(config.checkpoint, total_steps=10, clock=FakeClock())
     decisions = {s: policy.decide(s, None) for s in range(1, 11)}
     assert [s for s, d in decisions.items() if d.persistent] == [4, 8, 10]
     assert [s for s, d in decisions.items() if d.local] == [2, 4, 6, 8, 10]
-    assert decisions[4].reason == EVERY_STEPS and decisions[10].reason == FINAL
+    assert (
+        decisions[4].reason == SaveReason.EVERY_STEPS and decisions[10].reason == SaveReason.FINAL
+    )
     assert not decisions[3]
 
 
 def test_policy_every_minutes_is_temporary_with_injected_clock():
     clock = FakeClock()
-    config = make_config(**{"checkpoint.every_steps": 100, "checkpoint.every_minutes": 2.0})
+    config = checkpoint_config(**{"checkpoint.every_steps": 100, "checkpoint.every_minutes": 2.0})
     policy = SavePolicy(config.checkpoint, total_steps=1000, clock=clock)
     clock.now += 119
     assert policy.clock_reason() is None
     clock.now += 2
-    assert policy.clock_reason() == EVERY_MINUTES
-    decision = policy.decide(7, EVERY_MINUTES)
+    assert policy.clock_reason() == SaveReason.EVERY_MINUTES
+    decision = policy.decide(7, SaveReason.EVERY_MINUTES)
     assert decision.persistent and decision.temporary
-    assert not policy.decide(100, EVERY_MINUTES).temporary  # a periodic step is kept
+    assert not policy.decide(100, SaveReason.EVERY_MINUTES).temporary  # a periodic step is kept
     policy.record_persistent_save(0.5)
     assert policy.clock_reason() is None
 
@@ -439,7 +386,7 @@ def test_policy_every_minutes_is_temporary_with_injected_clock():
 def test_policy_young_daly_interval():
     assert young_daly_interval_s(2.0, 3600.0) == pytest.approx(120.0)
     clock = FakeClock()
-    config = make_config(
+    config = checkpoint_config(
         **{
             "checkpoint.auto_interval": True,
             "checkpoint.mtbf_s": 3600.0,
@@ -447,14 +394,14 @@ def test_policy_young_daly_interval():
         }
     )
     policy = SavePolicy(config.checkpoint, total_steps=1000, clock=clock)
-    assert policy.clock_reason() == AUTO  # no cost measured yet: save once to measure it
+    assert policy.clock_reason() == SaveReason.AUTO  # no cost measured yet: save once to measure it
     assert not policy.decide(5, None).persistent  # the interval replaces every_steps
     policy.record_persistent_save(2.0)
     assert policy.auto_interval_s() == pytest.approx(120.0)
     clock.now += 119
     assert policy.clock_reason() is None
     clock.now += 2
-    assert policy.clock_reason() == AUTO
+    assert policy.clock_reason() == SaveReason.AUTO
     policy.record_persistent_save(8.0)  # the estimate follows the measured cost
     assert 120.0 < policy.auto_interval_s() < young_daly_interval_s(8.0, 3600.0)
 
@@ -464,7 +411,7 @@ def test_local_interval_follows_young_daly_within_the_configured_bound():
     assert local_interval_steps(0.1, 60.0, 1.0, at_most=10) == 3
     assert local_interval_steps(0.1, 3600.0, 1.0, at_most=10) == 10  # bounded by the config
     assert local_interval_steps(1e-4, 1.0, 1.0, at_most=10) == 1  # at least every step
-    config = make_config("/dev/shm/x", **{"checkpoint.local_every_steps": 10})
+    config = checkpoint_config("/dev/shm/x", **{"checkpoint.local_every_steps": 10})
     policy = SavePolicy(config.checkpoint, total_steps=100, clock=FakeClock())
     policy.set_local_interval(3, from_step=20)
     assert [s for s in range(15, 31) if policy.decide(s, None).local] == [20, 23, 26, 29]
@@ -473,28 +420,30 @@ def test_local_interval_follows_young_daly_within_the_configured_bound():
 def test_checkpointer_agrees_on_the_local_interval_after_three_saves(
     tmp_path, local_root, state0, monkeypatch
 ):
-    config = make_config(
+    config = checkpoint_config(
         local_root, **{"checkpoint.local_every_steps": 4, "checkpoint.mtbf_s": 1e-6}
     )
-    ctx = make_ctx(config, str(tmp_path / "run"))
+    ctx = run_context(config, str(tmp_path / "run"))
     ck = Checkpointer(ctx, handle_sigterm=False)
     ck.on_start(ctx, state0)
-    run_steps(ck, ctx, state0, 1, 16)
+    step_through(ck, ctx, state0, 1, 16)
     ck.wait_until_finished()
     ck.close()
-    local_saves = [e["step"] for e in events(ctx.workdir, "save") if e["tier"] == "local"]
+    local_saves = [
+        e["step"] for e in events_of(ctx.workdir, EventType.SAVE) if e["tier"] == "local"
+    ]
     assert local_saves == [4, 8, 12, 13, 14, 15, 16]  # a failure every microsecond: every step
-    (interval,) = events(ctx.workdir, "checkpoint_interval")
+    (interval,) = events_of(ctx.workdir, EventType.CHECKPOINT_INTERVAL)
     assert (interval["every_steps"], interval["mtbf_source"]) == (1, "checkpoint.mtbf_s")
 
     # A supervisor's observed failure rate wins over the configured one.
     monkeypatch.setenv(env_vars.OBSERVED_MTBF_S, "1e9")
-    ctx = make_ctx(config, str(tmp_path / "observed"))
+    ctx = run_context(config, str(tmp_path / "observed"))
     ck = Checkpointer(ctx, handle_sigterm=False)
     ck.on_start(ctx, state0)
-    run_steps(ck, ctx, state0, 1, 12)
+    step_through(ck, ctx, state0, 1, 12)
     ck.close()
-    (interval,) = events(ctx.workdir, "checkpoint_interval")
+    (interval,) = events_of(ctx.workdir, EventType.CHECKPOINT_INTERVAL)
     assert (interval["every_steps"], interval["mtbf_s"]) == (4, 1e9)
 
 
@@ -516,17 +465,17 @@ def test_keep_policy_drops_superseded_temporary_steps():
 def test_wall_clock_save_is_temporary_and_deleted_once_superseded(tmp_path, state0):
     workdir = str(tmp_path)
     clock = FakeClock()
-    config = make_config(**{"checkpoint.every_steps": 10, "checkpoint.every_minutes": 1.0})
-    ctx = make_ctx(config, workdir)
+    config = checkpoint_config(**{"checkpoint.every_steps": 10, "checkpoint.every_minutes": 1.0})
+    ctx = run_context(config, workdir)
     ck = Checkpointer(ctx, clock=clock, handle_sigterm=False)
     ck.on_start(ctx, state0)
-    state, _ = run_steps(ck, ctx, state0, 1, 3)
+    state, _ = step_through(ck, ctx, state0, 1, 3)
     clock.now += 61  # a minute passes during step 4
-    state, _ = run_steps(ck, ctx, state, 4, 20)
+    state, _ = step_through(ck, ctx, state, 4, 20)
     ck.wait_until_finished()
-    saves = {e["step"]: e for e in events(workdir, "save")}
+    saves = {e["step"]: e for e in events_of(workdir, EventType.SAVE)}
     assert sorted(saves) == [4, 10, 20] and saves[4]["temporary"] is True
-    assert step_dirs(workdir) == ["10", "20"]
+    assert persistent_step_dirs(workdir) == ["10", "20"]
     ck.close()
 
 
@@ -535,19 +484,19 @@ def test_wall_clock_save_is_temporary_and_deleted_once_superseded(tmp_path, stat
 
 def test_failed_background_save_raises_at_next_save(tmp_path, local_root, state0):
     workdir = str(tmp_path)
-    config = make_config(local_root, **{"checkpoint.local_every_steps": 1})
-    ctx = make_ctx(config, workdir)
+    config = checkpoint_config(local_root, **{"checkpoint.local_every_steps": 1})
+    ctx = run_context(config, workdir)
     ck = Checkpointer(ctx, handle_sigterm=False)
     ck.on_start(ctx, state0)
-    state, _ = run_steps(ck, ctx, state0, 1, 1)
+    state, _ = step_through(ck, ctx, state0, 1, 1)
     ck.wait_until_finished()
     own = ck._local.own_dir
     shutil.rmtree(own)
     open(own, "w").close()  # the next background write cannot create its directory
-    state, _ = run_steps(ck, ctx, state, 2, 2)  # returns at once; the write fails behind it
+    state, _ = step_through(ck, ctx, state, 2, 2)  # returns at once; the write fails behind it
     with pytest.raises(CheckpointError, match="local save of step 2"):
-        run_steps(ck, ctx, state, 3, 3)
-    (failed,) = events(workdir, "save_failed")
+        step_through(ck, ctx, state, 3, 3)
+    (failed,) = events_of(workdir, EventType.SAVE_FAILED)
     assert failed["tier"] == "local"
     os.remove(own)
     ck.close()
@@ -555,64 +504,64 @@ def test_failed_background_save_raises_at_next_save(tmp_path, local_root, state0
 
 def test_failed_final_save_raises(tmp_path, state0):
     workdir = str(tmp_path)
-    ctx = make_ctx(make_config(), workdir)
+    ctx = run_context(checkpoint_config(), workdir)
     ck = Checkpointer(ctx, handle_sigterm=False)
     ck.on_start(ctx, state0)
-    state, _ = run_steps(ck, ctx, state0, 1, 1)
+    state, _ = step_through(ck, ctx, state0, 1, 1)
     directory = os.path.join(workdir, "checkpoints")
     shutil.rmtree(directory)
     open(directory, "w").close()  # nothing can be written below it any more
     with pytest.raises(CheckpointError, match="step 1"):
-        ck.on_end(ctx, state, StepInfo(1, 0, position(1), 0.01))
-    assert events(workdir, "save_failed")
+        ck.on_end(ctx, state, StepInfo(1, 0, data_position(1), 0.01))
+    assert events_of(workdir, EventType.SAVE_FAILED)
     ck.close()
 
 
 def test_sigterm_saves_and_stops_with_preempted_exit_code(tmp_path, state0):
     workdir = str(tmp_path)
-    ctx = make_ctx(make_config(), workdir)
+    ctx = run_context(checkpoint_config(), workdir)
     before = signal.getsignal(signal.SIGTERM)
     ck = Checkpointer(ctx, handle_sigterm=True)
     try:
         ck.on_start(ctx, state0)
-        state, _ = run_steps(ck, ctx, state0, 1, 2)
+        state, _ = step_through(ck, ctx, state0, 1, 2)
         os.kill(os.getpid(), signal.SIGTERM)
         with pytest.raises(StopTraining) as stop:
-            run_steps(ck, ctx, state, 3, 3)
+            step_through(ck, ctx, state, 3, 3)
     finally:
         ck.close()
     assert stop.value.exit_code == ExitCode.PREEMPTED
-    assert step_dirs(workdir) == ["3"]
-    assert events(workdir, "preemption")[0]["step"] == 3
+    assert persistent_step_dirs(workdir) == ["3"]
+    assert events_of(workdir, EventType.PREEMPTION)[0]["step"] == 3
     assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_a_finished_run_gives_its_ram_disk_copies_back(tmp_path, local_root, state0):
     workdir = str(tmp_path / "run")
-    config = make_config(
+    config = checkpoint_config(
         local_root, **{"checkpoint.every_steps": 2, "checkpoint.local_every_steps": 1}
     )
     config.total_steps = 4
-    ctx = make_ctx(config, workdir)
+    ctx = run_context(config, workdir)
     run = local.run_dir(local_root, workdir)
     ck = Checkpointer(ctx, handle_sigterm=False)
     ck.on_start(ctx, state0)
-    state, _ = run_steps(ck, ctx, state0, 1, 3)
+    state, _ = step_through(ck, ctx, state0, 1, 3)
     # Left by an earlier, killed instance of process 0 and by a bigger generation's process 3.
     for stale in ("proc-00000-deadbeef", "proc-00003-cafecafe"):
         os.makedirs(os.path.join(run, stale))
         with open(os.path.join(run, stale, local.DATA_FILE), "wb") as f:
             f.write(b"\0" * 64)
-    ck.on_end(ctx, state, StepInfo(3, 2, position(3), 0.01))  # stopped early: copies stay
+    ck.on_end(ctx, state, StepInfo(3, 2, data_position(3), 0.01))  # stopped early: copies stay
     assert len(os.listdir(run)) == 3
-    state, host = run_steps(ck, ctx, state, 4, 4)
-    ck.on_end(ctx, state, StepInfo(4, 3, position(4), 0.01))
+    state, host = step_through(ck, ctx, state, 4, 4)
+    ck.on_end(ctx, state, StepInfo(4, 3, data_position(4), 0.01))
     ck.close()
     assert not os.path.exists(run)
-    assert step_dirs(workdir)[-1] == "4"  # the persistent tier keeps the final step
-    ck = Checkpointer(make_ctx(config, workdir), handle_sigterm=False)
-    restored = ck.restore_latest(make_ctx(config, workdir))
-    assert (restored.step, restored.tier) == (4, "persistent")
+    assert persistent_step_dirs(workdir)[-1] == "4"  # the persistent tier keeps the final step
+    ck = Checkpointer(run_context(config, workdir), handle_sigterm=False)
+    restored = ck.restore_latest(run_context(config, workdir))
+    assert (restored.step, restored.tier) == (4, Tier.PERSISTENT)
     assert_bitwise(restored.state, host[4])
     ck.close()
 

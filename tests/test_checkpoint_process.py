@@ -14,11 +14,21 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
+from conftest import (
+    REPO,
+    checkpoint_config,
+    events_of,
+    free_port,
+    persistent_step_dirs,
+    run_context,
+    step_through,
+)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.event_types import EventType
+
 TIMEOUT_S = 180
 
 
@@ -60,17 +70,8 @@ def _result(output: str) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-@pytest.fixture
-def local_root():
-    root = f"/dev/shm/rj-test-{uuid.uuid4().hex[:8]}"
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
 def test_save_torn_by_sigkill_falls_back_and_cleans_temp_dirs(tmp_path, local_root):
-    from test_checkpoint import events, make_config, make_ctx, step_dirs
-
-    from resilient_jax.checkpoint import Checkpointer, local
+    from resilient_jax.checkpoint import Checkpointer, Tier, local
 
     workdir = str(tmp_path)
     proc = _popen(["torn", workdir, local_root], {})
@@ -105,36 +106,33 @@ def test_save_torn_by_sigkill_falls_back_and_cleans_temp_dirs(tmp_path, local_ro
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
-    config = make_config(
+    config = checkpoint_config(
         local_root, **{"checkpoint.every_steps": 2, "checkpoint.local_every_steps": 2}
     )
-    ctx = make_ctx(config, workdir)
+    ctx = run_context(config, workdir)
     ck = Checkpointer(ctx, handle_sigterm=False)
     restored = ck.restore_latest(ctx)
     ck.close()
-    assert (restored.tier, restored.step) == ("local", 2)
-    assert restored.data_position["next_batch"] == 2
+    assert (restored.tier, restored.step) == (Tier.LOCAL, 2)
+    assert restored.data_position.next_batch == 2
     deadline = time.monotonic() + 30  # Orbax removes its temp dirs in the background
     while time.monotonic() < deadline and temp_dirs() != ([], []):
         time.sleep(0.1)
     assert temp_dirs() == ([], [])
-    assert step_dirs(workdir) == ["2"]
-    assert [e["step"] for e in events(workdir, "restore")] == [2]
+    assert persistent_step_dirs(workdir) == ["2"]
+    assert [e["step"] for e in events_of(workdir, EventType.RESTORE)] == [2]
 
 
 def test_two_slices_save_agree_and_restore_then_survivor_alone(tmp_path, local_root):
-    from conftest import free_port
-    from test_checkpoint import events
-
     from resilient_jax.checkpoint import local
 
     workdir = str(tmp_path)
-    two = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "RJ_NUM_SLICES": "2"}
-    one = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "RJ_NUM_SLICES": "1"}
+    two = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", env_vars.NUM_SLICES: "2"}
+    one = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", env_vars.NUM_SLICES: "1"}
     saved = _result(_run_group([["save", workdir, local_root, str(free_port()), "2"]] * 2, two)[0])
 
     # Wall-clock saves (every 6 ms here) happened at the same steps on both processes.
-    saves = [e for e in events(workdir, "save") if e["tier"] == "persistent"]
+    saves = [e for e in events_of(workdir, EventType.SAVE) if e["tier"] == "persistent"]
     by_process = {p: [e["step"] for e in saves if e["process"] == p] for p in (0, 1)}
     assert by_process[0] == by_process[1] == [2, 3, 4, 5]
     assert [e["step"] for e in saves if e.get("temporary") and e["process"] == 0] == [3, 5]
@@ -184,8 +182,6 @@ def _worker(mode: str, workdir: str, local_root: str, port: str = "0", procs: st
             process_id=int(os.environ["WORKER_INDEX"]),
             initialization_timeout=60,
         )
-    from test_checkpoint import make_config, make_ctx, run_steps
-
     from resilient_jax.checkpoint import Checkpointer, checksum
     from resilient_jax.events import EventLog
     from resilient_jax.train.state import init_state
@@ -194,8 +190,8 @@ def _worker(mode: str, workdir: str, local_root: str, port: str = "0", procs: st
     if mode == "save":
         overrides["checkpoint.local_every_steps"] = 1
         overrides["checkpoint.every_minutes"] = 0.0001
-    config = make_config(local_root, **overrides)
-    ctx = make_ctx(config, workdir, devices=len(jax.devices()))
+    config = checkpoint_config(local_root, **overrides)
+    ctx = run_context(config, workdir, devices=len(jax.devices()))
     ctx.events = EventLog(workdir, process=jax.process_index())
     ck = Checkpointer(ctx, handle_sigterm=False)
     if mode == "restore":
@@ -207,7 +203,7 @@ def _worker(mode: str, workdir: str, local_root: str, port: str = "0", procs: st
         return
     state = init_state(ctx.config, ctx.mesh)
     ck.on_start(ctx, state)
-    state, _ = run_steps(ck, ctx, state, 1, 5 if mode == "save" else 2)
+    state, _ = step_through(ck, ctx, state, 1, 5 if mode == "save" else 2)
     ck.wait_until_finished()
     if mode == "save":
         digests = checksum.tree_digests(state)
@@ -222,7 +218,7 @@ def _worker(mode: str, workdir: str, local_root: str, port: str = "0", procs: st
 
     ocp.path.atomicity.AtomicRenameTemporaryPath.finalize = never_commit
     os.rename = never_commit
-    run_steps(ck, ctx, state, 3, 4)
+    step_through(ck, ctx, state, 3, 4)
     print("TORN", flush=True)
     time.sleep(3600)
 

@@ -24,11 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from resilient_jax.checkpoint import report
+    from resilient_jax.checkpoint.persistent import read_run_id
 
     where = report.locate(args.dir, args.local_dir)
     verify = not args.no_verify
     persistent, notes = report.persistent_rows(where.persistent, verify)
-    run_id = report.read_run_id(where.persistent)
+    run_id = read_run_id(where.persistent)
     local_rows, local_notes = report.local_rows(where.local_run, verify, run_id)
     rows, notes = persistent + local_rows, notes + local_notes
     if args.json:
@@ -36,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"persistent: {where.persistent}\nlocal:      {where.local_run or '-'}")
         print(report.render(rows, notes))
-    bad = [r for r in rows if r.status not in ("ok", "unverified") and "stale" not in r.status]
-    return 1 if bad else 0
+    return 1 if any(r.failed for r in rows) else 0
 
 
 if __name__ == "__main__":

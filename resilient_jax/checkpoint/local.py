@@ -95,6 +95,11 @@ class StepFiles:
     def step(self) -> int:
         return int(self.manifest["step"])
 
+    @property
+    def timeline(self) -> str:
+        """The timeline that wrote it: copies of one step assemble only within one timeline."""
+        return str(self.manifest.get("timeline", ""))
+
     def pieces(self, leaf: str) -> list[Piece]:
         path = os.path.join(self.dir, DATA_FILE)
         return [
@@ -337,22 +342,19 @@ class LocalTier:
         """Committed copies of this run readable here, by step; plus (step, why) for others."""
         found: dict[int, list[StepFiles]] = {}
         unusable: list[tuple[int, str]] = []
-        for proc in _proc_dirs(self.root):
-            for step, path in _committed_dirs(proc):
-                try:
-                    with open(os.path.join(path, MANIFEST)) as f:
-                        manifest = json.load(f)
-                except (OSError, ValueError) as e:
-                    unusable.append((step, f"{path}: manifest unreadable ({e})"))
-                    continue
-                written_by = manifest.get("fingerprint")
-                if written_by != fingerprint:
-                    unusable.append((step, f"{path}: written by config {written_by}"))
-                    continue
-                if manifest.get("run_id") != run_id:
-                    unusable.append((step, f"{path}: left by an earlier run of this workdir"))
-                    continue
-                found.setdefault(step, []).append(StepFiles(path, manifest))
+        for listed in list_committed(self.root):
+            path, copy = listed.dir, listed.files
+            if copy is None:
+                unusable.append((listed.step, f"{path}: manifest unreadable ({listed.problem})"))
+                continue
+            written_by = copy.manifest.get("fingerprint")
+            if written_by != fingerprint:
+                unusable.append((listed.step, f"{path}: written by config {written_by}"))
+                continue
+            if copy.manifest.get("run_id") != run_id:
+                unusable.append((listed.step, f"{path}: left by an earlier run of this workdir"))
+                continue
+            found.setdefault(listed.step, []).append(copy)
         return found, unusable
 
     def completable(
@@ -426,6 +428,69 @@ class LocalTier:
             self._committed = []
         with contextlib.suppress(OSError):
             os.rmdir(self.root)  # only if empty: the last process of this host removes it
+
+
+# ------------------------------------------------------------------ the layout, for inspection
+
+
+@dataclasses.dataclass
+class Listed:
+    """A committed step directory of some process instance, with its manifest if readable."""
+
+    step: int
+    dir: str
+    files: StepFiles | None  # None: the manifest is unreadable
+    problem: str = ""  # why it is unreadable
+
+    @property
+    def process_dir(self) -> str:
+        return os.path.basename(os.path.dirname(self.dir))
+
+
+def list_committed(run_root: str) -> list[Listed]:
+    """Every committed copy under a run's directory, by process instance, then step."""
+    listed = []
+    for proc in _proc_dirs(run_root):
+        for step, path in _committed_dirs(proc):
+            try:
+                with open(os.path.join(path, MANIFEST)) as f:
+                    listed.append(Listed(step, path, StepFiles(path, json.load(f))))
+            except (OSError, ValueError) as e:
+                listed.append(Listed(step, path, None, str(e)))
+    return listed
+
+
+def list_temp_dirs(run_root: str) -> list[str]:
+    """Uncommitted step directories (being written, or left by a crash), as `proc-.../tmp-...`."""
+    return [
+        os.path.join(os.path.basename(proc), name)
+        for proc in _proc_dirs(run_root)
+        for name in sorted(_listdir(proc))
+        if name.startswith(TMP_PREFIX)
+    ]
+
+
+def count_bad_pieces(copy: StepFiles) -> int:
+    """Pieces of a copy that are truncated or fail their CRC-32. Raises `OSError` if its data
+    file cannot be read."""
+    bad = 0
+    with open(os.path.join(copy.dir, DATA_FILE), "rb") as f:
+        for piece in copy.manifest["pieces"]:
+            f.seek(piece["offset"])
+            raw = f.read(piece["nbytes"])
+            if len(raw) != piece["nbytes"] or zlib.crc32(raw) != piece["crc32"]:
+                bad += 1
+    return bad
+
+
+def coverage_gaps(copies: list[StepFiles]) -> list[str]:
+    """Arrays (leaf paths) that the union of these copies of one step does not hold whole."""
+    gaps = []
+    for leaf, spec in copies[0].manifest.get("leaves", {}).items():
+        boxes = {piece.box for copy in copies for piece in copy.pieces(leaf)}
+        if sum(_size(box) for box in boxes) < _size(tuple((0, n) for n in spec["shape"])):
+            gaps.append(leaf)
+    return gaps
 
 
 def _proc_index(proc_dir: str) -> int:

@@ -13,6 +13,7 @@ the checkpointer agrees on success across processes itself, with a timeout.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -29,7 +30,19 @@ QUARANTINE_DIR = "quarantine"
 # Identifies this directory's history; local-tier copies carry it, so copies left on a RAM disk
 # by an earlier run in a workdir that was since deleted and recreated are never restored.
 RUN_ID_FILE = "resilient_jax_run_id"
+DEFAULT_DIR = "checkpoints"  # under the workdir, unless `checkpoint.dir` names another place
 _NAME_FORMAT = ocp.step.standard_name_format()
+
+
+def persistent_dir(config: Any, workdir: str) -> str:
+    """The persistent tier of a run: `checkpoint.dir`, or `<workdir>/checkpoints`."""
+    return config.checkpoint.dir or os.path.join(workdir, DEFAULT_DIR)
+
+
+def read_run_id(directory: str | epath.Path) -> str | None:
+    """The run id of a persistent directory (None before its first run wrote one)."""
+    path = epath.Path(directory) / RUN_ID_FILE
+    return path.read_text().strip() if path.exists() else None
 
 
 @dataclasses.dataclass
@@ -121,13 +134,11 @@ class PersistentTier:
 
     def run_id(self, create: bool) -> str | None:
         """The directory's run id; with `create`, made now if the directory has none yet."""
-        path = self.directory / RUN_ID_FILE
-        if path.exists():
-            return path.read_text().strip()
-        if not create:
-            return None
+        run_id = read_run_id(self.directory)
+        if run_id is not None or not create:
+            return run_id
         run_id = uuid.uuid4().hex
-        path.write_text(run_id)
+        (self.directory / RUN_ID_FILE).write_text(run_id)
         return run_id
 
     # ---------------------------------------------------------------------------------- reading

@@ -8,19 +8,33 @@ process's clock; the checkpointer makes process 0 decide them and share the deci
 from __future__ import annotations
 
 import dataclasses
-import math
+import enum
 from collections.abc import Callable
 
 import ml_collections
 
-EVERY_STEPS = "every_steps"
-EVERY_MINUTES = "every_minutes"
-AUTO = "auto_interval"
-FINAL = "final"
-LOCAL = "local_every_steps"
-PREEMPTION = "preemption"
+from resilient_jax.goodput.model import young_daly_interval_s
 
-# Set by a supervisor for the workers it restarts: the job's mean time between failures so far.
+
+class SaveReason(str, enum.Enum):
+    """Why a step is saved: the rule that asked for it (the `reason` of `save` events and metas).
+
+    A `str`, so it compares equal to the name read back from a file and serialises as it.
+    """
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    EVERY_STEPS = "every_steps"  # checkpoint.every_steps
+    EVERY_MINUTES = "every_minutes"  # checkpoint.every_minutes (a temporary save)
+    AUTO = "auto_interval"  # the Young/Daly interval from the measured save cost
+    FINAL = "final"  # the last step of the run
+    LOCAL = "local_every_steps"  # the local tier's interval (no persistent save)
+    PREEMPTION = "preemption"  # an agreed SIGTERM: save, then stop
+
 
 # Weight of the newest measurement in the running estimate of the blocking save cost.
 _COST_EMA = 0.3
@@ -34,21 +48,12 @@ def local_interval_steps(
     return int(min(max(round(steps), 1), at_most))
 
 
-def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:
-    """Checkpoint interval that minimises expected lost time: sqrt(2 * C * M).
-
-    Young's first-order optimum; Daly's higher-order correction changes it by less than 1% while
-    the save cost C is under 1% of the mean time between failures M, which holds for async saves.
-    """
-    return math.sqrt(2.0 * max(save_cost_s, 0.0) * mtbf_s)
-
-
 @dataclasses.dataclass(frozen=True)
 class Decision:
     local: bool = False
     persistent: bool = False
     temporary: bool = False  # a persistent save deleted once a newer step is committed
-    reason: str = ""  # why the persistent save (or, without one, the local save) happens
+    reason: SaveReason | None = None  # why the persistent save (or, without one, the local save)
 
     def __bool__(self) -> bool:
         return self.local or self.persistent
@@ -104,19 +109,19 @@ class SavePolicy:
             return None
         return young_daly_interval_s(self._cost_s, self._c.mtbf_s)
 
-    def clock_reason(self) -> str | None:
+    def clock_reason(self) -> SaveReason | None:
         """The wall-clock rule that asks for a persistent save now, if any."""
         elapsed = self._clock() - self._last_persistent
         if self._c.auto_interval:
             interval = self.auto_interval_s()
             # Before the first save the cost is unknown: save once to measure it.
             if interval is None or elapsed >= interval:
-                return AUTO
+                return SaveReason.AUTO
         if self._c.every_minutes > 0 and elapsed >= self._c.every_minutes * 60.0:
-            return EVERY_MINUTES
+            return SaveReason.EVERY_MINUTES
         return None
 
-    def decide(self, step: int, clock_reason: str | None) -> Decision:
+    def decide(self, step: int, clock_reason: SaveReason | None) -> Decision:
         """Combines the step rules for `step` with an (agreed) wall-clock reason."""
         local = self._local_enabled and (
             (step - self._local_from) % self._local_every == 0
@@ -126,10 +131,10 @@ class SavePolicy:
         every = self._c.every_steps
         periodic = not self._c.auto_interval and every > 0 and step % every == 0
         if step >= self._total_steps:
-            return Decision(local=local, persistent=True, reason=FINAL)
+            return Decision(local=local, persistent=True, reason=SaveReason.FINAL)
         if periodic:
-            return Decision(local=local, persistent=True, reason=EVERY_STEPS)
+            return Decision(local=local, persistent=True, reason=SaveReason.EVERY_STEPS)
         if clock_reason is not None:
-            temporary = clock_reason == EVERY_MINUTES
+            temporary = clock_reason == SaveReason.EVERY_MINUTES
             return Decision(local=local, persistent=True, temporary=temporary, reason=clock_reason)
-        return Decision(local=local, reason=LOCAL if local else "")
+        return Decision(local=local, reason=SaveReason.LOCAL if local else None)

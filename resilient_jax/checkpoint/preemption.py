@@ -39,10 +39,6 @@ class PreemptionNotice:
         if callable(self._previous):
             self._previous(signum, frame)
 
-    def request(self) -> None:
-        """Ask for a save-and-stop at the next step (what SIGTERM does on a single process)."""
-        self._requested.set()
-
     def reached(self, step: int) -> bool:
         """True at the step where every process saves and stops. Call once per step, everywhere."""
         if self._use_sync_manager:

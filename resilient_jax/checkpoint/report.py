@@ -11,7 +11,6 @@ import dataclasses
 import json
 import os
 import re
-import zlib
 from typing import Any
 
 import jax
@@ -22,7 +21,12 @@ from etils import epath
 from resilient_jax import config as config_lib
 from resilient_jax.checkpoint import local
 from resilient_jax.checkpoint.checksum import host_digest
-from resilient_jax.checkpoint.persistent import QUARANTINE_DIR, RUN_ID_FILE
+from resilient_jax.checkpoint.persistent import DEFAULT_DIR, QUARANTINE_DIR, persistent_dir
+from resilient_jax.checkpoint.tier import Tier
+
+OK = "ok"
+UNVERIFIED = "unverified"  # --no-verify: the array data was not read
+STALE = "stale: from an earlier run of this workdir"  # never restored, so not a failure
 
 _PATH_TOKEN = re.compile(r"\.(\w+)|\[(\d+)\]|\['([^']*)'\]")
 
@@ -34,13 +38,18 @@ def canonical_path(path: str) -> tuple[str, ...]:
 
 @dataclasses.dataclass
 class Row:
-    tier: str
+    tier: Tier
     step: int
     bytes: int
-    status: str  # "ok", "unverified", or what is wrong
+    status: str  # OK, UNVERIFIED, STALE, or what is wrong
     fingerprint: str | None
     mesh: dict[str, Any] | None
     detail: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """Whether this copy is one a restore would find unusable."""
+        return self.status not in (OK, UNVERIFIED, STALE)
 
 
 @dataclasses.dataclass
@@ -61,22 +70,14 @@ def locate(path: str, local_dir: str | None = None) -> Locations:
         config.checkpoint.update(
             {k: v for k, v in saved.get("checkpoint", {}).items() if k in config.checkpoint}
         )
-    elif os.path.isdir(os.path.join(path, "checkpoints")):
+    elif os.path.isdir(os.path.join(path, DEFAULT_DIR)):
         workdir = path
-    elif os.path.basename(os.path.normpath(path)) == "checkpoints":
+    elif os.path.basename(os.path.normpath(path)) == DEFAULT_DIR:
         workdir = os.path.dirname(os.path.normpath(path))
-    if workdir is not None:
-        persistent = config.checkpoint.dir or os.path.join(workdir, "checkpoints")
-    else:
-        persistent = path
+    persistent = persistent_dir(config, workdir) if workdir is not None else path
     root = config.checkpoint.local_dir if local_dir is None else local_dir
     local_run = local.run_dir(root, workdir) if root and workdir else None
     return Locations(persistent, local_run, workdir)
-
-
-def read_run_id(persistent: str) -> str | None:
-    path = epath.Path(persistent) / RUN_ID_FILE
-    return path.read_text().strip() if path.exists() else None
 
 
 def _dir_bytes(path: str) -> int:
@@ -121,8 +122,8 @@ def _persistent_row(step_dir: epath.Path, step: int, verify: bool) -> Row:
     try:
         meta = dict(ocp.JsonCheckpointHandler().restore(step_dir / "meta"))
     except Exception as e:
-        return Row("persistent", step, size, f"meta unreadable: {type(e).__name__}", None, None)
-    row = Row("persistent", step, size, "unverified", meta.get("fingerprint"), meta.get("mesh"))
+        return Row(Tier.PERSISTENT, step, size, f"meta unreadable: {type(e).__name__}", None, None)
+    row = Row(Tier.PERSISTENT, step, size, UNVERIFIED, meta.get("fingerprint"), meta.get("mesh"))
     row.detail = ("temporary " if meta.get("temporary") else "") + str(meta.get("reason", ""))
     if not ocp.utils.is_checkpoint_finalized(step_dir):
         row.status = "not committed"
@@ -144,7 +145,7 @@ def _verify_persistent(state_dir: epath.Path, expected: dict[str, str]) -> str:
         for path, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]
     }
     bad = [p for p, d in expected.items() if actual.get(canonical_path(p)) != d]
-    return "ok" if expected and not bad else f"checksum mismatch: {', '.join(bad[:3]) or 'none'}"
+    return OK if expected and not bad else f"checksum mismatch: {', '.join(bad[:3]) or 'none'}"
 
 
 def local_rows(
@@ -153,85 +154,35 @@ def local_rows(
     """One row per local copy; `run_id` (the persistent dir's) marks copies of earlier runs."""
     if run_dir is None or not os.path.isdir(run_dir):
         return [], [f"no local tier at {run_dir}" if run_dir else "local tier not configured"]
-    rows, notes = [], []
-    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
-    for proc in sorted(os.listdir(run_dir)):
-        proc_dir = os.path.join(run_dir, proc)
-        for name in sorted(os.listdir(proc_dir)):
-            path = os.path.join(proc_dir, name)
-            if name.startswith(local.TMP_PREFIX):
-                notes.append(f"uncommitted temp dir: {proc}/{name}")
-                continue
-            if not name.startswith(local.STEP_PREFIX):
-                continue
-            step = int(name[len(local.STEP_PREFIX) :])
-            try:
-                with open(os.path.join(path, local.MANIFEST)) as f:
-                    manifest = json.load(f)
-            except (OSError, ValueError) as e:
-                rows.append(
-                    Row(
-                        "local",
-                        step,
-                        _dir_bytes(path),
-                        f"manifest unreadable: {e}",
-                        None,
-                        None,
-                        proc,
-                    )
-                )
-                continue
-            status = _verify_local(path, manifest) if verify else "unverified"
-            if run_id is not None and manifest.get("run_id") != run_id:
-                status = "stale: from an earlier run of this workdir"
-            rows.append(
-                Row(
-                    "local",
-                    step,
-                    _dir_bytes(path),
-                    status,
-                    manifest.get("fingerprint"),
-                    manifest.get("mesh"),
-                    f"{proc} timeline {manifest.get('timeline')}",
-                )
-            )
-            groups.setdefault((step, str(manifest.get("timeline"))), []).append(manifest)
-    for (step, timeline), manifests in sorted(groups.items()):
-        missing = _coverage_gaps(manifests)
+    notes = [f"uncommitted temp dir: {name}" for name in local.list_temp_dirs(run_dir)]
+    rows = []
+    groups: dict[tuple[int, str], list[local.StepFiles]] = {}
+    for listed in local.list_committed(run_dir):
+        size, proc, copy = _dir_bytes(listed.dir), listed.process_dir, listed.files
+        if copy is None:
+            status = f"manifest unreadable: {listed.problem}"
+            rows.append(Row(Tier.LOCAL, listed.step, size, status, None, None, proc))
+            continue
+        status = _verify_local(copy) if verify else UNVERIFIED
+        if run_id is not None and copy.manifest.get("run_id") != run_id:
+            status = STALE
+        detail = f"{proc} timeline {copy.timeline}"
+        fingerprint, mesh = copy.manifest.get("fingerprint"), copy.manifest.get("mesh")
+        rows.append(Row(Tier.LOCAL, listed.step, size, status, fingerprint, mesh, detail))
+        groups.setdefault((listed.step, copy.timeline), []).append(copy)
+    for (step, timeline), copies in sorted(groups.items()):
+        missing = local.coverage_gaps(copies)
         coverage = "complete" if not missing else f"incomplete ({', '.join(missing[:3])})"
-        notes.append(
-            f"local step {step} (timeline {timeline}): {len(manifests)} copies, {coverage}"
-        )
+        notes.append(f"local step {step} (timeline {timeline}): {len(copies)} copies, {coverage}")
     return rows, notes
 
 
-def _verify_local(step_dir: str, manifest: dict[str, Any]) -> str:
-    data = os.path.join(step_dir, local.DATA_FILE)
-    bad = 0
+def _verify_local(copy: local.StepFiles) -> str:
     try:
-        with open(data, "rb") as f:
-            for piece in manifest["pieces"]:
-                f.seek(piece["offset"])
-                raw = f.read(piece["nbytes"])
-                if len(raw) != piece["nbytes"] or zlib.crc32(raw) != piece["crc32"]:
-                    bad += 1
+        bad = local.count_bad_pieces(copy)
     except OSError as e:
         return f"data unreadable: {e.strerror or e}"
-    return "ok" if not bad else f"{bad} bad piece(s)"
-
-
-def _coverage_gaps(manifests: list[dict[str, Any]]) -> list[str]:
-    """Arrays that the union of these copies does not hold whole."""
-    leaves = manifests[0].get("leaves", {})
-    gaps = []
-    for leaf, spec in leaves.items():
-        boxes = {
-            tuple(map(tuple, p["box"])) for m in manifests for p in m["pieces"] if p["leaf"] == leaf
-        }
-        held = sum(int(np.prod([b - a for a, b in box], dtype=np.int64)) for box in boxes)
-        if held < int(np.prod(spec["shape"], dtype=np.int64)):
-            gaps.append(leaf)
-    return gaps
+    return OK if not bad else f"{bad} bad piece(s)"
 
 
 def render(rows: list[Row], notes: list[str]) -> str:

@@ -1,0 +1,290 @@
+"""Verified restore: the newest step every process can load and verify, across steps and tiers.
+
+Resume order, as implemented by `Restorer.restore` (the checkpointer first waits for this
+process's in-flight saves):
+  1. Each process lists what it could restore: local-tier steps whose pieces cover every shard it
+     needs on the new mesh (manifests only) and committed persistent steps.
+  2. The processes agree (coordination-service all-gather with a timeout) on the steps every one
+     of them can restore; candidates go newest first, the local tier first at equal steps.
+  3. Every process loads the candidate (local: CRC of each piece; persistent: Orbax restore onto
+     the target shardings) and they agree whether all succeeded; a persistent candidate is then
+     verified against the per-array digests in its `meta` (a collective, so the verdict is the
+     same everywhere). A failure is a `checkpoint_invalid` event and the next candidate is tried.
+  4. Newer steps than the one restored belong to an abandoned timeline (`quarantine`). A
+     `restore` event is written.
+  5. Nothing restorable: with persistent steps present that is an error (they all failed); with
+     `checkpoint.init_from` set, parameters come from that directory; otherwise None (fresh start).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from resilient_jax.checkpoint import checksum, manifest
+from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
+from resilient_jax.checkpoint.local import LocalTier, StepFiles
+from resilient_jax.checkpoint.persistent import PersistentTier
+from resilient_jax.checkpoint.quarantine import retire_after
+from resilient_jax.checkpoint.sync import ProcessSync
+from resilient_jax.checkpoint.tier import Tier
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.data.position import DataPosition
+from resilient_jax.events import EventLog
+from resilient_jax.train.context import RunContext
+from resilient_jax.train.state import TrainState, init_state
+
+LeafSpecs = dict[str, dict[str, Any]]  # leaf path -> shape and dtype (`manifest.leaf_specs`)
+
+
+@dataclasses.dataclass
+class Restored:
+    state: TrainState  # on the restoring run's shardings
+    data_position: DataPosition  # where the data stream stood (the beginning for init_from)
+    step: int  # optimizer steps already applied
+    tier: Tier
+
+
+# A loaded candidate and the digests to verify it against (None: verified while it was read).
+_Loaded = tuple[Restored, dict[str, str] | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Candidate:
+    step: int
+    tier: Tier
+    key: str  # what processes agree on: the step plus, for the local tier, its timeline
+
+
+def _local_key(step: int, timeline: str) -> str:
+    return f"{step}@{timeline}"
+
+
+def _persistent_key(step: int) -> str:
+    return f"{step}@p"
+
+
+def _parse_key(key: str) -> _Candidate:
+    step, where = key.split("@", 1)
+    return _Candidate(int(step), Tier.PERSISTENT if where == "p" else Tier.LOCAL, key)
+
+
+def check_persistent_dir(
+    persistent: PersistentTier,
+    fingerprint: str,
+    wanted: LeafSpecs,
+    where: str,
+    accept_other_config: bool,
+) -> None:
+    """Refuses a directory whose newest readable step was written by another model/config."""
+    for step in reversed(persistent.steps()):
+        try:
+            meta = persistent.read_meta(step)
+        except InvalidCheckpoint:
+            continue
+        manifest.check_compatible(
+            meta, fingerprint, wanted, f"{where} (step {step})", accept_other_config
+        )
+        return
+
+
+class Restorer:
+    """Finds, loads and verifies the newest restorable step of a checkpointer's tiers.
+
+    `on_new_timeline(step, timeline)` is called (on every process) once a restore has retired
+    the steps after `step` (None: nothing restored), before the `restore` event.
+    """
+
+    def __init__(
+        self,
+        persistent: PersistentTier,
+        persistent_dir: str,
+        local: LocalTier | None,
+        sync: ProcessSync,
+        events: EventLog,
+        fingerprint: str,
+        run_id: str,
+        accept_other_config: bool,
+        on_new_timeline: Callable[[int | None, str], None],
+    ) -> None:
+        self._persistent = persistent
+        self._persistent_dir = persistent_dir
+        self._local = local
+        self._sync = sync
+        self._events = events
+        self._fingerprint = fingerprint
+        self._run_id = run_id
+        self._accept_other_config = accept_other_config
+        self._on_new_timeline = on_new_timeline
+
+    def restore(
+        self, ctx: RunContext, started: float, max_step: int | None, exact: bool
+    ) -> Restored | None:
+        """The newest valid step (exactly `max_step` if `exact`, else at most) or None.
+
+        `started` (a `time.perf_counter()` reading) is when the restore began, for its event.
+        Raises `CheckpointError` if persistent steps exist and none of them is valid.
+        """
+        wanted = manifest.leaf_specs(ctx.abstract_state)
+
+        def fits(step: int) -> bool:
+            return max_step is None or (step == max_step if exact else step <= max_step)
+
+        local_copies = self._local_candidates(ctx, wanted, fits)
+        persistent_steps = [s for s in self._persistent.steps() if fits(s)]
+        mine = [*local_copies, *(_persistent_key(s) for s in persistent_steps)]
+        views = self._sync.all_gather("restore_candidates", mine)
+        agreed = set(views[0]).intersection(*views[1:])
+        candidates = sorted(
+            (_parse_key(key) for key in agreed),
+            key=lambda c: (-c.step, c.tier != Tier.LOCAL, c.key),
+        )
+        for candidate in candidates:
+            if candidate.tier == Tier.LOCAL:
+                copies = local_copies[candidate.key]
+                load = lambda copies=copies: self._load_local(ctx, copies, wanted)
+            else:
+                load = lambda step=candidate.step: self._load_persistent(ctx, step, wanted)
+            restored = self._try_candidate(candidate, load)
+            if restored is not None:
+                self._retire_after(candidate.step)
+                self._events.emit(
+                    EventType.RESTORE,
+                    tier=candidate.tier,
+                    step=candidate.step,
+                    duration_s=time.perf_counter() - started,
+                )
+                return restored
+        if persistent_steps and not exact:
+            raise CheckpointError(
+                f"no valid checkpoint among persistent steps {persistent_steps} in "
+                f"{self._persistent_dir} (see checkpoint_invalid events); move the directory "
+                "away to start fresh"
+            )
+        if exact or max_step is not None:
+            return None
+        self._retire_after(None)
+        if ctx.config.checkpoint.init_from and not self._accept_other_config:
+            return self._restore_init_from(ctx, started)
+        return None
+
+    def _retire_after(self, step: int | None) -> None:
+        timeline = retire_after(step, self._persistent, self._local, self._sync, self._events)
+        self._on_new_timeline(step, timeline)
+
+    def _local_candidates(
+        self, ctx: RunContext, wanted: LeafSpecs, fits: Callable[[int], bool]
+    ) -> dict[str, list[StepFiles]]:
+        """Local copies this process can assemble completely, by candidate key (step and
+        timeline: the copies of one step assemble only within one timeline)."""
+        if self._local is None:
+            return {}
+        found, unusable = self._local.scan(self._fingerprint, self._run_id)
+        for step, why in unusable:
+            if fits(step):
+                self._invalid(Tier.LOCAL, step, why)
+        by_timeline: dict[str, list[StepFiles]] = {}
+        for step, copies in found.items():
+            if not fits(step):
+                continue
+            for copy in copies:
+                by_timeline.setdefault(_local_key(step, copy.timeline), []).append(copy)
+        usable = {}
+        for key, copies in by_timeline.items():
+            why = self._local.completable(copies, ctx.abstract_state, wanted)
+            if why is None:
+                usable[key] = copies
+            else:
+                self._invalid(Tier.LOCAL, _parse_key(key).step, why)
+        return usable
+
+    def _try_candidate(self, candidate: _Candidate, load: Callable[[], _Loaded]) -> Restored | None:
+        """Loads a candidate on every process; returns it only if all succeeded and verified."""
+        restored, expected, cause = None, None, None
+        try:
+            restored, expected = load()
+        except InvalidCheckpoint as e:
+            cause = str(e)
+        causes = self._sync.all_gather("restore_result", cause)
+        failed = [(i, c) for i, c in enumerate(causes) if c is not None]
+        if not failed and expected is not None:
+            assert restored is not None
+            cause = _digest_mismatch(checksum.tree_digests(restored.state), expected)
+            if cause is not None:
+                failed = [(self._sync.process_index, cause)]
+        if failed:
+            process, why = failed[0]
+            self._invalid(candidate.tier, candidate.step, f"process {process}: {why}")
+            return None
+        return restored
+
+    def _invalid(self, tier: Tier, step: int, cause: str) -> None:
+        self._events.emit(EventType.CHECKPOINT_INVALID, tier=tier, step=step, cause=cause)
+
+    def _load_local(self, ctx: RunContext, copies: list[StepFiles], wanted: LeafSpecs) -> _Loaded:
+        assert self._local is not None
+        state = self._local.restore(copies, ctx.abstract_state, wanted)
+        first = copies[0].manifest
+        position = DataPosition.from_json(first.get("data_position"))
+        return Restored(state, position, int(first["step"]), Tier.LOCAL), None
+
+    def _load_persistent(self, ctx: RunContext, step: int, wanted: LeafSpecs) -> _Loaded:
+        meta = self._persistent.read_meta(step)
+        manifest.check_compatible(
+            meta,
+            self._fingerprint,
+            wanted,
+            f"{self._persistent_dir} (step {step})",
+            self._accept_other_config,
+        )
+        state = self._persistent.restore_state(step, ctx.abstract_state)
+        position = DataPosition.from_json(self._persistent.read_data_position(step))
+        return Restored(state, position, step, Tier.PERSISTENT), meta.get("checksums", {})
+
+    def _restore_init_from(self, ctx: RunContext, started: float) -> Restored | None:
+        source_dir = ctx.config.checkpoint.init_from
+        source = PersistentTier(source_dir, keep=1, keep_period=0, read_only=True)
+        wanted = manifest.leaf_specs(ctx.abstract_state)
+        params_only = {k: v for k, v in wanted.items() if k.startswith(".params")}
+        try:
+            for step in reversed(source.steps()):
+                candidate = _Candidate(step, Tier.INIT_FROM, f"{step}@init")
+                restored = self._try_candidate(
+                    candidate, lambda step=step: _load_params(ctx, source, step, params_only)
+                )
+                if restored is not None:
+                    self._events.emit(
+                        EventType.RESTORE,
+                        tier=Tier.INIT_FROM,
+                        step=step,
+                        duration_s=time.perf_counter() - started,
+                        source=source_dir,
+                    )
+                    return restored
+        finally:
+            source.close()
+        raise CheckpointError(f"config.checkpoint.init_from={source_dir!r} has no valid step")
+
+
+def _load_params(ctx: RunContext, source: PersistentTier, step: int, wanted: LeafSpecs) -> _Loaded:
+    """Parameters from another run's step, on a freshly initialised state (step 0)."""
+    meta = source.read_meta(step)
+    problems = manifest.shape_mismatches(meta.get("leaves", {}), wanted, only=".params")
+    if problems:
+        raise CheckpointError(
+            f"config.checkpoint.init_from={source.directory} holds a different model: "
+            + "; ".join(problems[:3])
+        )
+    params = source.restore_params(step, ctx.abstract_state.params)
+    state = init_state(ctx.config, ctx.mesh).replace(params=params)
+    expected = {k: v for k, v in meta.get("checksums", {}).items() if k.startswith(".params")}
+    return Restored(state, DataPosition(), 0, Tier.INIT_FROM), expected
+
+
+def _digest_mismatch(actual: dict[str, str], expected: dict[str, str]) -> str | None:
+    bad = [path for path, digest in expected.items() if actual.get(path) != digest]
+    if not bad:
+        return None
+    return f"checksum mismatch in {len(bad)} array(s): {', '.join(bad[:3])}"

@@ -1,0 +1,21 @@
+"""Where a checkpoint lives, or a restore came from, as events and manifests name it."""
+
+from __future__ import annotations
+
+import enum
+
+
+class Tier(str, enum.Enum):
+    """A `str`: compares equal to the name read back from `events.jsonl` and serialises as it."""
+
+    def __str__(self) -> str:  # f-strings and str() give the plain name, as in the file
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    LOCAL = "local"  # each process's own shards on a RAM disk, saved often
+    PERSISTENT = "persistent"  # the Orbax directory every process shares, saved less often
+    # Not a tier of this run: the persistent directory of another run, named by
+    # `checkpoint.init_from`, whose parameters start a fresh run.
+    INIT_FROM = "init_from"
