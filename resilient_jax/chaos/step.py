@@ -4,7 +4,6 @@ step being taken (1.0 otherwise). The trainer itself knows nothing of faults."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -14,10 +13,7 @@ from resilient_jax.chaos.hook import ChaosHook
 
 if TYPE_CHECKING:
     from resilient_jax.train.state import TrainState
-
-Metrics = dict[str, jax.Array]
-ScaledStepFn = Callable[["TrainState", jax.Array, jax.Array], tuple["TrainState", Metrics]]
-PlainStepFn = Callable[["TrainState", jax.Array], tuple["TrainState", Metrics]]
+    from resilient_jax.train.step import Metrics, ScaledStepFn, StepFn
 
 
 class _FaultyStep:
@@ -39,7 +35,7 @@ class _FaultyStep:
         return new_state, metrics
 
 
-def wrap_step(step_fn: ScaledStepFn, hook: ChaosHook) -> PlainStepFn:
+def wrap_step(step_fn: ScaledStepFn, hook: ChaosHook) -> StepFn:
     """The step `step_fn(state, batch, loss_scale)` as `step(state, batch)`, its loss scaled by the
     faults of `hook` due at the step being taken. `hook` must also be one of the loop's hooks (its
     `on_start` gives it the run's context)."""
