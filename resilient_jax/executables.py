@@ -30,6 +30,7 @@ import jaxlib
 from etils import epath
 from jax.experimental import serialize_executable
 
+from resilient_jax.contracts.event_types import EventType
 from resilient_jax.events import EventLog
 
 SUBDIR = "executables"
@@ -86,7 +87,7 @@ def _load(path: epath.Path, events: EventLog | None) -> Any | None:
     except Exception as e:  # a damaged or incompatible entry: compile instead
         logging.warning("executable cache: cannot load %s (%s); compiling", path, e)
         if events is not None:
-            events.emit("compile_cache_invalid", path=str(path), error=str(e)[:200])
+            events.emit(EventType.COMPILE_CACHE_INVALID, path=str(path), error=str(e)[:200])
         return None
 
 

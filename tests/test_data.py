@@ -13,12 +13,14 @@ from conftest import free_port, run_python, tiny_config
 from resilient_jax import mesh, topology
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.data.convert import convert
+from resilient_jax.data.position import DataPosition
 
 
 def loader_for(config, num_devices, next_batch=0):
     topo = mesh.discover(jax.devices()[:num_devices])
     plan = topology.plan_mesh(config, topo)
-    return BatchLoader(config, mesh.make_mesh(plan, topo), plan, make_source(config), next_batch)
+    start = DataPosition(next_batch)
+    return BatchLoader(config, mesh.make_mesh(plan, topo), plan, make_source(config), start)
 
 
 def global_rows(loader, steps):
@@ -73,9 +75,20 @@ def test_epochs_are_seeded_permutations_each_with_its_own_order():
 def test_skip_windows_are_never_used():
     config = tiny_config()
     loader = loader_for(config, 8)
-    loader.seek({"next_batch": 1, "skips": [[2, 5]]})
+    loader.seek(DataPosition.from_json({"next_batch": 1, "skips": [[2, 5]]}))
     assert [loader.next()[0] for _ in range(3)] == [1, 5, 6]
-    assert loader.position == {"next_batch": 7, "skips": [[2, 5]]}
+    assert loader.position == DataPosition(next_batch=7, skips=((2, 5),))
+    assert loader.position.to_json() == {"next_batch": 7, "skips": [[2, 5]]}
+
+
+def test_data_position_json_is_the_saved_form():
+    start = DataPosition.from_json(None)
+    assert start == DataPosition.from_json({}) == DataPosition()
+    assert start.to_json() == {"next_batch": 0, "skips": []}
+    later = DataPosition(next_batch=9).skipping(30, 34).skipping(3, 5).skipping(30, 34)
+    assert later.skips == ((3, 5), (30, 34))  # sorted, each window once
+    assert later.to_json() == {"next_batch": 9, "skips": [[3, 5], [30, 34]]}
+    assert DataPosition.from_json(later.to_json()) == later
 
 
 def test_arrayrecord_converter_round_trips(tmp_path):

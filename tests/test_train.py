@@ -86,7 +86,7 @@ def test_tiny_training_run_loss_falls_and_writes_run_files(tmp_path):
 def test_compiled_step_is_cached_per_process_and_a_damaged_entry_is_recompiled(tmp_path):
     from resilient_jax.events import EventLog, read_events
     from resilient_jax.run import prepare
-    from resilient_jax.train.compile import compile_step
+    from resilient_jax.train.compile import compile_step, without_fault_scale
 
     config = tiny_config()
     events = EventLog(str(tmp_path / "run"), pid=0)
@@ -96,7 +96,7 @@ def test_compiled_step_is_cached_per_process_and_a_damaged_entry_is_recompiled(t
     def one_step(compiled):
         loader = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config))
         state = init_state(config, ctx.mesh)
-        state, metrics = compiled(state, loader.next()[1], jnp.float32(1.0))
+        state, metrics = without_fault_scale(compiled)(state, loader.next()[1])
         loader.close()
         return float(metrics["loss"]), jax.device_get(state.params)
 

@@ -7,8 +7,9 @@ each device holds contiguous rows. Which rows form a batch depends only on (data
 never on the mesh or the number of processes: the global array is the same for 1, 2 or 4 processes,
 and after a reshape every step still sees the same examples.
 
-Normally batch k feeds step k; the data position `{"next_batch": k}` is saved with the model so a
-resume (or a rollback that skips a bad data window) continues exactly. Grain threads load upcoming
+Normally batch k feeds step k; the data position (`DataPosition`: the next batch and the windows
+never to use) is saved with the model so a resume (or a rollback that skips a bad data window)
+continues exactly. Grain threads load upcoming
 batches while the current step runs.
 """
 
@@ -23,6 +24,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
+from resilient_jax.data.position import DataPosition
 from resilient_jax.mesh import batch_sharding
 from resilient_jax.topology import MeshPlan
 
@@ -37,7 +39,7 @@ class BatchLoader:
         mesh: Mesh,
         plan: MeshPlan,
         source: Any,
-        next_batch: int = 0,
+        position: DataPosition | None = None,  # None: the beginning of the data
     ) -> None:
         self._examples = grain.MapDataset.source(source).shuffle(seed=config.seed)
         self._batch = config.global_batch_size
@@ -53,9 +55,9 @@ class BatchLoader:
         }
         self._local_rows = np.unique(np.concatenate(list(self._device_rows.values())))
         self.last_wait_s = 0.0
-        self._skips: list[list[int]] = []
+        self._skips: tuple[tuple[int, int], ...] = ()
         self._iter = None
-        self.seek({"next_batch": next_batch})
+        self.seek(position or DataPosition())
 
     def _offsets(self, index: tuple[slice, ...]) -> np.ndarray:
         microbatch, row = index[0], index[1]
@@ -69,15 +71,15 @@ class BatchLoader:
         first = batch_index * self._batch
         return np.stack([self._examples[first + int(o)] for o in self._local_rows])
 
-    def seek(self, position: dict[str, Any]) -> None:
+    def seek(self, position: DataPosition) -> None:
         """Continue from a saved data position (restore, rollback); drops anything prefetched.
 
-        `skips` lists windows `[first, end)` of batch indices that are never used: a rollback after
-        an anomaly skips the data that caused it, and a rerun skips the same batches.
+        Its `skips` are windows `[first, end)` of batch indices that are never used: a rollback
+        after an anomaly skips the data that caused it, and a rerun skips the same batches.
         """
         self.close()
-        self._skips = sorted([int(a), int(b)] for a, b in position.get("skips", []))
-        self._next = self._skip_forward(int(position["next_batch"]))
+        self._skips = tuple(sorted(position.skips))
+        self._next = self._skip_forward(position.next_batch)
         batches = grain.MapDataset.range(self._next, _HORIZON).map(self.rows_of_batch)
         self._iter = iter(batches.to_iter_dataset(self._read))
 
@@ -94,9 +96,9 @@ class BatchLoader:
         return batch_index
 
     @property
-    def position(self) -> dict[str, Any]:
+    def position(self) -> DataPosition:
         """The data position to checkpoint: independent of mesh and process count."""
-        return {"next_batch": self._next, "skips": [list(w) for w in self._skips]}
+        return DataPosition(next_batch=self._next, skips=self._skips)
 
     def next(self) -> tuple[int, jax.Array]:
         """(batch index, global batch array [microbatches, rows, seq_len + 1] int32)."""

@@ -20,10 +20,7 @@ class DataPosition:
         return dataclasses.replace(self, skips=tuple(sorted({*self.skips, (start, end)})))
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"next_batch": self.next_batch}
-        if self.skips:
-            out["skips"] = [list(window) for window in self.skips]
-        return out
+        return {"next_batch": self.next_batch, "skips": [list(window) for window in self.skips]}
 
     @classmethod
     def from_json(cls, value: dict[str, Any] | None) -> DataPosition:

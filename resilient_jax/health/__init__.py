@@ -4,4 +4,4 @@ jitted step computes (`resilient_jax.train.in_band`), and the hang watchdog."""
 from resilient_jax.health.monitor import HealthMonitor, anomaly_cause
 from resilient_jax.health.watchdog import Watchdog
 
-__all__ = ["ExitCode.HEALTH_GAVE_UP", "ExitCode.HUNG", "HealthMonitor", "Watchdog", "anomaly_cause"]
+__all__ = ["HealthMonitor", "Watchdog", "anomaly_cause"]

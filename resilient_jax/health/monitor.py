@@ -7,7 +7,8 @@ late from the metrics and decides what happens next, from `config.health`:
 2. `max_skips` skipped steps in a row raise `Rollback`: the loop restores the last good checkpoint
    and skips `rollback_skip_batches` batches, on the theory that the data window was bad;
 3. when `max_rollbacks` rollbacks have not helped, the next escalation raises
-   `StopTraining(exit_code=3)` (`max_rollbacks=0`: stop at the first escalation).
+   `StopTraining(exit_code=ExitCode.HEALTH_GAVE_UP)` (`max_rollbacks=0`: stop at the first
+   escalation).
 
 With `health.enabled` off nothing is skipped, so a non-finite loss has already reached the
 parameters: the run stops at once rather than train on garbage.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.train.hooks import Hook, Rollback, StopTraining
 
@@ -69,7 +71,7 @@ class HealthMonitor(Hook):
         else:
             action = "stop"
         ctx.events.emit(
-            "anomaly",
+            EventType.ANOMALY,
             step=step,
             cause=cause,
             action=action,

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.train.hooks import Hook, StepInfo
 
@@ -76,11 +77,6 @@ class Watchdog(Hook):
             self._step = step
         self._arm(self.timeout_s, "step")
 
-    def allow(self, seconds: float) -> None:
-        """Extends the current deadline for a known long phase (a restore after a rollback)."""
-        with self._lock:
-            self._deadline = max(self._deadline, self._clock() + seconds)
-
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -128,7 +124,7 @@ class Watchdog(Hook):
         reason = f"watchdog: no step completed for {stalled:.1f} s ({phase} budget {budget:g} s)"
         try:
             self._events.emit(
-                "failure_detected",
+                EventType.FAILURE_DETECTED,
                 cause="hang",
                 phase=phase,
                 step=step,

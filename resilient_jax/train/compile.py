@@ -1,6 +1,7 @@
 """Compiling the train step ahead of time, so compile time is measured and reported on its own,
 through the per-process executable cache (`resilient_jax.executables`): a restarted worker loads
-the step it compiled before for the same mesh."""
+the step it compiled before for the same mesh. `without_fault_scale` turns the compiled step into
+the two-argument step the loop calls."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import jax.numpy as jnp
 
 from resilient_jax import executables
 from resilient_jax import mesh as mesh_lib
+from resilient_jax.contracts.event_types import EventType
 from resilient_jax.train.context import RunContext
-from resilient_jax.train.step import make_train_step
+from resilient_jax.train.state import TrainState
+from resilient_jax.train.step import Metrics, ScaledStepFn, StepFn, make_train_step
 
 
-def compile_step(ctx: RunContext, cache_dir: str | None = None) -> Any:
+def compile_step(ctx: RunContext, cache_dir: str | None = None) -> ScaledStepFn:
     """The compiled train step for the context's mesh; emits a `compile` event with its duration
     and, with a cache, whether it came from it. `cache_dir`: where executables are kept (default:
     `executables.default_dir()`, none when JAX's compilation cache is off)."""
@@ -37,5 +40,16 @@ def compile_step(ctx: RunContext, cache_dir: str | None = None) -> Any:
     fields: dict[str, Any] = {"duration_s": time.perf_counter() - start}
     if directory:
         fields["cache"] = "hit" if hit else "miss"
-    ctx.events.emit("compile", **fields)
+    ctx.events.emit(EventType.COMPILE, **fields)
     return compiled
+
+
+def without_fault_scale(compiled: ScaledStepFn) -> StepFn:
+    """The step at fault scale 1: the loop's step when no fault is injected. The scale is a float32
+    scalar, as the step was compiled for, so the executable and its numerics are the same."""
+    unit_scale = jnp.float32(1.0)
+
+    def step(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
+        return compiled(state, batch, unit_scale)
+
+    return step

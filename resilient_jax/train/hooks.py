@@ -2,17 +2,21 @@
 client all plug in here, so the loop itself has no mode branches.
 
 The loop calls, in order: `on_start` once state exists (fresh or restored); for every step,
-`before_step` (may return a fault scale for the step: 1.0 normally), then `after_step` with the new
-state as device arrays still in flight (do not pull them to the host unless you must: pulling waits
-for the step); `on_metrics` one step later, when that step's metrics have reached the host; and
-`on_end` after the last step. A hook stops the run by raising `StopTraining` (clean stop, exit code
-given) or any other exception (a failure).
+`after_step` with the new state as device arrays still in flight (do not pull them to the host
+unless you must: pulling waits for the step); `on_metrics` one step later, when that step's metrics
+have reached the host; and `on_end` after the last step. A hook stops the run by raising
+`StopTraining` (clean stop, exit code given), asks for `Rollback`, or raises any other exception (a
+failure). What a step computes is not a hook's business: a fault injector wraps the step function
+instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.data.position import DataPosition
 
 if TYPE_CHECKING:
     from resilient_jax.train.context import RunContext
@@ -22,7 +26,7 @@ if TYPE_CHECKING:
 class StopTraining(Exception):
     """Raised by a hook to end the run: exit code 0 for done, other codes for a deliberate stop."""
 
-    def __init__(self, reason: str, exit_code: int = 0) -> None:
+    def __init__(self, reason: str, exit_code: int = ExitCode.FINISHED) -> None:
         super().__init__(reason)
         self.reason = reason
         self.exit_code = exit_code
@@ -32,7 +36,7 @@ class StopTraining(Exception):
 class StepInfo:
     step: int  # optimizer steps completed, counting this one
     batch_index: int  # which global batch this step consumed
-    data_position: dict[str, Any]  # JSON, independent of the process count; restores the loader
+    data_position: DataPosition  # independent of the process count; restores the loader
     step_time_s: float  # host wall time since the previous step was dispatched
 
 
@@ -41,9 +45,6 @@ class Hook:
 
     def on_start(self, ctx: RunContext, state: TrainState) -> None:
         pass
-
-    def before_step(self, ctx: RunContext, step: int) -> float:
-        return 1.0
 
     def after_step(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
         pass

@@ -45,8 +45,6 @@ class HealthStats:
     loss_var: jax.Array
     log_grad_mean: jax.Array
     log_grad_var: jax.Array
-    consecutive: jax.Array  # anomalous steps in a row, 0 after a healthy step
-    skipped: jax.Array  # steps skipped since the run began
     pid_integral: jax.Array  # controller memory of recent spikes
     pid_error: jax.Array  # last excess of the spike score over the target
     lr_scale: jax.Array  # the controller's last output, 1 when it is off
@@ -60,8 +58,6 @@ class HealthStats:
             loss_var=zero,
             log_grad_mean=zero,
             log_grad_var=zero,
-            consecutive=zero,
-            skipped=zero,
             pid_integral=zero,
             pid_error=zero,
             lr_scale=jnp.ones((), jnp.float32),
@@ -137,8 +133,6 @@ def assess(
         loss_var=jnp.where(learn, loss_var, stats.loss_var),
         log_grad_mean=jnp.where(learn, grad_mean, stats.log_grad_mean),
         log_grad_var=jnp.where(learn, grad_var, stats.log_grad_var),
-        consecutive=jnp.where(ok, 0.0, stats.consecutive + 1.0),
-        skipped=stats.skipped + (~ok).astype(jnp.float32),
         pid_integral=integral,
         pid_error=error,
         lr_scale=lr_scale,

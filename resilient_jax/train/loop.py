@@ -1,9 +1,9 @@
 """The train loop. Everything else (checkpoints, health, chaos, metrics, the coordinator) is a hook.
 
-Per step: ask the hooks for a fault scale, take the next batch, dispatch the jitted step, hand the
-new state to the hooks, and only then pull the *previous* step's metrics to the host, so the device
-always has the next step queued while the host logs. A hook may raise `Rollback` (restore the last
-good state and skip a data window) or `StopTraining` (end the run with an exit code).
+Per step: take the next batch, dispatch the step, hand the new state to the hooks, and only then
+pull the *previous* step's metrics to the host, so the device always has the next step queued while
+the host logs. A hook may raise `Rollback` (restore the last good state and skip a data window) or
+`StopTraining` (end the run with an exit code).
 """
 
 from __future__ import annotations
@@ -12,20 +12,20 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 
+from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data import BatchLoader
+from resilient_jax.data.position import DataPosition
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook, Rollback, StepInfo, StopTraining
-from resilient_jax.train.state import TrainState
+from resilient_jax.train.state import TrainState, init_state
 from resilient_jax.train.step import StepFn
 
 # Returns the newest good (state, data position) at or before `max_step` (None: any step), or None
 # to start again from the seed.
-RestoreFn = Callable[[int | None], tuple[TrainState, dict[str, Any]] | None]
+RestoreFn = Callable[[int | None], tuple[TrainState, DataPosition] | None]
 
 
 @dataclasses.dataclass
@@ -64,12 +64,9 @@ class Loop:
                         pending, previous = None, pending
                         self._publish(previous)
                     break
-                scale = 1.0
-                for hook in self.hooks:
-                    scale *= hook.before_step(self.ctx, step)
                 batch_index, batch = self.loader.next()
                 data_wait_s = self.loader.last_wait_s
-                state, metrics = self.step_fn(state, batch, jnp.float32(scale))
+                state, metrics = self.step_fn(state, batch)
                 step += 1
                 now = time.perf_counter()
                 info = StepInfo(step, batch_index, self.loader.position, now - dispatched)
@@ -105,17 +102,20 @@ class Loop:
         # A save may have run at the bad step itself before its metrics showed the anomaly.
         restored = self._restore(bad.step - 1 if bad is not None else None)
         if restored is None:
-            from resilient_jax.train.state import init_state
-
-            state, position = init_state(self.ctx.config, self.ctx.mesh), {"next_batch": 0}
+            state, position = init_state(self.ctx.config, self.ctx.mesh), DataPosition()
         else:
             state, position = restored
-        skips = list(self.loader.position.get("skips", []))
+        # Skips the loader already knows outlive the restore: those batches stay unused.
+        position = dataclasses.replace(position, skips=self.loader.position.skips)
         if bad is not None:
-            skips.append([bad.batch_index, bad.batch_index + rollback.skip_batches])
-        self.loader.seek({**position, "skips": skips})
+            position = position.skipping(bad.batch_index, bad.batch_index + rollback.skip_batches)
+        self.loader.seek(position)
         step = int(jax.device_get(state.step))
         self.ctx.events.emit(
-            "rollback", step=step, cause=rollback.reason, skips=skips, from_step=bad and bad.step
+            EventType.ROLLBACK,
+            step=step,
+            cause=rollback.reason,
+            skips=position.to_json()["skips"],
+            from_step=bad and bad.step,
         )
         return state, step

@@ -1,4 +1,4 @@
-"""Training metrics: `metrics.jsonl`, TensorBoard event files, a console progress line, MFU.
+"""Training metrics: `metrics.jsonl`, TensorBoard event files, a progress bar (tqdm), MFU.
 
 Throughput is measured between consecutive metric arrivals on the host, which in steady state is
 the step time (the loop dispatches step s+1 before it pulls step s's metrics).
@@ -13,7 +13,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import jax
+from tqdm import tqdm
 
+from resilient_jax.contracts.event_types import EventType
 from resilient_jax.model import ModelConfig
 from resilient_jax.train.hooks import Hook, StepInfo
 
@@ -42,12 +44,6 @@ def peak_flops_per_device(configured: float) -> float:
     return next((flops for name, flops in PEAK_FLOPS.items() if name in kind), 0.0)
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    h, rem = divmod(seconds, 3600)
-    return f"{h}:{rem // 60:02d}:{rem % 60:02d}" if h else f"{rem // 60:02d}:{rem % 60:02d}"
-
-
 class MetricsLogger(Hook):
     """Writes metrics on process 0; every process still times steps for the event log."""
 
@@ -63,7 +59,7 @@ class MetricsLogger(Hook):
         )
         self._writes = jax.process_index() == 0
         self._progress = self._writes and config.log.progress_bar
-        self._tty = sys.stderr.isatty()
+        self._bar: tqdm | None = None  # opened at the first metrics: a restored run starts later
         self._jsonl = None
         if self._writes:
             self._jsonl = open(os.path.join(ctx.workdir, METRICS_FILE), "a")  # noqa: SIM115
@@ -73,25 +69,19 @@ class MetricsLogger(Hook):
 
             self._tb = SummaryWriter(os.path.join(ctx.workdir, "tensorboard"))
         self._last_time: float | None = None
-        self._start_time = time.time()
-        self._start_step: int | None = None
-        self._step_times: list[float] = []
         self.last: dict[str, Any] = {}
 
     def on_metrics(self, ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
         now = time.perf_counter()
         step_time = now - self._last_time if self._last_time is not None else float("nan")
         self._last_time = now
-        if self._start_step is None:
-            self._start_step, self._start_time = step, time.time()
         row: dict[str, Any] = {"step": step, **metrics, "step_time_s": step_time}
         if step_time == step_time:  # not NaN: from the second step on
-            self._step_times.append(step_time)
             row["tokens_per_s"] = self._tokens_per_step / step_time
             if self._peak:
                 row["mfu"] = self._flops_per_step / step_time / self._peak
         ctx.events.emit(
-            "step",
+            EventType.STEP,
             step=step,
             duration_s=step_time,
             data_wait_s=metrics.get("data_wait_s"),
@@ -100,8 +90,7 @@ class MetricsLogger(Hook):
         self.last = row
         if step % self._every == 0 or step == self._total:
             self._write(row)
-        # On a terminal the progress line redraws every step; in a log, one line per log interval.
-        if self._progress and (self._tty or step % self._every == 0 or step == self._total):
+        if self._progress:
             self._show(row)
 
     def _write(self, row: dict[str, Any]) -> None:
@@ -115,27 +104,34 @@ class MetricsLogger(Hook):
             self._tb.flush()
 
     def _show(self, row: dict[str, Any]) -> None:
-        step = row["step"]
-        done = step - (self._start_step or 0)
-        elapsed = time.time() - self._start_time
-        rate = done / elapsed if elapsed > 0 and done > 0 else 0.0
-        eta = (self._total - step) / rate if rate else 0.0
-        width = 24
-        filled = int(width * step / self._total)
-        bar = "#" * filled + "." * (width - filled)
-        extra = f" {row['tokens_per_s']:,.0f} tok/s" if "tokens_per_s" in row else ""
-        start, end = ("\r", "\n" if step == self._total else "") if self._tty else ("", "\n")
-        sys.stderr.write(
-            f"{start}[{bar}] {step}/{self._total} loss {row['loss']:.4f}{extra} "
-            f"eta {format_duration(eta)}  {end}"
-        )
-        sys.stderr.flush()
+        if self._bar is None:
+            # disable=None: tqdm draws only when stdout is a terminal, never into a log file.
+            self._bar = tqdm(
+                total=self._total,
+                initial=row["step"] - 1,
+                unit="step",
+                file=sys.stdout,
+                disable=None,
+                dynamic_ncols=True,
+            )
+        postfix = f"loss {row['loss']:.4f}"
+        if "tokens_per_s" in row:
+            postfix += f" {row['tokens_per_s']:,.0f} tok/s"
+        self._bar.set_postfix_str(postfix, refresh=False)
+        self._bar.update(row["step"] - self._bar.n)  # negative after a rollback
 
     def on_end(self, ctx: RunContext, state: TrainState, info: StepInfo | None) -> None:
         if self.last and self.last["step"] % self._every:
             self._write(self.last)  # the final step always lands in metrics.jsonl
+        self._close_bar()
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def close(self) -> None:
+        self._close_bar()
         if self._jsonl:
             self._jsonl.close()
         if self._tb:

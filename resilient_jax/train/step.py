@@ -3,8 +3,9 @@ in-band health verdict (a non-finite or spiking step leaves parameters and optim
 
 The batch is `[microbatches, rows, seq_len + 1]`; the step scans over microbatches, summing token
 losses and gradients, so the update is the same whatever the split (up to floating-point reduction
-order). `fault_scale` multiplies the loss: 1.0 normally; the chaos tools set NaN or a spike factor
-to exercise the health checks with a real fault inside the step.
+order). `fault_scale` multiplies the loss and gradients: the loop's step passes 1.0
+(`compile.without_fault_scale`); the chaos wrapper passes NaN or a spike factor to exercise the
+health checks with a real fault inside the step.
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ from resilient_jax.train.state import (
     state_shardings,
 )
 
-StepFn = Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict[str, jax.Array]]]
+Metrics = dict[str, jax.Array]
+# The jitted (or compiled) step: (state, batch, fault_scale) -> (state, metrics).
+ScaledStepFn = Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, Metrics]]
+# What the loop calls: (state, batch) -> (state, metrics).
+StepFn = Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]
 
 
 def token_loss_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).sum()
 
 
-def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> StepFn:
+def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStepFn:
     """The step, jitted with the state donated and every input and output sharding fixed."""
     model, optimizer = make_model(config), make_optimizer(config)
     schedule = learning_rate_schedule(config)
