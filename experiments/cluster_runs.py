@@ -11,15 +11,13 @@ from typing import Any
 import ml_collections
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from resilient_jax.config import apply_overrides  # noqa: E402
+sys.path.insert(0, REPO)  # the config files import resilient_jax
 
 
 def load_config(config_file: str, overrides: dict[str, Any]) -> ml_collections.ConfigDict:
     """`config_file` (relative to the repository) with `--config.key=value` style overrides."""
     config = runpy.run_path(os.path.join(REPO, config_file))["get_config"]()
-    apply_overrides(config, overrides)
+    config.update_from_flattened_dict(overrides)
     return config
 
 

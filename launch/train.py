@@ -3,8 +3,9 @@
     python launch/train.py --config=configs/tiny_cpu.py --workdir=/tmp/run [--config.total_steps=50]
 
 Under `launch/local_cluster.py`, SLURM or a JobSet, each worker runs this same command; the
-environment tells it which JAX job to join. Exits 0 when training finished, 2 on bad input (one line
-on stderr saying what and why), and another non-zero code with a one-line reason on any failure.
+environment tells it which JAX job to join. Exits 0 when training finished; 2 on bad input (one line
+on stderr saying what and why, nothing written to the workdir); on anything unexpected 1 with the
+traceback and a one-line reason (a failure the supervisor may restart); see `ExitCode`.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import os
 import sys
 import traceback
 
+import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from resilient_jax.config import BadInput
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.run import RunError, train
 
@@ -24,7 +27,7 @@ _CONFIG = config_flags.DEFINE_config_file(
 )
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, logs, metrics.")
 _CHAOS = flags.DEFINE_string(
-    "chaos", "", "Faults to inject, e.g. 'nan:step=15;kill:process=1,step=40' (see chaos.py)."
+    "chaos", "", "Faults to inject, e.g. 'nan:step=15;kill:process=1,step=40' (see chaos/)."
 )
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -35,20 +38,61 @@ def parse_flags(argv: list[str]) -> list[str]:
         rest = flags.FLAGS(argv)
         _CONFIG.value.to_dict()  # config_flags loads lazily: surface a bad file here
         return rest
-    except flags.Error as e:
-        reason = str(e)
-    except Exception as e:  # config_flags raises plain errors for bad files and unknown keys
-        cause = e.__cause__ or e.__context__ or e
-        reason = f"{type(e).__name__}: {e}" + (f" ({cause})" if cause is not e else "")
-        if "loading config file" in str(e):
-            path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
-            why = "no such file" if not os.path.exists(path.split(":")[0]) else str(cause)
-            reason = f"--config={path}: cannot load the config file ({why})"
-        elif isinstance(cause, KeyError) or "override" in str(e).lower():
-            key = next((a for a in argv if a.startswith("--config.")), "")
-            reason = f"{key.split('=')[0][2:]} is not a known config key"
-    print(f"error: {reason.splitlines()[0]}", file=sys.stderr)
+    except Exception as e:  # absl and config_flags raise plain errors for bad files and keys
+        reason = _flag_error(argv, e)
+    print(f"error: {reason}", file=sys.stderr)
     sys.exit(ExitCode.BAD_INPUT)
+
+
+def _flag_error(argv: list[str], error: Exception) -> str:
+    """One line naming what is wrong on the command line: the config file, an unknown config key
+    (the first override the file does not define), or absl's own message."""
+    path = _config_path(argv)
+    try:
+        config = flags.FLAGS["config"].parser.parse(path) if path else None
+        if config is not None:
+            config.to_dict()  # a file that failed to load gives a stand-in that raises on use
+    except Exception as e:  # the config file itself does not load
+        cause = e.__cause__ or e.__context__ or e
+        why = "no such file" if not os.path.exists(path.split(":")[0]) else _first_line(cause)
+        return f"--config={path}: cannot load the config file ({why})"
+    for arg in argv[1:]:
+        if config is not None and arg.startswith("--config."):
+            key = arg[2:].split("=", 1)[0]
+            unknown = _unknown_key(config, key.split(".", 1)[1])
+            if unknown:
+                return f"{key} is not a known config key ({unknown})"
+    return _first_line(error)
+
+
+def _config_path(argv: list[str]) -> str:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return ""
+
+
+def _unknown_key(config: ml_collections.ConfigDict, dotted: str) -> str:
+    """Why `dotted` names no field of `config` ("" when it does)."""
+    node, prefix = config, "config"
+    for part in dotted.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            known = ", ".join(sorted(node)) if isinstance(node, ml_collections.ConfigDict) else ""
+            return f"{prefix} has no {part!r}" + (f"; it has: {known}" if known else "")
+        node, prefix = node[part], f"{prefix}.{part}"
+    return ""
+
+
+def _first_line(error: BaseException) -> str:
+    while error.args and isinstance(error.args[0], BaseException):  # AttributeError(KeyError(..))
+        error = error.args[0]
+    # str() of a KeyError quotes its message; a locked ConfigDict's message goes on to list every
+    # field it has after the key it refused: keep the key.
+    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    text = str(text).split(". Other fields present", 1)[0]
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
 
 
 def main(argv: list[str]) -> None:
@@ -57,23 +101,23 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)
     try:
         code = train(_CONFIG.value, os.path.abspath(_WORKDIR.value), chaos=_CHAOS.value)
+    except BadInput as e:  # the user must fix it: restarting would only repeat it
+        print(f"error: {e}", file=sys.stderr)
+        code = ExitCode.BAD_INPUT
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         code = e.exit_code
-    except Exception as e:  # a crash: the traceback for the log, then one line saying what
+    except Exception as e:  # unexpected: the traceback for the log, then one line saying what
         traceback.print_exc()
-        print(
-            f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
-            file=sys.stderr,
-        )
-        code = 1
-    if code != 0:
+        print(f"error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+        code = ExitCode.FAILED
+    if code != ExitCode.FINISHED:
         # After a failure JAX's exit-time shutdown barrier can wait minutes for peers stuck in a
         # collective and then abort everyone, hiding which process failed: leave at once.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    sys.exit(0)
+    sys.exit(ExitCode.FINISHED)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
-"""Experiment configuration: the shared defaults every config file starts from, and validation.
+"""Experiment configuration: the keys every config file starts from, and their validation.
 
 Config files in `configs/` call `default_config()` and change what they need (derivation by
-function call, never by inheritance). `validate()` runs before any work starts; every problem it
-finds is a `ConfigError` whose message is one line naming the key, the value and what is allowed.
+function call, never by inheritance). The config it returns is locked (`ConfigDict.lock()`): a key
+it does not define cannot be set, whether by a config file, by `--config.KEY=VALUE` (the launcher
+loads files with `config_flags.DEFINE_config_file(..., lock_config=True)`) or by
+`update_from_flattened_dict`, and the refusal names the key. `validate()` runs before any work
+starts; every problem it finds is a `ConfigError` whose message is one line naming the key, the
+value and what is allowed.
 """
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -18,91 +23,106 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("text", "arrayrecord", "synthetic")
 
 
-class ConfigError(ValueError):
+class BadInput(Exception):
+    """Input the run refuses (config, flags, workdir, data, a checkpoint of another model).
+
+    Fatal: the process exits with `ExitCode.BAD_INPUT` and this one-line message, and the
+    supervisor does not restart it, since a restart would only repeat it. Raise it (or a subclass)
+    only for what the user must fix; anything else is a failure worth a restart.
+    """
+
+
+class ConfigError(BadInput, ValueError):
     """A configuration problem, reported as one line before any work starts."""
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """Every key a config may set, with defaults for a tiny byte-level model on CPU."""
+    """Every key a config may set, with defaults for a tiny byte-level model on CPU; locked."""
     c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.total_steps = 200
-    c.global_batch_size = 16
+    c.seed = 0  # parameter initialisation and the data order derive from it
+    c.total_steps = 200  # optimizer steps to train; the learning-rate schedule spans them
+    c.global_batch_size = 16  # sequences per optimizer step, whatever the mesh
     # Rows one device processes at once; 0 = all its rows in one microbatch. When the mesh
     # shrinks, more accumulation microbatches keep the global batch unchanged.
     c.per_device_batch_size = 0
 
+    # The decoder-only transformer (resilient_jax.model).
     c.model = ml_collections.ConfigDict()
     c.model.vocab_size = 256  # byte-level: nothing to download
-    c.model.d_model = 256
-    c.model.num_layers = 4
-    c.model.num_heads = 4
-    c.model.num_kv_heads = 4
-    c.model.head_dim = 64
-    c.model.d_ff = 768
-    c.model.max_seq_len = 512
-    c.model.rope_theta = 10000.0
-    c.model.norm_eps = 1e-6
-    c.model.remat = False
-    c.model.compute_dtype = "float32"
-    c.model.tie_embeddings = True
+    c.model.d_model = 256  # width of the residual stream
+    c.model.num_layers = 4  # transformer blocks
+    c.model.num_heads = 4  # query heads
+    c.model.num_kv_heads = 4  # key/value heads; fewer than num_heads is grouped-query attention
+    c.model.head_dim = 64  # per head; even, as rotary positions rotate pairs
+    c.model.d_ff = 768  # hidden width of the gated MLP
+    c.model.max_seq_len = 512  # longest sequence the model is meant for; >= data.seq_len
+    c.model.rope_theta = 10000.0  # rotary base; larger reaches further
+    c.model.norm_eps = 1e-6  # RMSNorm epsilon
+    c.model.remat = False  # recompute each block in the backward pass: less memory, more compute
+    c.model.compute_dtype = "float32"  # activations' dtype; parameters stay float32
+    c.model.tie_embeddings = True  # the output projection reuses the input embedding
 
+    # The training data (resilient_jax.data): batch s is a pure function of (data, seed, s).
     c.data = ml_collections.ConfigDict()
     c.data.source = "text"  # text | arrayrecord | synthetic
     # text: a .txt file or directory (empty = bundled corpus); arrayrecord: a file or glob
     c.data.path = ""
-    c.data.seq_len = 128
+    c.data.seq_len = 128  # tokens per training sequence
     c.data.prefetch = 2  # steps loaded ahead of the one running
-    c.data.num_threads = 2
+    c.data.num_threads = 2  # Grain threads reading records
 
+    # AdamW with linear warmup, then cosine decay over total_steps (resilient_jax.train.state).
     c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.learning_rate = 3e-3
-    c.optimizer.warmup_steps = 20
+    c.optimizer.learning_rate = 3e-3  # peak, reached after warmup_steps
+    c.optimizer.warmup_steps = 20  # linear rise from 0 to learning_rate
     c.optimizer.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
-    c.optimizer.weight_decay = 0.1
-    c.optimizer.b1 = 0.9
-    c.optimizer.b2 = 0.95
-    c.optimizer.eps = 1e-8
-    c.optimizer.grad_clip_norm = 1.0
+    c.optimizer.weight_decay = 0.1  # decoupled; matrices only, never norms
+    c.optimizer.b1 = 0.9  # Adam's first-moment decay
+    c.optimizer.b2 = 0.95  # Adam's second-moment decay
+    c.optimizer.eps = 1e-8  # Adam's denominator floor
+    c.optimizer.grad_clip_norm = 1.0  # clip the global gradient norm to this; 0 = no clipping
 
+    # Mesh axes: replica crosses slices, fsdp and tensor stay inside one (resilient_jax.topology).
     c.mesh = ml_collections.ConfigDict()
     c.mesh.replica = -1  # -1: one per slice
     c.mesh.fsdp = -1  # -1: the devices of a slice left after tensor
-    c.mesh.tensor = 1
+    c.mesh.tensor = 1  # tensor-parallel ways; divides num_heads and num_kv_heads
 
     # Checkpoint tiers and policies (resilient_jax.checkpoint).
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.dir = ""  # persistent tier: "" = <workdir>/checkpoints; a path or gs:// URL
     c.checkpoint.every_steps = 100  # persistent tier; 0 = off
     c.checkpoint.every_minutes = 0.0  # temporary persistent saves, deleted once superseded; 0 = off
-    c.checkpoint.keep = 3
+    c.checkpoint.keep = 3  # newest persistent steps kept; older ones are deleted
     c.checkpoint.keep_period = 0  # also keep every K-th step for good; 0 = off
     c.checkpoint.local_dir = "/dev/shm/resilient_jax"  # local RAM-disk tier root; "" = off
     c.checkpoint.local_every_steps = 10  # 0 = off
     # Local saves at the Young/Daly interval (measured save cost and step time, the supervisor's
     # observed MTBF or checkpoint.mtbf_s), at most local_every_steps apart.
     c.checkpoint.local_auto_interval = True
-    c.checkpoint.local_keep = 2
-    c.checkpoint.auto_interval = False  # Young/Daly interval from measured save cost and MTBF
-    c.checkpoint.mtbf_s = 3600.0
+    c.checkpoint.local_keep = 2  # newest local steps kept per process
+    # Persistent saves at the Young/Daly interval from the measured save cost and mtbf_s,
+    # instead of every_steps.
+    c.checkpoint.auto_interval = False
+    c.checkpoint.mtbf_s = 3600.0  # mean time between failures assumed when none is observed
     c.checkpoint.init_from = ""  # a checkpoint dir of another run/model to initialise from
     c.checkpoint.sync_timeout_s = 300.0  # bound on waiting for peers to agree (restore, saves)
 
     # In-band anomaly detection and self-healing (resilient_jax.health).
     c.health = ml_collections.ConfigDict()
-    c.health.enabled = True
+    c.health.enabled = True  # refuse anomalous updates inside the step; off: stop at a NaN
     c.health.zscore = 6.0  # a loss or grad-norm this many std above its running mean is a spike
     c.health.warmup_steps = 20  # no spike verdicts before the running statistics settle
-    c.health.ema_decay = 0.98
+    c.health.ema_decay = 0.98  # memory of the running mean and variance, per step
     c.health.max_skips = 3  # anomalous steps skipped in a row before rolling back
     c.health.rollback_skip_batches = 4  # data window skipped after a rollback
     c.health.max_rollbacks = 2  # then stop with a reason
     # PID control of the learning rate on the spike score (max of loss and grad-norm z-scores).
     c.health.pid_enabled = False
     c.health.pid_target_z = 2.0  # scores below this train at the full learning rate
-    c.health.pid_kp = 0.5
-    c.health.pid_ki = 0.3
-    c.health.pid_kd = 0.1
+    c.health.pid_kp = 0.5  # proportional gain, on the score's excess over the target
+    c.health.pid_ki = 0.3  # integral gain: keeps the rate low a few steps after a spike
+    c.health.pid_kd = 0.1  # derivative gain, on the change of the excess
     c.health.pid_min_scale = 0.05  # the controller never cuts the learning rate below this
     c.health.straggler_factor = 1.5  # median step time this many times the job's is a straggler
     c.health.straggler_window = 20  # step times per process behind a straggler verdict
@@ -123,11 +143,11 @@ def default_config() -> ml_collections.ConfigDict:
     # collectives (minutes for NCCL at thousands of GPUs), nothing else.
     c.coordinator.first_step_timeout_s = 300.0
     c.coordinator.min_slices = 1  # fewer healthy slices: wait for one to return, then stop
-    c.coordinator.wait_for_slices_s = 300.0
+    c.coordinator.wait_for_slices_s = 300.0  # how long to wait below min_slices before stopping
     c.coordinator.max_restarts = 20  # failures only: preemptions and scale-ups are free
     c.coordinator.crash_loop_limit = 3  # failures in a row that never get past the last one's step
     c.coordinator.backoff_s = 1.0  # the 2nd failure in a row waits this, doubling each time
-    c.coordinator.backoff_max_s = 60.0
+    c.coordinator.backoff_max_s = 60.0  # the doubling stops here
     c.coordinator.readmit_after_s = 60.0  # an evicted slice is healthy again after this; < 0 never
     # Re-admit a returned slice only when the measured speed-up over the observed time between
     # failures outweighs the measured restart cost (False: at once, at the next save).
@@ -145,25 +165,14 @@ def default_config() -> ml_collections.ConfigDict:
     # compile of the step: a relative path is under the workdir; "" = off.
     c.coordinator.compilation_cache_dir = ".jax_cache"
 
+    # What process 0 reports while training (resilient_jax.train.metrics).
     c.log = ml_collections.ConfigDict()
-    c.log.every_steps = 10
+    c.log.every_steps = 10  # a metrics.jsonl row (and TensorBoard point) every this many steps
     c.log.peak_flops_per_device = 0.0  # 0: guess from the device kind (for the MFU estimate)
-    c.log.progress_bar = True
-    c.log.tensorboard = True
+    c.log.progress_bar = True  # drawn only when stdout is a terminal
+    c.log.tensorboard = True  # event files under <workdir>/tensorboard
+    c.lock()
     return c
-
-
-def apply_overrides(
-    config: ml_collections.ConfigDict, overrides: dict[str, Any]
-) -> ml_collections.ConfigDict:
-    """Sets dotted keys (`{"model.d_model": 64}`) in place, as `--config.KEY=VALUE` flags would."""
-    for key, value in overrides.items():
-        node = config
-        *path, last = key.split(".")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return config
 
 
 def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
@@ -196,27 +205,8 @@ def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
     return node
 
 
-def check_known_keys(config: ml_collections.ConfigDict) -> None:
-    """Reject keys the framework does not know (a typo must not be silently ignored)."""
-    known = config_to_dict(default_config())
-    given = config_to_dict(config)
-
-    def walk(g: dict, k: dict, prefix: str) -> None:
-        for key, value in g.items():
-            if key not in k:
-                allowed = ", ".join(sorted(k))
-                raise ConfigError(
-                    f"config.{prefix}{key} is not a known key; allowed here: {allowed}"
-                )
-            if isinstance(value, dict) and isinstance(k[key], dict):
-                walk(value, k[key], f"{prefix}{key}.")
-
-    walk(given, known, "")
-
-
 def validate(config: ml_collections.ConfigDict) -> None:
     """Checks that need no devices. Device-dependent checks live in `topology.plan_mesh`."""
-    check_known_keys(config)
     _check_positive(
         config,
         "total_steps",
@@ -349,8 +339,6 @@ def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
 
 
 def _check_data_path(path: str) -> None:
-    import glob
-
     if path.startswith("gs://"):
         return
     if not glob.glob(path) and not os.path.exists(path):

@@ -71,10 +71,10 @@ def as_flags(overrides: dict) -> list[str]:
 def tiny_config(**overrides):
     """configs/tiny_cpu.py with SMALL and no RAM-disk tier; dotted keys as further overrides."""
     from configs.tiny_cpu import get_config
-    from resilient_jax.config import apply_overrides
 
-    config = apply_overrides(get_config(), {**SMALL, "checkpoint.local_dir": ""})
-    return apply_overrides(config, overrides)
+    config = get_config()
+    config.update_from_flattened_dict({**SMALL, "checkpoint.local_dir": "", **overrides})
+    return config
 
 
 def event(time: float, type: str, process: int | str | None = 0, **fields) -> dict:

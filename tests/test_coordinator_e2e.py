@@ -18,7 +18,6 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import SMALL
 
-from resilient_jax.config import apply_overrides
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction
 from resilient_jax.events import read_events
 
@@ -45,7 +44,7 @@ pytestmark = pytest.mark.slow
 
 def run_trainer(workdir, actions=(), out=None) -> tuple[int, list[dict]]:
     config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
-    apply_overrides(config, OVERRIDES)
+    config.update_from_flattened_dict(OVERRIDES)
     argv = [
         sys.executable,
         "launch/train.py",
