@@ -75,10 +75,12 @@ def poll_exits(
     outcome an exit calls for (None: no worker failed or was preempted)."""
     running: dict[int, float] = {}
     finished = False
+    # Each worker is polled once, so the verdict comes from one picture of the job: a peer that
+    # dies between two looks must not pass for the first to fail.
+    codes = [(worker, worker.poll()) for worker in workers]
     # A worker that stops the run on purpose outranks its peers, which may fail a moment later in
     # a collective with it: look at fatal exits first.
-    for worker in sorted(workers, key=lambda w: w.poll() not in exit_codes.FATAL):
-        code = worker.poll()
+    for worker, code in sorted(codes, key=lambda wc: wc[1] not in exit_codes.FATAL):
         if code is None:
             running[worker.process] = worker.started_at
         elif code == ExitCode.FINISHED:
