@@ -186,3 +186,91 @@ def events_of(workdir: str, kind: str) -> list[dict]:
     from resilient_jax.events import read_events
 
     return [e for e in read_events(workdir) if e["type"] == kind]
+
+
+# --------------------------------------------------------------- launcher runs (resume, healing)
+# Whole training runs through launch/train.py on the tiny config made SMALL, shared by the
+# resume, self-healing and golden-loss tests through the `launcher` fixture.
+
+
+class LauncherRuns:
+    total_steps = 40
+    flags = as_flags(
+        {
+            **SMALL,
+            "total_steps": total_steps,
+            "checkpoint.every_steps": 10,
+            "checkpoint.local_every_steps": 3,
+        }
+    )
+
+    def start(self, workdir, devices: int, extra=(), small: bool = True) -> subprocess.Popen:
+        """`launch/train.py` on `devices` CPU devices; `small=False`: the default tiny_cpu run.
+        The local tier lives next to the workdir (`<workdir>-shm`)."""
+        argv = [
+            sys.executable,
+            "launch/train.py",
+            "--config=configs/tiny_cpu.py",
+            f"--workdir={workdir}",
+            f"--config.checkpoint.local_dir={workdir}-shm",
+            *(self.flags if small else []),
+            *extra,
+        ]
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        return subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+
+    def finish(self, proc: subprocess.Popen, timeout: float = 300) -> int:
+        """Waits for the run; it must end finished or preempted (the exit code is returned)."""
+        from resilient_jax.contracts.exit_codes import ExitCode
+
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            pytest.fail(f"training did not finish within {timeout}s")
+        assert proc.returncode in (ExitCode.FINISHED, ExitCode.PREEMPTED), err[-3000:]
+        return proc.returncode
+
+    def wait_for_step(self, workdir, step: int, proc: subprocess.Popen, timeout: float = 300):
+        """Blocks until the run has logged `step` (polls its event log)."""
+        import json
+        import time
+
+        path = os.path.join(workdir, "events.jsonl")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"the run exited ({proc.returncode}) before step {step}"
+            if os.path.exists(path):
+                with open(path) as f:
+                    for line in f:
+                        if '"type": "step"' in line and json.loads(line)["step"] >= step:
+                            return
+            time.sleep(0.05)
+        proc.kill()
+        pytest.fail(f"no step {step} within {timeout}s")
+
+    def plain_orbax_state(self, workdir, step: int) -> dict:
+        """The saved `state` of `step`, read with plain Orbax: {key path: numpy array}."""
+        import jax
+        import numpy as np
+        import orbax.checkpoint as ocp
+
+        path = os.path.join(workdir, "checkpoints", str(step), "state")
+        checkpointer = ocp.PyTreeCheckpointer()
+        meta = checkpointer.metadata(path).item_metadata.tree
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+        tree = checkpointer.restore(path, restore_args=args)
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {jax.tree_util.keystr(p): v for p, v in flat}
+
+    def step_losses(self, workdir) -> dict[int, float]:
+        """The loss of each step, the last one logged for a step that was run twice."""
+        return {e["step"]: e["loss"] for e in events_of(str(workdir), "step")}
+
+
+@pytest.fixture(scope="session")
+def launcher() -> LauncherRuns:
+    return LauncherRuns()

@@ -7,30 +7,29 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from test_resume import TOTAL_STEPS, finish, plain_orbax_state, start, step_losses
 
 
 def events_of(workdir) -> list[dict]:
     return [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
 
 
-def test_injected_nan_is_skipped_and_parameters_stay_finite(tmp_path):
+def test_injected_nan_is_skipped_and_parameters_stay_finite(tmp_path, launcher):
     workdir = tmp_path / "run"
-    assert finish(start(workdir, devices=2, extra=["--chaos=nan:step=15"])) == 0
+    assert launcher.finish(launcher.start(workdir, devices=2, extra=["--chaos=nan:step=15"])) == 0
     (anomaly,) = [e for e in events_of(workdir) if e["type"] == "anomaly"]
     assert (anomaly["step"], anomaly["cause"], anomaly["action"]) == (15, "nonfinite", "skip")
-    state = plain_orbax_state(workdir, TOTAL_STEPS)
+    state = launcher.plain_orbax_state(workdir, launcher.total_steps)
     assert all(np.isfinite(v).all() for v in state.values() if v.dtype.kind == "f")
-    losses = step_losses(workdir)
+    losses = launcher.step_losses(workdir)
     assert np.isnan(losses[15]) and np.isfinite([losses[s] for s in losses if s != 15]).all()
 
 
-def test_spike_rolls_back_skips_its_data_and_reruns_identically(tmp_path):
+def test_spike_rolls_back_skips_its_data_and_reruns_identically(tmp_path, launcher):
     spike = ["--chaos=spike:step=25,factor=1000", "--config.health.max_skips=1"]
     runs = []
     for name in ("first", "rerun"):
         workdir = tmp_path / name
-        assert finish(start(workdir, devices=2, extra=spike)) == 0
+        assert launcher.finish(launcher.start(workdir, devices=2, extra=spike)) == 0
         runs.append(workdir)
     events = events_of(runs[0])
     (anomaly,) = [e for e in events if e["type"] == "anomaly"]
@@ -39,6 +38,6 @@ def test_spike_rolls_back_skips_its_data_and_reruns_identically(tmp_path):
     assert rollback["step"] < 25 and rollback["skips"] == [[24, 28]]  # batch 24 fed step 25
     restore = [e for e in events if e["type"] == "restore"]
     assert restore and restore[-1]["step"] == rollback["step"]
-    assert step_losses(runs[0]) == step_losses(runs[1])
-    first, rerun = plain_orbax_state(runs[0], TOTAL_STEPS), plain_orbax_state(runs[1], TOTAL_STEPS)
+    assert launcher.step_losses(runs[0]) == launcher.step_losses(runs[1])
+    first, rerun = (launcher.plain_orbax_state(run, launcher.total_steps) for run in runs)
     assert all(np.array_equal(first[k], rerun[k]) for k in first)
