@@ -113,14 +113,14 @@ class Checkpointer(Hook):
         self._last_local_commit_s: float | None = None
         self._step_times: list[float] = []
         self._restorer = Restorer(
-            self._persistent,
-            self.persistent_dir,
-            self._local,
-            self._sync,
-            self._events,
-            self._fingerprint,
-            self._run_id,
-            accept_other_config,
+            persistent=self._persistent,
+            persistent_dir=self.persistent_dir,
+            local=self._local,
+            sync=self._sync,
+            events=self._events,
+            fingerprint=self._fingerprint,
+            run_id=self._run_id,
+            accept_other_config=accept_other_config,
             on_new_timeline=self._start_timeline,
         )
 

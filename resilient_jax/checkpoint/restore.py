@@ -90,6 +90,7 @@ def check_persistent_dir(
         return
 
 
+@dataclasses.dataclass
 class Restorer:
     """Finds, loads and verifies the newest restorable step of a checkpointer's tiers.
 
@@ -97,27 +98,15 @@ class Restorer:
     the steps after `step` (None: nothing restored), before the `restore` event.
     """
 
-    def __init__(
-        self,
-        persistent: PersistentTier,
-        persistent_dir: str,
-        local: LocalTier | None,
-        sync: ProcessSync,
-        events: EventLog,
-        fingerprint: str,
-        run_id: str,
-        accept_other_config: bool,
-        on_new_timeline: Callable[[int | None, str], None],
-    ) -> None:
-        self._persistent = persistent
-        self._persistent_dir = persistent_dir
-        self._local = local
-        self._sync = sync
-        self._events = events
-        self._fingerprint = fingerprint
-        self._run_id = run_id
-        self._accept_other_config = accept_other_config
-        self._on_new_timeline = on_new_timeline
+    persistent: PersistentTier
+    persistent_dir: str  # as the user gave it, for messages
+    local: LocalTier | None
+    sync: ProcessSync
+    events: EventLog
+    fingerprint: str  # of this run's config: local copies of other configs are not candidates
+    run_id: str  # of the persistent directory: local copies of earlier runs are not candidates
+    accept_other_config: bool  # init_from names the persistent directory itself
+    on_new_timeline: Callable[[int | None, str], None]
 
     def restore(
         self, ctx: RunContext, started: float, max_step: int | None, exact: bool
@@ -133,9 +122,9 @@ class Restorer:
             return max_step is None or (step == max_step if exact else step <= max_step)
 
         local_copies = self._local_candidates(ctx, wanted, fits)
-        persistent_steps = [s for s in self._persistent.steps() if fits(s)]
+        persistent_steps = [s for s in self.persistent.steps() if fits(s)]
         mine = [*local_copies, *(_persistent_key(s) for s in persistent_steps)]
-        views = self._sync.all_gather("restore_candidates", mine)
+        views = self.sync.all_gather("restore_candidates", mine)
         agreed = set(views[0]).intersection(*views[1:])
         candidates = sorted(
             (_parse_key(key) for key in agreed),
@@ -150,7 +139,7 @@ class Restorer:
             restored = self._try_candidate(candidate, load)
             if restored is not None:
                 self._retire_after(candidate.step)
-                self._events.emit(
+                self.events.emit(
                     EventType.RESTORE,
                     tier=candidate.tier,
                     step=candidate.step,
@@ -160,28 +149,28 @@ class Restorer:
         if persistent_steps and not exact:
             raise CheckpointError(
                 f"no valid checkpoint among persistent steps {persistent_steps} in "
-                f"{self._persistent_dir} (see checkpoint_invalid events); move the directory "
+                f"{self.persistent_dir} (see checkpoint_invalid events); move the directory "
                 "away to start fresh"
             )
         if exact or max_step is not None:
             return None
         self._retire_after(None)
-        if ctx.config.checkpoint.init_from and not self._accept_other_config:
+        if ctx.config.checkpoint.init_from and not self.accept_other_config:
             return self._restore_init_from(ctx, started)
         return None
 
     def _retire_after(self, step: int | None) -> None:
-        timeline = retire_after(step, self._persistent, self._local, self._sync, self._events)
-        self._on_new_timeline(step, timeline)
+        timeline = retire_after(step, self.persistent, self.local, self.sync, self.events)
+        self.on_new_timeline(step, timeline)
 
     def _local_candidates(
         self, ctx: RunContext, wanted: LeafSpecs, fits: Callable[[int], bool]
     ) -> dict[str, list[StepFiles]]:
         """Local copies this process can assemble completely, by candidate key (step and
         timeline: the copies of one step assemble only within one timeline)."""
-        if self._local is None:
+        if self.local is None:
             return {}
-        found, unusable = self._local.scan(self._fingerprint, self._run_id)
+        found, unusable = self.local.scan(self.fingerprint, self.run_id)
         for step, why in unusable:
             if fits(step):
                 self._invalid(Tier.LOCAL, step, why)
@@ -193,7 +182,7 @@ class Restorer:
                 by_timeline.setdefault(_local_key(step, copy.timeline), []).append(copy)
         usable = {}
         for key, copies in by_timeline.items():
-            why = self._local.completable(copies, ctx.abstract_state, wanted)
+            why = self.local.completable(copies, ctx.abstract_state, wanted)
             if why is None:
                 usable[key] = copies
             else:
@@ -207,13 +196,13 @@ class Restorer:
             restored, expected = load()
         except InvalidCheckpoint as e:
             cause = str(e)
-        causes = self._sync.all_gather("restore_result", cause)
+        causes = self.sync.all_gather("restore_result", cause)
         failed = [(i, c) for i, c in enumerate(causes) if c is not None]
         if not failed and expected is not None:
             assert restored is not None
             cause = _digest_mismatch(checksum.tree_digests(restored.state), expected)
             if cause is not None:
-                failed = [(self._sync.process_index, cause)]
+                failed = [(self.sync.process_index, cause)]
         if failed:
             process, why = failed[0]
             self._invalid(candidate.tier, candidate.step, f"process {process}: {why}")
@@ -221,26 +210,26 @@ class Restorer:
         return restored
 
     def _invalid(self, tier: Tier, step: int, cause: str) -> None:
-        self._events.emit(EventType.CHECKPOINT_INVALID, tier=tier, step=step, cause=cause)
+        self.events.emit(EventType.CHECKPOINT_INVALID, tier=tier, step=step, cause=cause)
 
     def _load_local(self, ctx: RunContext, copies: list[StepFiles], wanted: LeafSpecs) -> _Loaded:
-        assert self._local is not None
-        state = self._local.restore(copies, ctx.abstract_state, wanted)
+        assert self.local is not None
+        state = self.local.restore(copies, ctx.abstract_state, wanted)
         first = copies[0].manifest
         position = DataPosition.from_json(first.get("data_position"))
         return Restored(state, position, int(first["step"]), Tier.LOCAL), None
 
     def _load_persistent(self, ctx: RunContext, step: int, wanted: LeafSpecs) -> _Loaded:
-        meta = self._persistent.read_meta(step)
+        meta = self.persistent.read_meta(step)
         manifest.check_compatible(
             meta,
-            self._fingerprint,
+            self.fingerprint,
             wanted,
-            f"{self._persistent_dir} (step {step})",
-            self._accept_other_config,
+            f"{self.persistent_dir} (step {step})",
+            self.accept_other_config,
         )
-        state = self._persistent.restore_state(step, ctx.abstract_state)
-        position = DataPosition.from_json(self._persistent.read_data_position(step))
+        state = self.persistent.restore_state(step, ctx.abstract_state)
+        position = DataPosition.from_json(self.persistent.read_data_position(step))
         return Restored(state, position, step, Tier.PERSISTENT), meta.get("checksums", {})
 
     def _restore_init_from(self, ctx: RunContext, started: float) -> Restored | None:
@@ -255,7 +244,7 @@ class Restorer:
                     candidate, lambda step=step: _load_params(ctx, source, step, params_only)
                 )
                 if restored is not None:
-                    self._events.emit(
+                    self.events.emit(
                         EventType.RESTORE,
                         tier=Tier.INIT_FROM,
                         step=step,
