@@ -55,9 +55,11 @@ def main(argv: list[str]) -> None:
 
     from resilient_jax import mesh as mesh_lib
     from resilient_jax import topology as topology_lib
-    from resilient_jax.checkpoint import Checkpointer, checksum, young_daly_interval_s
+    from resilient_jax.checkpoint import Checkpointer, checksum
     from resilient_jax.data import BatchLoader, make_source
+    from resilient_jax.data.position import DataPosition
     from resilient_jax.events import EventLog, read_events
+    from resilient_jax.goodput.model import young_daly_interval_s
     from resilient_jax.run import compile_step, prepare
     from resilient_jax.train.context import RunContext
     from resilient_jax.train.hooks import StepInfo
@@ -112,7 +114,7 @@ def main(argv: list[str]) -> None:
             return state
 
         def info() -> StepInfo:
-            return StepInfo(step, step - 1, {"next_batch": step}, 0.0)
+            return StepInfo(step, step - 1, DataPosition(next_batch=step), 0.0)
 
         # 1. Blocking time per save, interleaved.
         hook_s: dict[str, list[float]] = {
