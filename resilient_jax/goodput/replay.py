@@ -52,7 +52,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.contracts.faults import FaultKind
+from resilient_jax.contracts.faults import FaultKind, SupervisorFaultKind
 from resilient_jax.goodput.accounting import (
     DEFAULT_STRAGGLER_FACTOR,
     PRODUCTIVE,
@@ -78,8 +78,8 @@ _INJECTED_FAILURES = {FaultKind.KILL, FaultKind.LOSE_SLICE, FaultKind.HANG}
 _ANOMALY_FAULTS = {FaultKind.NAN, FaultKind.SPIKE}
 # Chaos faults a worker reports that interrupt the run (a slowdown does not).
 _CHAOS_KINDS = {*_INJECTED_FAILURES, *_ANOMALY_FAULTS, FaultKind.CORRUPT_CHECKPOINT}
-# The supervisor's fault actions (`fault_injected`); "preempt" asks the workers to save and stop.
-_SUPERVISOR_KINDS = {*_INJECTED_FAILURES, "preempt"}
+# The supervisor's fault actions (`fault_injected`); a preemption asks the workers to save and stop.
+_SUPERVISOR_KINDS = {*_INJECTED_FAILURES, SupervisorFaultKind.PREEMPT}
 
 
 def _start(event: dict[str, Any]) -> float:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.contracts.faults import FaultKind
+from resilient_jax.contracts.faults import FaultKind, SupervisorFaultKind
 from resilient_jax.goodput.model import (
     CATEGORIES,
     LOCAL,
@@ -45,7 +45,7 @@ _KIND_CATEGORY = {
     FaultKind.SPIKE: ANOMALY,
     FaultKind.CORRUPT_CHECKPOINT: CORRUPT,
     "process_exit": FAILURE,
-    "preempt": PLANNED,
+    SupervisorFaultKind.PREEMPT: PLANNED,
     EventType.SCALE_UP: PLANNED,
 }
 
