@@ -14,17 +14,28 @@ Three signs, from fast to slow:
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import ml_collections
 
 from resilient_jax.control import protocol
 from resilient_jax.control.server import WorkerReport
 
-CAUSE_EXIT = "exit"
-CAUSE_ERROR = "error"
-CAUSE_HEARTBEAT = "heartbeat"
-CAUSE_HANG = "hang"
-CAUSE_STARTUP = "startup_timeout"
+
+class FailureCause(str, enum.Enum):
+    """How the supervisor saw a worker fail (the `cause` of a `failure_detected` event)."""
+
+    EXIT = "exit"  # it exited (code or signal)
+    ERROR = "error"  # it reported an error it cannot recover from
+    HEARTBEAT = "heartbeat"  # it went silent (a frozen host, a dead network)
+    HANG = "hang"  # it stopped making progress while its peers waited
+    STARTUP = "startup_timeout"  # it never reported after starting
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +65,7 @@ class Thresholds:
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
-    cause: str  # one of the CAUSE_* names
+    cause: FailureCause
     process: int | None  # None: the whole job is stuck and no process stands out
     detail: str  # one line for people
     since: float  # supervisor-clock time of the last sign of health: latency is measured from it
@@ -73,7 +84,7 @@ def check(
         if report is None:
             if now - spawned_at[process] > thresholds.startup_timeout_s:
                 return Failure(
-                    CAUSE_STARTUP,
+                    FailureCause.STARTUP,
                     process,
                     f"no heartbeat within startup_timeout_s={thresholds.startup_timeout_s:g}",
                     since=spawned_at[process],
@@ -81,7 +92,7 @@ def check(
             continue
         if report.phase == protocol.PHASE_ERROR:
             return Failure(
-                CAUSE_ERROR,
+                FailureCause.ERROR,
                 process,
                 f"process {process} failed: {report.error or 'error'}",
                 since=report.last_seen,
@@ -89,7 +100,7 @@ def check(
         silent = now - report.last_seen
         if not report.said_bye and silent > thresholds.heartbeat_timeout_s:
             return Failure(
-                CAUSE_HEARTBEAT,
+                FailureCause.HEARTBEAT,
                 process,
                 f"no heartbeat for {silent:.1f}s (phase {report.phase}, step {report.step})",
                 since=report.last_seen,
@@ -132,6 +143,6 @@ def _check_progress(
         f"no step progress for {stalled:.1f}s > {budget_name} {budget:.1f}s "
         f"(steps {min(steps.values())}..{max(steps.values())}, phases {','.join(sorted(phases))})"
     )
-    cause = CAUSE_HANG if progress_times or ready_times else CAUSE_STARTUP
+    cause = FailureCause.HANG if progress_times or ready_times else FailureCause.STARTUP
     # In lockstep collectives the stuck process is the one behind; if all agree, none stands out.
     return Failure(cause, behind[0] if behind else None, detail, since=since)

@@ -89,7 +89,7 @@ def poll_exits(
             return running, finished, Watched(Outcome.PREEMPTED)
         else:
             failure = detector.Failure(
-                detector.CAUSE_EXIT,
+                detector.FailureCause.EXIT,
                 worker.process,
                 f"process {worker.process} {describe_exit(code)}",
                 since=now - poll_s,  # it exited since the last poll

@@ -74,6 +74,33 @@ class OutputSink:
         pipe.close()
 
 
+def _start(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str | None,
+    stdin: int,
+    sink: OutputSink,
+    prefix: Callable[[], str],
+) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+    """Starts a process in its own session (so it is ended by PID with its children), its output
+    pumped into `sink` under the current `prefix()`."""
+    popen = subprocess.Popen(
+        list(argv),
+        env=dict(env),
+        cwd=cwd,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    assert popen.stdout is not None
+    reader = threading.Thread(
+        target=sink.pump, args=(popen.stdout, prefix), name="rj-output", daemon=True
+    )
+    reader.start()
+    return popen, reader
+
+
 def spawn(
     argv: Sequence[str],
     env: Mapping[str, str],
@@ -85,20 +112,7 @@ def spawn(
     clock: Callable[[], float] = time.monotonic,
     cwd: str | None = None,
 ) -> WorkerProcess:
-    popen = subprocess.Popen(
-        list(argv),
-        env=dict(env),
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    assert popen.stdout is not None
-    reader = threading.Thread(
-        target=sink.pump, args=(popen.stdout, lambda: prefix), name="rj-output", daemon=True
-    )
-    reader.start()
+    popen, reader = _start(argv, env, cwd, subprocess.DEVNULL, sink, lambda: prefix)
     return WorkerProcess(process, slice_id, generation, popen, clock(), reader)
 
 
@@ -139,21 +153,8 @@ def spawn_standby(
     argv: Sequence[str], env: Mapping[str, str], sink: OutputSink, cwd: str | None = None
 ) -> Standby:
     """Starts `argv` (from `standby_argv`) with the environment every worker shares."""
-    popen = subprocess.Popen(
-        list(argv),
-        env=dict(env),
-        cwd=cwd,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    assert popen.stdout is not None
     prefix = ["[standby] "]
-    reader = threading.Thread(
-        target=sink.pump, args=(popen.stdout, lambda: prefix[0]), name="rj-output", daemon=True
-    )
-    reader.start()
+    popen, reader = _start(argv, env, cwd, subprocess.PIPE, sink, lambda: prefix[0])
     return Standby(popen, reader, prefix)
 
 

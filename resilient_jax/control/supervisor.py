@@ -203,7 +203,7 @@ class Supervisor:
         # A process that exited with an error code ran and reported a software error: its
         # hardware is presumed fine and the slice is retried in place (a repeat is a crash loop).
         # Killed by a signal, silent or stuck: the slice is lost and evicted whole.
-        software_error = failure.cause == detector.CAUSE_ERROR or (
+        software_error = failure.cause == detector.FailureCause.ERROR or (
             failure.exit_code is not None and failure.exit_code > 0
         )
         lost_slice = slice_id is not None and not software_error
@@ -444,7 +444,7 @@ class Supervisor:
                 return Watched(
                     Outcome.FAILURE,
                     detector.Failure(
-                        detector.CAUSE_HANG,
+                        detector.FailureCause.HANG,
                         straggler,
                         f"process {straggler} still running {now - completed_at:.1f}s after "
                         "another finished training",
