@@ -8,25 +8,19 @@ process's clock; the checkpointer makes process 0 decide them and share the deci
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable
 
 import ml_collections
 
+from resilient_jax.contracts.names import Name
 from resilient_jax.goodput.model import young_daly_interval_s
 
 
-class SaveReason(str, enum.Enum):
+class SaveReason(Name):
     """Why a step is saved: the rule that asked for it (the `reason` of `save` events and metas).
 
     A `str`, so it compares equal to the name read back from a file and serialises as it.
     """
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
     EVERY_STEPS = "every_steps"  # checkpoint.every_steps
     EVERY_MINUTES = "every_minutes"  # checkpoint.every_minutes (a temporary save)

@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import enum
+from resilient_jax.contracts.names import Name
 
 
-class Tier(str, enum.Enum):
+class Tier(Name):
     """A `str`: compares equal to the name read back from `events.jsonl` and serialises as it."""
-
-    def __str__(self) -> str:  # f-strings and str() give the plain name, as in the file
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
     LOCAL = "local"  # each process's own shards on a RAM disk, saved often
     PERSISTENT = "persistent"  # the Orbax directory every process shares, saved less often

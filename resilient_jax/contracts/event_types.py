@@ -8,16 +8,10 @@ back from a file and serialise as plain strings.
 
 from __future__ import annotations
 
-import enum
+from resilient_jax.contracts.names import Name
 
 
-class EventType(str, enum.Enum):
-    def __str__(self) -> str:  # f-strings and str() give the plain name, as in the file
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
+class EventType(Name):
     # A worker's life.
     PROCESS_START = "process_start"  # topology, mesh
     JAX_INIT = "jax_init"  # duration_s, num_processes, coordinator

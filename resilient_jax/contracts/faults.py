@@ -4,17 +4,12 @@ fault actions all read the kinds from here."""
 
 from __future__ import annotations
 
-import enum
 from typing import Any
 
+from resilient_jax.contracts.names import Name
 
-class FaultKind(str, enum.Enum):
-    def __str__(self) -> str:  # f-strings and str() give the plain name, as in the file
-        return self.value
 
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
+class FaultKind(Name):
     NAN = "nan"  # the loss of step K is NaN
     SPIKE = "spike"  # the loss (and so the gradient) of step K is F times larger
     SLOW = "slow"  # from step K process P takes F times as long
@@ -44,15 +39,9 @@ KEYS: dict[FaultKind, tuple[tuple[str, ...], dict[str, Any]]] = {
 LOSS_KINDS = (FaultKind.NAN, FaultKind.SPIKE)
 
 
-class SupervisorFaultKind(str, enum.Enum):
+class SupervisorFaultKind(Name):
     """Faults only the supervisor injects: a worker does not send itself a preemption notice, so
     these have no `--chaos` spelling. The supervisor's other faults (kill, hang, lose_slice) are
     `FaultKind`s."""
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
     PREEMPT = "preempt"  # SIGTERM to a worker, as a cloud preemption notice: it saves and stops

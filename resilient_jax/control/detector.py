@@ -14,15 +14,15 @@ Three signs, from fast to slow:
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import ml_collections
 
+from resilient_jax.contracts.names import Name
 from resilient_jax.control import protocol
 from resilient_jax.control.server import WorkerReport
 
 
-class FailureCause(str, enum.Enum):
+class FailureCause(Name):
     """How the supervisor saw a worker fail (the `cause` of a `failure_detected` event)."""
 
     EXIT = "exit"  # it exited (code or signal)
@@ -30,12 +30,6 @@ class FailureCause(str, enum.Enum):
     HEARTBEAT = "heartbeat"  # it went silent (a frozen host, a dead network)
     HANG = "hang"  # it stopped making progress while its peers waited
     STARTUP = "startup_timeout"  # it never reported after starting
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from resilient_jax.contracts import exit_codes
 from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.contracts.names import Name
 from resilient_jax.control import detector
 from resilient_jax.control.processes import WorkerProcess, describe_exit
 from resilient_jax.control.stragglers import Straggler, StragglerWatch
@@ -32,7 +33,7 @@ class Outcome(enum.Enum):
     TIME_LIMIT = "time_limit"
 
 
-class RestartReason(str, enum.Enum):
+class RestartReason(Name):
     """Why a generation started (the `reason` of a `restart` event)."""
 
     FAILURE = "failure"
