@@ -1,9 +1,19 @@
 """One training process from config to exit code. `launch/train.py` is a thin flag parser over this.
 
-Resume order (where it is decided): 1. validate the config and data before any work; 2. join the
-JAX job; 3. plan the mesh for the devices that are alive; 4. restore the newest verified checkpoint
-onto that mesh (or initialise from the seed); 5. position the data loader where that state left
-off; 6. compile; 7. train, the hooks saving, checking health and reporting progress.
+Resume order (where it is decided): 1. check the config, the fault spec, the worker environment
+and the workdir before any work; 2. join the JAX job; 3. plan the mesh for the devices that are
+alive; 4. open the data and the checkpoint tiers, refusing a checkpoint directory written by another
+model; only then write `config.json` and the `process_start` event into the workdir (a supervised
+run's supervisor has written its own events there already, and joining the job logs `jax_init`);
+5. restore the newest verified checkpoint onto that mesh (or initialise from the seed); 6. position
+the data loader where that state left off; 7. compile; 8. train, the hooks of `build_hooks` saving,
+checking health and reporting progress.
+
+How a run ends: `train` returns the exit code of a finished or deliberately stopped run. It raises
+`config.BadInput` for input it refuses (config, fault spec, workdir, data, another model's
+checkpoints): fatal, exit 2, never restarted. `RunError` carries the code of a checkpoint failure
+(restartable). Anything else is unexpected: the launcher logs its traceback and exits
+`ExitCode.FAILED`, which a supervisor restarts.
 """
 
 from __future__ import annotations
@@ -12,6 +22,8 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import jax
 import ml_collections
@@ -20,29 +32,50 @@ from resilient_jax import config as config_lib
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import topology as topology_lib
 from resilient_jax.chaos.hook import ChaosHook
+from resilient_jax.chaos.step import wrap_step
 from resilient_jax.checkpoint import Checkpointer, CheckpointError
+from resilient_jax.config import BadInput
+from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control.protocol import PHASE_COMPILE, PHASE_RESTORE
 from resilient_jax.data import BatchLoader, make_source
+from resilient_jax.data.position import DataPosition
 from resilient_jax.events import EventLog
 from resilient_jax.goodput import accounting as goodput
 from resilient_jax.health import HealthMonitor, Watchdog
-from resilient_jax.train.compile import compile_step
+from resilient_jax.train.compile import compile_step, without_fault_scale
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook, StopTraining
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.state import TrainState, abstract_state, init_state
 from resilient_jax.worker.client import SupervisorClient
-from resilient_jax.worker.distributed import initialize_from_env
+from resilient_jax.worker.distributed import initialize_from_env, read_env
+
+_T = TypeVar("_T")
 
 
 class RunError(Exception):
     """A failure with a one-line reason and the exit code to end the process with."""
 
-    def __init__(self, reason: str, exit_code: int = 1) -> None:
+    def __init__(self, reason: str, exit_code: ExitCode) -> None:
         super().__init__(reason)
         self.exit_code = exit_code
+
+
+def check_workdir(workdir: str) -> None:
+    """Raises `BadInput` unless `workdir` is a directory this process can write, or can be made
+    one. Runs before anything is written, so a refused workdir is left as it was."""
+    if os.path.lexists(workdir) and not os.path.isdir(workdir):
+        raise BadInput(f"workdir {workdir} exists and is not a directory")
+    existing = workdir
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise BadInput(f"workdir {workdir} cannot be created: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == workdir else f" in {existing}"
+        raise BadInput(f"workdir {workdir} cannot be written{where}: permission denied")
 
 
 def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -72,35 +105,46 @@ def prepare(
     )
 
 
-def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> int:
-    """Runs training; returns the process exit code (0 = finished). Raises RunError on bad input."""
-    try:
-        config_lib.validate(config)
-        faults = ChaosHook(chaos) if chaos else None
-    except (config_lib.ConfigError, ValueError) as e:
-        raise RunError(str(e), ExitCode.BAD_INPUT) from e
-    events = EventLog(workdir, pid=os.getpid())
-    hooks: list[Hook] = []
-    try:
-        # Heartbeats to the supervisor (if one started us) begin before the slow JAX start-up.
-        client = SupervisorClient.from_env(config.coordinator)
-        if client is not None:
-            hooks.append(client)
-        watchdog = Watchdog.from_config(config.health, events)
-        watchdog.start()  # from here on a hang anywhere (init, restore, a collective) ends us
-        hooks.append(watchdog)
-        env = initialize_from_env(config.coordinator, events)
-        generation = env.generation if env is not None else 0
-        events.update_common(generation=generation)
-        return _train(config, workdir, events, hooks, faults, client, generation)
-    except ValueError as e:  # an inconsistent worker environment
-        raise RunError(str(e), ExitCode.BAD_INPUT) from e
-    finally:
-        for hook in hooks:
-            hook.close()
+def build_hooks(
+    ctx: RunContext,
+    *,
+    checkpointer: Checkpointer,
+    watchdog: Watchdog,
+    client: SupervisorClient | None = None,
+    chaos: ChaosHook | None = None,
+) -> list[Hook]:
+    """The hooks of a run, in the order the loop calls them at every step:
+
+    1. `MetricsLogger`, first, so that a step whose anomaly triggers a rollback still gets its
+       `step` event and metrics row;
+    2. `HealthMonitor`: skip, roll back or stop on the step's anomaly verdict;
+    3. `SupervisorClient` (supervised runs): the step reaches the supervisor's heartbeats;
+    4. `Watchdog`: the step counts as progress;
+    5. `Checkpointer`: saves by policy the state the hooks above have let through;
+    6. `ChaosHook` (with `--chaos`), last, so that a fault due at step K strikes after every other
+       hook has seen step K-1.
+
+    The watchdog, the client and the checkpointer exist before the loop (they guard the start-up
+    and the restore), so they are passed in; the others are made here.
+    """
+    hooks: list[Hook] = [MetricsLogger(ctx), HealthMonitor()]
+    if client is not None:
+        hooks.append(client)
+    hooks += [watchdog, checkpointer]
+    if chaos is not None:
+        hooks.append(chaos)
+    return hooks
 
 
-def _checked(fn):
+def _refused_if_invalid(fn: Callable[[], _T]) -> _T:
+    """Runs `fn`, which only reads and checks input: a `ValueError` from it is `BadInput`."""
+    try:
+        return fn()
+    except ValueError as e:
+        raise BadInput(str(e)) from e
+
+
+def _checked(fn: Callable[[], _T]) -> _T:
     """Runs `fn`, turning a checkpoint failure (nothing valid to restore, a save that did not
     commit) into a RunError: the run must exit non-zero with the reason."""
     try:
@@ -109,66 +153,98 @@ def _checked(fn):
         raise RunError(f"checkpoint: {e}", ExitCode.CHECKPOINT) from e
 
 
+def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> int:
+    """Runs training; returns the exit code of a finished (0) or deliberately stopped run.
+
+    Raises `BadInput` on input it refuses, `RunError` on a checkpoint failure (see the module
+    docstring); anything else it raises is unexpected.
+    """
+    config_lib.validate(config)
+    faults = _refused_if_invalid(lambda: ChaosHook(chaos)) if chaos else None
+    _refused_if_invalid(read_env)  # a supervisor's worker environment that does not add up
+    check_workdir(workdir)
+    events = EventLog(workdir, pid=os.getpid())
+    opened: list[Hook] = []  # closed on the way out, in this order
+    try:
+        # Heartbeats to the supervisor (if one started us) begin before the slow JAX start-up.
+        client = SupervisorClient.from_env(config.coordinator)
+        if client is not None:
+            opened.append(client)
+        watchdog = Watchdog.from_config(config.health, events)
+        watchdog.start()  # from here on a hang anywhere (init, restore, a collective) ends us
+        opened.append(watchdog)
+        env = initialize_from_env(config.coordinator, events)
+        generation = env.generation if env is not None else 0
+        events.update_common(generation=generation)
+        return _train(config, workdir, events, opened, faults, client, watchdog, generation)
+    finally:
+        for hook in opened:
+            hook.close()
+
+
+def _open_checkpointer(ctx: RunContext) -> Checkpointer:
+    try:
+        return Checkpointer(ctx)
+    except CheckpointError as e:  # the checkpoint directory holds another model's steps
+        raise BadInput(str(e)) from e
+
+
 def _train(
     config: ml_collections.ConfigDict,
     workdir: str,
     events: EventLog,
-    hooks: list[Hook],
+    opened: list[Hook],
     faults: ChaosHook | None,
     client: SupervisorClient | None,
+    watchdog: Watchdog,
     generation: int,
 ) -> int:
     def phase(name: str):
         return client.phase(name) if client is not None else contextlib.nullcontext()
 
-    try:
-        ctx = prepare(config, workdir, events, generation)
-        source = make_source(config)
-    except (config_lib.ConfigError, ValueError) as e:
-        raise RunError(str(e), ExitCode.BAD_INPUT) from e
+    ctx = prepare(config, workdir, events, generation)
+    source = _refused_if_invalid(lambda: make_source(config))
+    checkpointer = _open_checkpointer(ctx)
+    opened.append(checkpointer)
+    # The workdir is accepted: only from here on does the run write into it.
     if jax.process_index() == 0:
         write_config(config, workdir)
-    events.emit("process_start", topology=ctx.topology.describe(), mesh=ctx.plan.describe())
+    events.emit(EventType.PROCESS_START, topology=ctx.topology.describe(), mesh=ctx.plan.describe())
 
-    try:
-        checkpointer = Checkpointer(ctx)
-    except CheckpointError as e:
-        raise RunError(str(e), ExitCode.BAD_INPUT) from e
-    hooks.append(checkpointer)
-
-    def restore(max_step: int | None = None) -> tuple[TrainState, dict] | None:
+    def restore(max_step: int | None = None) -> tuple[TrainState, DataPosition] | None:
         restored = checkpointer.restore_latest(ctx, max_step=max_step)
         if restored is None:
             return None
-        return restored.state, restored.data_position or {"next_batch": 0}
+        return restored.state, restored.data_position
 
     start = time.perf_counter()
     with phase(PHASE_RESTORE):
         restored = _checked(restore)
     if restored is None:
-        state, position = init_state(config, ctx.mesh), {"next_batch": 0}
-        events.emit("init", duration_s=time.perf_counter() - start)
+        state, position = init_state(config, ctx.mesh), DataPosition()
+        events.emit(EventType.INIT, duration_s=time.perf_counter() - start)
     else:
         state, position = restored
     loader = BatchLoader(config, ctx.mesh, ctx.plan, source)
     loader.seek(position)
     with phase(PHASE_COMPILE):
-        step_fn = compile_step(ctx)
-    # MetricsLogger first: a step that triggers a rollback still gets its `step` event.
-    hooks[:0] = [MetricsLogger(ctx), HealthMonitor()]
-    if faults is not None:
-        hooks.append(faults)
+        compiled = compile_step(ctx)
+    step_fn = wrap_step(compiled, faults) if faults is not None else without_fault_scale(compiled)
+    hooks = build_hooks(
+        ctx, checkpointer=checkpointer, watchdog=watchdog, client=client, chaos=faults
+    )
+    opened[:] = hooks
     try:
         _checked(lambda: Loop(ctx, step_fn, loader, hooks, restore).run(state))
-        exit_code, reason = 0, "finished"
+        exit_code, reason = ExitCode.FINISHED, "finished"
     except StopTraining as stop:
         exit_code, reason = stop.exit_code, stop.reason
     except RunError as e:
-        events.emit("stop", reason=str(e), exit_code=e.exit_code)
+        events.emit(EventType.STOP, reason=str(e), exit_code=e.exit_code)
         raise
     finally:
         loader.close()
-    events.emit("stop", reason=reason, exit_code=exit_code)
+    events.emit(EventType.STOP, reason=reason, exit_code=exit_code)
     if jax.process_index() == 0:
         goodput.print_summary(workdir)
     return exit_code

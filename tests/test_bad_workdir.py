@@ -1,0 +1,85 @@
+"""A workdir the run cannot use is refused as a new user would meet it: exit 2, one line on stderr
+naming the problem, and nothing in the workdir changed (no config.json, no events.jsonl)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+
+import pytest
+from conftest import SMALL, as_flags, run_python
+
+from resilient_jax.contracts.exit_codes import ExitCode
+
+FAST = {**SMALL, "checkpoint.local_dir": "", "total_steps": 2}
+
+
+def launch(workdir: str | pathlib.Path, overrides: dict | None = None):
+    return run_python(
+        [
+            "launch/train.py",
+            "--config=configs/tiny_cpu.py",
+            f"--workdir={workdir}",
+            *as_flags({**FAST, **(overrides or {})}),
+        ],
+        timeout=300,
+    )
+
+
+def snapshot(root: pathlib.Path) -> dict[str, tuple[int, str]]:
+    """Every file under `root` with its modification time and content hash."""
+    files = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+            files[str(path.relative_to(root))] = (path.stat().st_mtime_ns, digest)
+    return files
+
+
+def assert_refused(result, *phrases: str) -> None:
+    assert result.returncode == ExitCode.BAD_INPUT, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and all(p in line for p in phrases), result.stderr
+
+
+def test_workdir_that_is_a_file(tmp_path):
+    workdir = tmp_path / "run"
+    workdir.write_text("notes\n")
+    assert_refused(launch(workdir), str(workdir), "is not a directory")
+    assert workdir.read_text() == "notes\n"
+
+
+def test_workdir_under_a_file(tmp_path):
+    (tmp_path / "notes").write_text("notes\n")
+    assert_refused(launch(tmp_path / "notes" / "run"), "cannot be created", "is not a directory")
+
+
+def test_unwritable_workdir(tmp_path):
+    unwritable = tmp_path / "run"
+    unwritable.mkdir()
+    (unwritable / "notes").write_text("notes\n")
+    before = snapshot(unwritable)
+    unwritable.chmod(0o555)
+    try:
+        # Root ignores permission bits; procfs refuses everyone.
+        workdir = pathlib.Path("/proc/sys") if os.access(unwritable, os.W_OK) else unwritable
+        if os.access(workdir, os.W_OK):
+            pytest.skip("no directory this user cannot write")
+        assert_refused(launch(workdir), str(workdir), "cannot be written")
+    finally:
+        unwritable.chmod(0o755)
+    assert snapshot(unwritable) == before
+
+
+def test_workdir_with_another_models_checkpoints_is_left_untouched(tmp_path):
+    workdir = tmp_path / "run"
+    first = launch(workdir, {"checkpoint.every_steps": 2})
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = snapshot(workdir)
+    assert "config.json" in before and "events.jsonl" in before
+    assert any(name.startswith("checkpoints/") for name in before)
+
+    other_model = launch(workdir, {"checkpoint.every_steps": 2, "model.d_ff": 96})
+    assert_refused(other_model, "holds a different model")
+    assert snapshot(workdir) == before
