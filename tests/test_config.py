@@ -93,6 +93,7 @@ def test_reshape_plan_adapts_explicit_axes():
         ("--config.model.d_model=64 --config.nonsense=1", "config.nonsense is not a known config"),
         ("--config.total_steps=many", "--config.total_steps=many"),
         ("--config.data.path=/missing.txt", "config.data.path='/missing.txt' is invalid"),
+        ("--chaos=bogus:step=1", "invalid --chaos spec 'bogus:step=1': unknown kind 'bogus'"),
     ],
 )
 def test_launcher_exits_2_with_one_line(tmp_path, flag, message):

@@ -1,5 +1,6 @@
-"""A workdir the run cannot use is refused as a new user would meet it: exit 2, one line on stderr
-naming the problem, and nothing in the workdir changed (no config.json, no events.jsonl)."""
+"""How a run ends when it cannot go on. A workdir it cannot use is refused as a new user would meet
+it: exit 2, one line on stderr naming the problem, nothing in the workdir changed (no config.json,
+no events.jsonl). An unexpected error is a failure to restart from, never "bad input"."""
 
 from __future__ import annotations
 
@@ -83,3 +84,24 @@ def test_workdir_with_another_models_checkpoints_is_left_untouched(tmp_path):
     other_model = launch(workdir, {"checkpoint.every_steps": 2, "model.d_ff": 96})
     assert_refused(other_model, "holds a different model")
     assert snapshot(workdir) == before
+
+
+def test_unexpected_error_is_a_restartable_failure_with_its_traceback(tmp_path):
+    # A ValueError from deep inside training is a bug, not bad input: ExitCode.FAILED, which a
+    # supervisor restarts, with the traceback in the log and the reason as the last line.
+    argv = ["launch/train.py", "--config=configs/tiny_cpu.py", f"--workdir={tmp_path}"]
+    code = "\n".join(
+        [
+            "import runpy, sys",
+            "from resilient_jax.train import loop",
+            "def run(self, state):",
+            "    raise ValueError('deep library bug')",
+            "loop.Loop.run = run",
+            f"sys.argv = {[*argv, *as_flags(FAST)]!r}",
+            "runpy.run_path('launch/train.py', run_name='__main__')",
+        ]
+    )
+    result = run_python(["-c", code], timeout=300)
+    assert result.returncode == ExitCode.FAILED, result.stderr[-3000:]
+    assert "Traceback" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "error: ValueError: deep library bug"
