@@ -2,9 +2,11 @@
 
     python launch/train.py --config=configs/tiny_cpu.py --workdir=/tmp/run
 
-Expected: about a minute on a 2-core CPU; the loss falls from about 7 to about 1.5 on the bundled
-English corpus; `/tmp/run` then holds config.json, events.jsonl, metrics.jsonl, tensorboard/ and
-checkpoints/.
+Expected (measured on a 2-core CPU shared with other work): exit 0 after about 5 minutes, 1.3 s per
+step; the loss falls from 7.07 at step 1 to 3.30, 2.24, 1.74 and 1.36 at steps 10, 50, 100 and 200
+on the bundled English corpus (tests/golden/tiny_cpu.json holds the first three); the last line
+printed is the run's goodput. `/tmp/run` then holds config.json, events.jsonl, metrics.jsonl,
+tensorboard/ and checkpoints/ (steps 100 and 200).
 """
 
 from resilient_jax.config import default_config
