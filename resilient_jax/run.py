@@ -136,19 +136,13 @@ def build_hooks(
     return hooks
 
 
-def _refused_if_invalid(fn: Callable[[], _T]) -> _T:
-    """Runs `fn`, which only reads and checks input: a `ValueError` from it is `BadInput`."""
-    try:
-        return fn()
-    except ValueError as e:
-        raise BadInput(str(e)) from e
-
-
 def _checked(fn: Callable[[], _T]) -> _T:
     """Runs `fn`, turning a checkpoint failure (nothing valid to restore, a save that did not
     commit) into a RunError: the run must exit non-zero with the reason."""
     try:
         return fn()
+    except BadInput:  # another model's checkpoints: fatal as it is
+        raise
     except CheckpointError as e:
         raise RunError(f"checkpoint: {e}", ExitCode.CHECKPOINT) from e
 
@@ -160,8 +154,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
     docstring); anything else it raises is unexpected.
     """
     config_lib.validate(config)
-    faults = _refused_if_invalid(lambda: ChaosHook(chaos)) if chaos else None
-    _refused_if_invalid(read_env)  # a supervisor's worker environment that does not add up
+    faults = ChaosHook(chaos) if chaos else None
+    read_env()  # a launcher's worker environment that does not add up is refused here, early
     check_workdir(workdir)
     events = EventLog(workdir, pid=os.getpid())
     opened: list[Hook] = []  # closed on the way out, in this order
@@ -182,13 +176,6 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
             hook.close()
 
 
-def _open_checkpointer(ctx: RunContext) -> Checkpointer:
-    try:
-        return Checkpointer(ctx)
-    except CheckpointError as e:  # the checkpoint directory holds another model's steps
-        raise BadInput(str(e)) from e
-
-
 def _train(
     config: ml_collections.ConfigDict,
     workdir: str,
@@ -203,8 +190,8 @@ def _train(
         return client.phase(name) if client is not None else contextlib.nullcontext()
 
     ctx = prepare(config, workdir, events, generation)
-    source = _refused_if_invalid(lambda: make_source(config))
-    checkpointer = _open_checkpointer(ctx)
+    source = make_source(config)
+    checkpointer = _checked(lambda: Checkpointer(ctx))
     opened.append(checkpointer)
     # The workdir is accepted: only from here on does the run write into it.
     if jax.process_index() == 0:
@@ -225,8 +212,7 @@ def _train(
         events.emit(EventType.INIT, duration_s=time.perf_counter() - start)
     else:
         state, position = restored
-    loader = BatchLoader(config, ctx.mesh, ctx.plan, source)
-    loader.seek(position)
+    loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
     with phase(PHASE_COMPILE):
         compiled = compile_step(ctx)
     step_fn = wrap_step(compiled, faults) if faults is not None else without_fault_scale(compiled)

@@ -31,6 +31,7 @@ import math
 import random
 from typing import Any
 
+from resilient_jax.config import BadInput
 from resilient_jax.contracts.faults import HANG_MODES, KEYS, SPIKE_FACTOR, FaultKind
 
 RANDOM_DEFAULT_KINDS = (
@@ -82,8 +83,12 @@ class SliceOutage:
     at_s: float | None = None
 
 
-def _bad(part: str, why: str) -> ValueError:
-    return ValueError(f"invalid --chaos spec {part!r}: {why}")
+class FaultSpecError(BadInput, ValueError):
+    """A `--chaos` spec that does not parse: fatal, like any bad flag."""
+
+
+def _bad(part: str, why: str) -> FaultSpecError:
+    return FaultSpecError(f"invalid --chaos spec {part!r}: {why}")
 
 
 def _parse_int(part: str, key: str, value: str, minimum: int) -> int:

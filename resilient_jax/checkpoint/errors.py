@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from resilient_jax.config import BadInput
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint problem the run cannot continue past; the message is one line."""
+
+
+class ForeignCheckpoint(CheckpointError, BadInput):
+    """The checkpoint directory holds another model's steps: fatal, the user must point the run
+    elsewhere (or say `checkpoint.init_from` on purpose)."""
 
 
 class InvalidCheckpoint(Exception):

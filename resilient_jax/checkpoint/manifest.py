@@ -15,7 +15,7 @@ import jax
 
 from resilient_jax import config as config_lib
 from resilient_jax.checkpoint.checksum import leaf_paths
-from resilient_jax.checkpoint.errors import CheckpointError
+from resilient_jax.checkpoint.errors import ForeignCheckpoint
 
 FORMAT_VERSION = 1
 _PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "resilient_jax")
@@ -95,18 +95,18 @@ def check_compatible(
     where: str,
     allow_other_config: bool,
 ) -> None:
-    """Raises `CheckpointError` unless the checkpoint at `where` was written by this model."""
+    """Raises `ForeignCheckpoint` unless the checkpoint at `where` was written by this model."""
     problems = shape_mismatches(meta.get("leaves", {}), wanted)
     if problems:
         more = f"; +{len(problems) - 3} more" if len(problems) > 3 else ""
         shown = "; ".join(problems[:3]) + more
-        raise CheckpointError(
+        raise ForeignCheckpoint(
             f"checkpoint {where} holds a different model ({shown}): use another workdir or "
             "checkpoint.dir"
         )
     saved = meta.get("fingerprint")
     if saved != fingerprint and not allow_other_config:
-        raise CheckpointError(
+        raise ForeignCheckpoint(
             f"checkpoint {where} was written by config fingerprint {saved}, this run is "
             f"{fingerprint}: use another workdir, or set config.checkpoint.init_from to that "
             "directory to start from it anyway"

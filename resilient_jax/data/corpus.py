@@ -12,6 +12,8 @@ import os
 
 import numpy as np
 
+from resilient_jax.config import ConfigError
+
 DOCUMENT_SEPARATOR = b"\n\n"
 
 
@@ -40,7 +42,7 @@ def read_text(path: str) -> bytes:
             chunks.append(f.read().strip())
     data = DOCUMENT_SEPARATOR.join(chunks)
     if not data:
-        raise ValueError(f"config.data.path={path!r} is invalid: the text files are empty")
+        raise ConfigError(f"config.data.path={path!r} is invalid: the text files are empty")
     return data
 
 

@@ -11,6 +11,8 @@ import grain
 import ml_collections
 import numpy as np
 
+from resilient_jax.config import ConfigError
+
 TOKEN_DTYPE = np.int32
 
 
@@ -22,7 +24,7 @@ class TokenStreamSource:
         self._window = seq_len + 1
         self._len = (len(tokens) - 1) // seq_len
         if self._len < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"config.data.seq_len={seq_len} is invalid: the text has only {len(tokens)} tokens"
             )
         self._seq_len = seq_len
@@ -46,10 +48,10 @@ class ArrayRecordSource:
         self._source = grain.sources.ArrayRecordDataSource(paths)
         self._window = seq_len + 1
         if len(self._source) == 0:
-            raise ValueError(f"config.data.path={pattern!r} is invalid: it holds no records")
+            raise ConfigError(f"config.data.path={pattern!r} is invalid: it holds no records")
         first = self._decode(self._source[0])
         if len(first) != self._window:
-            raise ValueError(
+            raise ConfigError(
                 f"config.data.seq_len={seq_len} is invalid: {pattern!r} holds sequences of "
                 f"{len(first)} tokens, which fits seq_len={len(first) - 1}"
             )
@@ -92,7 +94,7 @@ def make_source(config: ml_collections.ConfigDict):
     if d.source == "arrayrecord":
         return ArrayRecordSource(d.path, d.seq_len)
     if config.model.vocab_size < 256:
-        raise ValueError(
+        raise ConfigError(
             f"config.model.vocab_size={config.model.vocab_size} is invalid: "
             "byte-level text needs at least 256"
         )

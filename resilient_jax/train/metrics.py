@@ -121,8 +121,7 @@ class MetricsLogger(Hook):
         self._bar.update(row["step"] - self._bar.n)  # negative after a rollback
 
     def on_end(self, ctx: RunContext, state: TrainState, info: StepInfo | None) -> None:
-        if self.last and self.last["step"] % self._every:
-            self._write(self.last)  # the final step always lands in metrics.jsonl
+        # The final step's row is already written: `on_metrics` writes step == total_steps.
         self._close_bar()
 
     def _close_bar(self) -> None:

@@ -16,10 +16,16 @@ from collections.abc import Mapping
 import jax
 import ml_collections
 
+from resilient_jax.config import BadInput
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.control import protocol
 from resilient_jax.events import EventLog
+
+
+class WorkerEnvError(BadInput, ValueError):
+    """The environment a launcher gave this worker does not add up: fatal, a restart would get the
+    same environment."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +61,11 @@ def read_env(environ: Mapping[str, str] = os.environ) -> WorkerEnv | None:
         generation = int(environ.get(env_vars.GENERATION, "0"))
         slice_id = environ.get(env_vars.SLICE)
     except (KeyError, ValueError) as e:
-        raise ValueError(
+        raise WorkerEnvError(
             f"{env_vars.COORDINATOR_ADDRESS} is set but the worker environment lacks {e}"
         ) from e
     if not 0 <= process_id < num_processes or num_slices < 1 or num_processes % num_slices:
-        raise ValueError(
+        raise WorkerEnvError(
             f"inconsistent worker environment: process {process_id} of {num_processes} "
             f"in {num_slices} slices"
         )
