@@ -32,7 +32,9 @@ LAYERS: dict[str, int] = {
     "resilient_jax.health": 7,
     "resilient_jax.worker": 7,
     "resilient_jax.chaos": 8,
+    "resilient_jax.hf": 8,
     "resilient_jax.run": 9,
+    "resilient_jax.sample": 9,
     "resilient_jax.testing": 10,
 }
 JAX_FREE = ("resilient_jax.control", "resilient_jax.goodput", "resilient_jax.chaos.spec")
