@@ -68,6 +68,10 @@ def default_config() -> ml_collections.ConfigDict:
     # text: a .txt file or directory (empty = bundled corpus); arrayrecord: a file or glob
     c.data.path = ""
     c.data.seq_len = 128  # tokens per training sequence
+    # Text to token ids (resilient_jax.data.tokenizer): "" = bytes (vocabulary 256), "bundled" =
+    # the byte-level BPE shipped for the bundled corpus, or a path to any tokenizer.json.
+    # model.vocab_size must be at least the tokenizer's vocabulary.
+    c.data.tokenizer = ""
     c.data.prefetch = 2  # steps loaded ahead of the one running
     c.data.num_threads = 2  # Grain threads reading records
 
