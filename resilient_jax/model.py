@@ -2,7 +2,13 @@
 
 Parameters are float32 and annotated with logical axes (see `mesh.LOGICAL_AXIS_RULES`); the
 computation runs in `compute_dtype` (float32 or bfloat16). Shapes use suffixes: B batch, L sequence,
-D model width, H heads, K kv heads, E head dim, F MLP width, V vocabulary.
+D model width, H heads, K kv heads, E head dim, F MLP width, V vocabulary, T positions of a
+`KVCache`.
+
+Training calls the model on whole sequences. Decoding passes a `KVCache` too: the tokens continue
+the cached positions, their keys and values are written into the cache, and attention reads the
+cache's fixed-size buffers under a mask, so a decode step's cost and compiled shape do not depend
+on how many positions are filled. Both paths use the same parameters.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -58,6 +65,40 @@ class ModelConfig:
         return 6.0 * matmul_params + attention
 
 
+@flax.struct.dataclass
+class LayerCache:
+    """Keys and values of one layer, position t at index t (after rotary positions)."""
+
+    keys_BTKE: jax.Array
+    values_BTKE: jax.Array
+
+
+@flax.struct.dataclass
+class KVCache:
+    """The keys and values of the positions decoded so far, in buffers of a fixed length.
+
+    Positions `0..length-1` are filled; the next tokens go at `length`. Writing past the buffer's
+    end is not detected inside the jitted step (XLA clamps the write): callers check that prompt
+    and new tokens fit `max_len` before decoding.
+    """
+
+    layers: tuple[LayerCache, ...]
+    length: jax.Array  # int32 scalar
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        layers = tuple(
+            LayerCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+            for _ in range(cfg.num_layers)
+        )
+        return cls(layers, jnp.zeros((), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].keys_BTKE.shape[1]
+
+
 def _dense_init(fan_in: int) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev=fan_in**-0.5)
 
@@ -90,7 +131,11 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    def __call__(
+        self, x_BLD: jax.Array, cache: LayerCache | None = None, start: jax.Array | None = None
+    ) -> tuple[jax.Array, LayerCache | None]:
+        """The attention output; with `cache` (decoding, `x_BLD` at positions `start..`), also
+        the cache with this layer's keys and values written in."""
         c = self.cfg
         dense = lambda name, shape, axes, fan_in: self.param(
             name, nn.with_logical_partitioning(_dense_init(fan_in), axes), shape
@@ -118,11 +163,25 @@ class Attention(nn.Module):
         )
         dt = c.dtype
         positions = jnp.arange(x_BLD.shape[1])
+        if cache is not None:
+            positions = start + positions
         q_BLHE = rotary(jnp.einsum("bld,dhe->blhe", x_BLD, wq.astype(dt)), positions, c.rope_theta)
         k_BLKE = rotary(jnp.einsum("bld,dke->blke", x_BLD, wk.astype(dt)), positions, c.rope_theta)
         v_BLKE = jnp.einsum("bld,dke->blke", x_BLD, wv.astype(dt))
-        out_BLHE = jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True)
-        return jnp.einsum("blhe,hed->bld", out_BLHE, wo.astype(dt))
+        if cache is None:
+            out_BLHE = jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True)
+        else:
+            at = (0, start, 0, 0)
+            cache = LayerCache(
+                jax.lax.dynamic_update_slice(cache.keys_BTKE, k_BLKE.astype(dt), at),
+                jax.lax.dynamic_update_slice(cache.values_BTKE, v_BLKE.astype(dt), at),
+            )
+            # Each token sees the filled positions up to its own; the rest of the buffer is masked.
+            visible_LT = jnp.arange(cache.keys_BTKE.shape[1])[None, :] <= positions[:, None]
+            out_BLHE = jax.nn.dot_product_attention(
+                q_BLHE, cache.keys_BTKE, cache.values_BTKE, mask=visible_LT[None, None]
+            )
+        return jnp.einsum("blhe,hed->bld", out_BLHE, wo.astype(dt)), cache
 
 
 class Mlp(nn.Module):
@@ -148,21 +207,30 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    def __call__(
+        self, x_BLD: jax.Array, cache: LayerCache | None = None, start: jax.Array | None = None
+    ) -> tuple[jax.Array, LayerCache | None]:
         c = self.cfg
-        x_BLD = x_BLD + Attention(c, name="attn")(
-            RMSNorm(c.norm_eps, c.dtype, name="attn_norm")(x_BLD)
+        attn_BLD, cache = Attention(c, name="attn")(
+            RMSNorm(c.norm_eps, c.dtype, name="attn_norm")(x_BLD), cache, start
         )
+        x_BLD = x_BLD + attn_BLD
         x_BLD = x_BLD + Mlp(c, name="mlp")(RMSNorm(c.norm_eps, c.dtype, name="mlp_norm")(x_BLD))
-        return nn.with_logical_constraint(x_BLD, ("batch", "seq", "embed"))
+        return nn.with_logical_constraint(x_BLD, ("batch", "seq", "embed")), cache
 
 
 class Transformer(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        """Next-token logits [B, L, V] in float32."""
+    def __call__(
+        self, tokens_BL: jax.Array, cache: KVCache | None = None
+    ) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Next-token logits [B, L, V] in float32.
+
+        With `cache` (decoding): the tokens continue the cached positions, and the result is the
+        logits and the cache holding these tokens too.
+        """
         c = self.cfg
         embed_VD = self.param(
             "embed",
@@ -171,9 +239,15 @@ class Transformer(nn.Module):
         )
         x_BLD = embed_VD.astype(c.dtype)[tokens_BL]
         x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "seq", "embed"))
-        block = nn.remat(Block) if c.remat else Block
-        for i in range(c.num_layers):
-            x_BLD = block(c, name=f"layer_{i}")(x_BLD)
+        layers = []
+        if cache is None:
+            block = nn.remat(Block) if c.remat else Block
+            for i in range(c.num_layers):
+                x_BLD, _ = block(c, name=f"layer_{i}")(x_BLD)
+        else:  # decoding keeps no activations for a backward pass: nothing to rematerialise
+            for i in range(c.num_layers):
+                x_BLD, layer = Block(c, name=f"layer_{i}")(x_BLD, cache.layers[i], cache.length)
+                layers.append(layer)
         x_BLD = RMSNorm(c.norm_eps, c.dtype, name="final_norm")(x_BLD)
         if c.tie_embeddings:
             out_DV = embed_VD.T * c.d_model**-0.5
@@ -183,4 +257,7 @@ class Transformer(nn.Module):
                 nn.with_logical_partitioning(_dense_init(c.d_model), ("embed", "vocab")),
                 (c.d_model, c.vocab_size),
             )
-        return jnp.einsum("bld,dv->blv", x_BLD, out_DV.astype(c.dtype)).astype(jnp.float32)
+        logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, out_DV.astype(c.dtype)).astype(jnp.float32)
+        if cache is None:
+            return logits_BLV
+        return logits_BLV, KVCache(tuple(layers), cache.length + tokens_BL.shape[1])
