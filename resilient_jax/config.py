@@ -72,6 +72,12 @@ def default_config() -> ml_collections.ConfigDict:
     # the byte-level BPE shipped for the bundled corpus, or a path to any tokenizer.json.
     # model.vocab_size must be at least the tokenizer's vocabulary.
     c.data.tokenizer = ""
+    # A weighted mixture of datasets instead of data.path: "PATH:WEIGHT,PATH:WEIGHT,...", each
+    # PATH of data.source's kind (text: a file, directory or glob, "" = the bundled corpus;
+    # arrayrecord: a file or glob), each WEIGHT a positive number, relative to the others. Example
+    # k of the stream is drawn from the shuffled datasets in a fixed interleaving with these
+    # proportions (resilient_jax.data.mixture); "" = no mixture, data.path alone.
+    c.data.mixture = ""
     c.data.prefetch = 2  # steps loaded ahead of the one running
     c.data.num_threads = 2  # Grain threads reading records
 
@@ -187,7 +193,8 @@ def fingerprint(config: ml_collections.ConfigDict) -> str:
     """Hash of what defines the trained function: model shapes, data and seed (not logging)."""
     d = config_to_dict(config)
     keep = {k: d[k] for k in ("model", "seed", "global_batch_size") if k in d}
-    keep["data"] = {k: d["data"].get(k) for k in ("source", "path", "seq_len")}
+    data_keys = ("source", "path", "seq_len", "tokenizer", "mixture")
+    keep["data"] = {k: d["data"].get(k) for k in data_keys}
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -239,12 +246,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _fail("data.seq_len", config.data.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
     if config.data.source not in DATA_SOURCES:
         _fail("data.source", config.data.source, f"allowed: {', '.join(DATA_SOURCES)}")
-    if config.data.source == "arrayrecord" and not config.data.path:
+    if config.data.source == "arrayrecord" and not (config.data.path or config.data.mixture):
         _fail("data.path", config.data.path, "data.source='arrayrecord' needs a file or glob")
     if config.data.source in ("text", "arrayrecord") and config.data.path:
-        _check_data_path(config.data.path)
+        _check_data_path("data.path", config.data.path)
     if config.data.source == "synthetic" and config.data.path:
         _fail("data.path", config.data.path, "data.source='synthetic' takes no path")
+    _validate_tokenizer_and_mixture(config.data)
     if config.data.prefetch < 0 or config.data.num_threads < 1:
         _fail("data.prefetch", config.data.prefetch, "prefetch >= 0 and num_threads >= 1")
     o = config.optimizer
@@ -342,8 +350,47 @@ def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
         _fail("coordinator.backoff_max_s", c.backoff_max_s, f"must be >= backoff_s={c.backoff_s}")
 
 
-def _check_data_path(path: str) -> None:
+def _check_data_path(key: str, path: str) -> None:
     if path.startswith("gs://"):
         return
     if not glob.glob(path) and not os.path.exists(path):
-        _fail("data.path", path, "no such file, directory or glob match")
+        _fail(key, path, "no such file, directory or glob match")
+
+
+def parse_mixture(spec: str) -> tuple[tuple[str, float], ...]:
+    """`data.mixture` as (path, weight) pairs; a malformed entry or a weight <= 0 is a ConfigError.
+
+    A path may hold colons (gs://...): the weight is what follows the last one.
+    """
+    entries = []
+    for entry in spec.split(","):
+        path, colon, weight_text = entry.strip().rpartition(":")
+        if not colon:
+            _fail("data.mixture", spec, f"entry {entry.strip()!r} is not PATH:WEIGHT")
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            weight = float("nan")
+        if not weight > 0 or weight == float("inf"):
+            _fail("data.mixture", spec, f"the weight of {path!r} must be a positive number")
+        entries.append((path, weight))
+    return tuple(entries)
+
+
+def _validate_tokenizer_and_mixture(d: ml_collections.ConfigDict) -> None:
+    """The tokenizer file exists; the mixture parses and names datasets that exist. (The model's
+    vocabulary is checked against the tokenizer's where it is loaded: data.tokenizer.)"""
+    special = ("", "bundled")  # bytes; the tokenizer shipped in resilient_jax/data/assets
+    if d.tokenizer not in special and not os.path.isfile(d.tokenizer):
+        _fail("data.tokenizer", d.tokenizer, "no such file (a tokenizer.json, '' or 'bundled')")
+    if not d.mixture:
+        return
+    if d.source == "synthetic":
+        _fail("data.mixture", d.mixture, "data.source='synthetic' takes no mixture")
+    if d.path:
+        _fail("data.mixture", d.mixture, f"give data.path={d.path!r} or a mixture, not both")
+    for path, _ in parse_mixture(d.mixture):
+        if d.source == "arrayrecord" and not path:
+            _fail("data.mixture", d.mixture, "data.source='arrayrecord' needs a file or glob each")
+        if path:
+            _check_data_path("data.mixture", path)

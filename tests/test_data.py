@@ -1,8 +1,10 @@
 """Batches are a pure function of (dataset, seed, batch index, global batch), for any process
-count or mesh; sources and the ArrayRecord converter."""
+count or mesh, for one dataset or a mixture (more mixture tests in test_mixture.py); sources and
+the ArrayRecord converter."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -11,7 +13,7 @@ import pytest
 from conftest import free_port, run_python, tiny_config
 
 from resilient_jax import mesh, topology
-from resilient_jax.data import BatchLoader, make_source
+from resilient_jax.data import BatchLoader, make_source, tokenizer
 from resilient_jax.data.convert import convert
 from resilient_jax.data.position import DataPosition
 
@@ -97,8 +99,9 @@ def test_arrayrecord_converter_round_trips(tmp_path):
     (text / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
     (text / "b.txt").write_text("Pack my box with five dozen liquor jugs. " * 40)
     out = str(tmp_path / "tokens.array_record")
-    n = convert(str(text), out, seq_len=32)
-    from_text = make_source(tiny_config(**{"data.path": str(text)}))
+    config = tiny_config(**{"data.path": str(text)})
+    n = convert(str(text), out, seq_len=32, tokenizer=tokenizer.from_config(config))
+    from_text = make_source(config)
     from_records = make_source(tiny_config(**{"data.source": "arrayrecord", "data.path": out}))
     assert n == len(from_text) == len(from_records) > 10
     for i in range(n):
@@ -118,15 +121,26 @@ def test_converter_cli(tmp_path):
     assert "wrote" in result.stdout and out.stat().st_size > 400_000
 
 
+def two_text_datasets(tmp_path) -> dict[str, str]:
+    """Config overrides: a 0.7/0.3 mixture of the bundled corpus and a small text dataset."""
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "a.txt").write_text("Sphinx of black quartz, judge my vow! " * 60)
+    return {"data.mixture": f":0.7,{small}:0.3"}
+
+
+@pytest.mark.parametrize("data", ["single", "mixture"])
 @pytest.mark.parametrize("num_processes", [2, 4])
-def test_global_batch_identical_across_process_counts(tmp_path, num_processes):
+def test_global_batch_identical_across_process_counts(tmp_path, num_processes, data):
     """Real JAX processes (gloo) each load only their rows; the batches match one process's."""
-    config = tiny_config(per_device_batch_size=1)
+    overrides = two_text_datasets(tmp_path) if data == "mixture" else {}
+    config = tiny_config(per_device_batch_size=1, **overrides)
     expected = global_rows(loader_for(config, 8), 3)
     port = free_port()
     procs = []
     for pid in range(num_processes):
-        procs.append(_spawn_dump(tmp_path, port, pid, num_processes, devices=8 // num_processes))
+        devices = 8 // num_processes
+        procs.append(_spawn_dump(tmp_path, port, pid, num_processes, devices, overrides))
     for p in procs:
         try:
             p.wait(timeout=180)
@@ -143,7 +157,7 @@ def test_global_batch_identical_across_process_counts(tmp_path, num_processes):
     assert sum(len(r) for r in local_rows) == config.global_batch_size
 
 
-def _spawn_dump(tmp_path, port, pid, num_processes, devices):
+def _spawn_dump(tmp_path, port, pid, num_processes, devices, overrides):
     import subprocess
     import sys
 
@@ -154,7 +168,12 @@ def _spawn_dump(tmp_path, port, pid, num_processes, devices):
     }
     script = os.path.join(os.path.dirname(__file__), "helpers", "dump_batches.py")
     return subprocess.Popen(
-        [sys.executable, script, str(port), str(pid), str(num_processes), str(tmp_path)],
+        [
+            sys.executable,
+            script,
+            *map(str, (port, pid, num_processes, tmp_path)),
+            json.dumps(overrides),
+        ],
         env=env,
         stdout=open(tmp_path / f"log_{pid}.txt", "w"),
         stderr=subprocess.STDOUT,

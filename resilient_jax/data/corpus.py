@@ -49,22 +49,22 @@ def read_documents(path: str, key: str = "config.data.path") -> list[bytes]:
     return documents
 
 
-def read_text(path: str) -> bytes:
+def read_text(path: str, key: str = "config.data.path") -> bytes:
     """The concatenated bytes of the text files at `path` ('' = the bundled corpus)."""
-    return DOCUMENT_SEPARATOR.join(read_documents(path))
+    return DOCUMENT_SEPARATOR.join(read_documents(path, key))
 
 
-def token_stream(tokenizer: Tokenizer, path: str) -> np.ndarray:
+def token_stream(tokenizer: Tokenizer, path: str, key: str = "config.data.path") -> np.ndarray:
     """The text at `path` as one stream of token ids, documents joined by DOCUMENT_SEPARATOR."""
     if not isinstance(tokenizer, HFTokenizer):
-        return byte_tokens(read_text(path))
+        return byte_tokens(read_text(path, key))
     # Each document after the first is encoded with the separator in front: byte-level BPE splits
     # text before every whitespace run, so these ids are exactly those of the joined text, and the
     # library encodes the documents on its threads.
     separator = DOCUMENT_SEPARATOR.decode()
     texts = [
         (separator if i else "") + d.decode("utf-8", errors="replace")
-        for i, d in enumerate(read_documents(path))
+        for i, d in enumerate(read_documents(path, key))
     ]
     return np.asarray([i for ids in tokenizer.encode_batch(texts) for i in ids], dtype=np.int32)
 

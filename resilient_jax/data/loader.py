@@ -1,7 +1,7 @@
 """Batches keyed by global batch index, each process loading only the rows its devices own.
 
-Batch `k` is rows `[k*B, (k+1)*B)` of a seeded, epoch-aware permutation of the source's examples
-(Grain's `MapDataset.shuffle` permutes each epoch with its own seed), laid out as
+Batch `k` is rows `[k*B, (k+1)*B)` of the example stream (`mixture.example_stream`: a seeded,
+epoch-aware permutation of the source's examples, or a weighted mixture of such), laid out as
 `[microbatches, B / microbatches, seq_len + 1]` and sharded over the data-parallel mesh axes, so
 each device holds contiguous rows. Which rows form a batch depends only on (dataset, seed, k, B),
 never on the mesh or the number of processes: the global array is the same for 1, 2 or 4 processes,
@@ -24,6 +24,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
+from resilient_jax.data.mixture import example_stream
 from resilient_jax.data.position import DataPosition
 from resilient_jax.mesh import batch_sharding
 from resilient_jax.topology import MeshPlan
@@ -41,7 +42,7 @@ class BatchLoader:
         source: Any,
         position: DataPosition | None = None,  # None: the beginning of the data
     ) -> None:
-        self._examples = grain.MapDataset.source(source).shuffle(seed=config.seed)
+        self._examples = example_stream(source, config.seed)
         self._batch = config.global_batch_size
         self._shape = (plan.microbatches, self._batch // plan.microbatches, config.data.seq_len + 1)
         self._sharding = batch_sharding(mesh)

@@ -1,32 +1,40 @@
 """Random-access sources of fixed-length token sequences, each `seq_len + 1` tokens long (inputs
 and next-token targets overlap by all but one token). All three implement Grain's
-`RandomAccessDataSource` protocol (`__len__`, `__getitem__`), so Grain can shuffle them.
+`RandomAccessDataSource` protocol (`__len__`, `__getitem__`), so Grain can shuffle them; text and
+ArrayRecord sources are tokenized with the configured tokenizer, and `config.data.mixture` makes
+a `Mixture` of them.
 """
 
 from __future__ import annotations
 
 import glob
+import json
+import os
+from typing import Any
 
 import grain
 import ml_collections
 import numpy as np
 
-from resilient_jax.config import ConfigError
+from resilient_jax.config import ConfigError, parse_mixture
+from resilient_jax.data import corpus
+from resilient_jax.data import tokenizer as tokenizer_lib
+from resilient_jax.data.mixture import Mixture
+from resilient_jax.data.tokenizer import Tokenizer
 
 TOKEN_DTYPE = np.int32
+META_SUFFIX = ".meta.json"  # the sidecar of a converted ArrayRecord file: how it was made
 
 
 class TokenStreamSource:
     """Consecutive, non-overlapping windows of one token stream."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, key: str = "config.data.seq_len") -> None:
         self._tokens = tokens
         self._window = seq_len + 1
         self._len = (len(tokens) - 1) // seq_len
         if self._len < 1:
-            raise ConfigError(
-                f"config.data.seq_len={seq_len} is invalid: the text has only {len(tokens)} tokens"
-            )
+            raise ConfigError(f"{key}={seq_len} is invalid: the text has only {len(tokens)} tokens")
         self._seq_len = seq_len
 
     def __len__(self) -> int:
@@ -41,14 +49,21 @@ class TokenStreamSource:
 
 
 class ArrayRecordSource:
-    """ArrayRecord files whose records are little-endian int32 token sequences (see `convert`)."""
+    """ArrayRecord files whose records are little-endian int32 token sequences (see `convert`).
 
-    def __init__(self, pattern: str, seq_len: int) -> None:
-        paths = sorted(glob.glob(pattern)) or [pattern]
+    Each file written by the converter has a sidecar `<file>.meta.json` naming the tokenizer that
+    made it; a file made with another tokenizer than `tokenizer` is refused. (A file without one,
+    from another tool, is taken as it is.)
+    """
+
+    def __init__(self, pattern: str, seq_len: int, tokenizer: Tokenizer, key: str) -> None:
+        paths = [p for p in sorted(glob.glob(pattern)) if not p.endswith(META_SUFFIX)] or [pattern]
+        for path in paths:
+            check_tokenizer(path, tokenizer)
         self._source = grain.sources.ArrayRecordDataSource(paths)
         self._window = seq_len + 1
         if len(self._source) == 0:
-            raise ConfigError(f"config.data.path={pattern!r} is invalid: it holds no records")
+            raise ConfigError(f"config.{key}={pattern!r} is invalid: it holds no records")
         first = self._decode(self._source[0])
         if len(first) != self._window:
             raise ConfigError(
@@ -70,6 +85,32 @@ class ArrayRecordSource:
         return f"ArrayRecordSource(examples={len(self)}, window={self._window})"
 
 
+def write_meta(path: str, tokenizer: Tokenizer, seq_len: int, sequences: int) -> None:
+    """Records how the ArrayRecord file at `path` was made, next to it."""
+    meta = {
+        "tokenizer": tokenizer.identity,
+        "vocab_size": tokenizer.vocab_size,
+        "seq_len": seq_len,
+        "sequences": sequences,
+    }
+    with open(path + META_SUFFIX, "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def check_tokenizer(path: str, tokenizer: Tokenizer) -> None:
+    """Refuses the ArrayRecord file at `path` if its sidecar names another tokenizer."""
+    meta_path = path + META_SUFFIX
+    if not os.path.exists(meta_path):
+        return
+    with open(meta_path) as f:
+        recorded = json.load(f).get("tokenizer")
+    if recorded != tokenizer.identity:
+        raise ConfigError(
+            f"config.data.tokenizer is invalid: {path!r} was tokenized with {recorded} "
+            f"(its {META_SUFFIX}), the configured tokenizer is {tokenizer.identity}"
+        )
+
+
 class SyntheticSource:
     """Seeded random tokens for benchmarks: no I/O, any size, same bytes everywhere."""
 
@@ -84,18 +125,23 @@ class SyntheticSource:
         return rng.integers(0, self._vocab, self._window, dtype=TOKEN_DTYPE)
 
 
-def make_source(config: ml_collections.ConfigDict):
-    """The configured source. Raises ValueError with a one-line reason on unusable data."""
-    from resilient_jax.data import corpus
-
+def make_source(config: ml_collections.ConfigDict) -> Any:
+    """The configured source, or `Mixture` of sources; unusable data is a one-line ConfigError."""
     d = config.data
     if d.source == "synthetic":
         return SyntheticSource(config.model.vocab_size, d.seq_len)
-    if d.source == "arrayrecord":
-        return ArrayRecordSource(d.path, d.seq_len)
-    if config.model.vocab_size < 256:
-        raise ConfigError(
-            f"config.model.vocab_size={config.model.vocab_size} is invalid: "
-            "byte-level text needs at least 256"
-        )
-    return TokenStreamSource(corpus.byte_tokens(corpus.read_text(d.path)), d.seq_len)
+    tokenizer = tokenizer_lib.from_config(config)
+    if not d.mixture:
+        return _dataset(d.source, d.path, d.seq_len, tokenizer, "data.path")
+    return Mixture(
+        [
+            (_dataset(d.source, path, d.seq_len, tokenizer, "data.mixture"), weight)
+            for path, weight in parse_mixture(d.mixture)
+        ]
+    )
+
+
+def _dataset(kind: str, path: str, seq_len: int, tokenizer: Tokenizer, key: str) -> Any:
+    if kind == "arrayrecord":
+        return ArrayRecordSource(path, seq_len, tokenizer, key)
+    return TokenStreamSource(corpus.token_stream(tokenizer, path, f"config.{key}"), seq_len)

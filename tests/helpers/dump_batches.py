@@ -1,5 +1,8 @@
-"""One process of a multi-process data test: loads 3 batches, gathers them, saves on process 0."""
+"""One process of a multi-process data test: loads 3 batches, gathers them, saves on process 0.
 
+Arguments: PORT PROCESS_ID NUM_PROCESSES OUT_DIR [CONFIG_OVERRIDES_JSON]."""
+
+import json
 import os
 import sys
 
@@ -11,6 +14,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 port, pid, num_processes, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, pid, initialization_timeout=120)
 
@@ -19,7 +23,7 @@ from conftest import tiny_config  # noqa: E402
 from resilient_jax import mesh, topology  # noqa: E402
 from resilient_jax.data import BatchLoader, make_source  # noqa: E402
 
-config = tiny_config(per_device_batch_size=1)
+config = tiny_config(per_device_batch_size=1, **overrides)
 topo = mesh.discover()
 plan = topology.plan_mesh(config, topo)
 loader = BatchLoader(config, mesh.make_mesh(plan, topo), plan, make_source(config))
