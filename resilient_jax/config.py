@@ -181,6 +181,20 @@ def default_config() -> ml_collections.ConfigDict:
     c.log.peak_flops_per_device = 0.0  # 0: guess from the device kind (for the MFU estimate)
     c.log.progress_bar = True  # drawn only when stdout is a terminal
     c.log.tensorboard = True  # event files under <workdir>/tensorboard
+
+    # Held-out evaluation (resilient_jax.train.eval): eval_loss and its perplexity in
+    # metrics.jsonl, TensorBoard and the progress line.
+    c.eval = ml_collections.ConfigDict()
+    # Evaluate every this many training steps, and after the last one; 0 = off.
+    c.eval.every_steps = 50
+    c.eval.steps = 4  # global batches of the validation split per evaluation, the same each time
+    # The last fraction of the data source's examples is the validation split; training never
+    # sees them (whether evaluation is on or off, so the training data does not change with it).
+    c.eval.fraction = 0.05
+
+    # A jax.profiler trace of some steps into <workdir>/profile/ (resilient_jax.train.profile).
+    c.profile = ml_collections.ConfigDict()
+    c.profile.steps = ""  # "START:STOP": steps START..STOP-1 (steps count from 1); "" = off
     c.lock()
     return c
 
@@ -275,6 +289,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _validate_health(config.health)
     _validate_checkpoint(config.checkpoint)
     _validate_coordinator(config.coordinator)
+    _validate_eval(config.eval)
+    profile_steps(config.profile.steps)
 
 
 def _validate_checkpoint(c: ml_collections.ConfigDict) -> None:
@@ -348,6 +364,30 @@ def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
             _fail(f"coordinator.{key}", c[key], "must be >= 0")
     if c.backoff_max_s < c.backoff_s:
         _fail("coordinator.backoff_max_s", c.backoff_max_s, f"must be >= backoff_s={c.backoff_s}")
+
+
+def _validate_eval(e: ml_collections.ConfigDict) -> None:
+    if e.every_steps < 0:
+        _fail("eval.every_steps", e.every_steps, "must be >= 0 (0 = off)")
+    if e.steps < 1:
+        _fail("eval.steps", e.steps, "must be >= 1")
+    if not 0.0 <= e.fraction < 1.0:
+        _fail("eval.fraction", e.fraction, "must be in [0, 1)")
+    if e.every_steps and not e.fraction > 0:
+        _fail("eval.fraction", e.fraction, "must be > 0 when eval.every_steps > 0 (held-out data)")
+
+
+def profile_steps(value: str) -> range | None:
+    """The steps `profile.steps` asks to trace ("START:STOP": START..STOP-1), or None for ""."""
+    if not value:
+        return None
+    bounds = value.split(":")
+    if len(bounds) != 2 or not all(b.strip().lstrip("-").isdigit() for b in bounds):
+        _fail("profile.steps", value, 'must be "START:STOP", two integers')
+    start, stop = (int(b) for b in bounds)
+    if start < 1 or stop <= start:
+        _fail("profile.steps", value, "needs 1 <= START < STOP (steps START..STOP-1 are traced)")
+    return range(start, stop)
 
 
 def _check_data_path(key: str, path: str) -> None:

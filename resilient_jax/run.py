@@ -23,7 +23,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 import ml_collections
@@ -40,14 +40,17 @@ from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control.protocol import PHASE_COMPILE, PHASE_RESTORE
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.data.position import DataPosition
+from resilient_jax.data.split import holdout
 from resilient_jax.events import EventLog
 from resilient_jax.goodput import accounting as goodput
 from resilient_jax.health import HealthMonitor, Watchdog
-from resilient_jax.train.compile import compile_step, without_fault_scale
+from resilient_jax.train.compile import compile_eval_step, compile_step, without_fault_scale
 from resilient_jax.train.context import RunContext
+from resilient_jax.train.eval import EvalStepFn, Evaluator
 from resilient_jax.train.hooks import Hook, StopTraining
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
+from resilient_jax.train.profile import Profiler
 from resilient_jax.train.state import TrainState, abstract_state, init_state
 from resilient_jax.worker.client import SupervisorClient
 from resilient_jax.worker.distributed import initialize_from_env, read_env
@@ -112,6 +115,8 @@ def build_hooks(
     watchdog: Watchdog,
     client: SupervisorClient | None = None,
     chaos: ChaosHook | None = None,
+    held_out: Any = None,
+    eval_step: EvalStepFn | None = None,
 ) -> list[Hook]:
     """The hooks of a run, in the order the loop calls them at every step:
 
@@ -120,17 +125,28 @@ def build_hooks(
     2. `HealthMonitor`: skip, roll back or stop on the step's anomaly verdict;
     3. `SupervisorClient` (supervised runs): the step reaches the supervisor's heartbeats;
     4. `Watchdog`: the step counts as progress;
-    5. `Checkpointer`: saves by policy the state the hooks above have let through;
-    6. `ChaosHook` (with `--chaos`), last, so that a fault due at step K strikes after every other
+    5. `Evaluator` (with `eval_step`): the held-out loss of the state, into the step's metrics
+       row; before the checkpointer, so a run stopped after a save at step s has evaluated s;
+    6. `Checkpointer`: saves by policy the state the hooks above have let through;
+    7. `Profiler` (with `profile.steps`): starts and stops the trace between steps;
+    8. `ChaosHook` (with `--chaos`), last, so that a fault due at step K strikes after every other
        hook has seen step K-1.
 
     The watchdog, the client and the checkpointer exist before the loop (they guard the start-up
-    and the restore), so they are passed in; the others are made here.
+    and the restore), and the compiled evaluation step is compiled with the train step, so they
+    are passed in; the others are made here.
     """
-    hooks: list[Hook] = [MetricsLogger(ctx), HealthMonitor()]
+    metrics = MetricsLogger(ctx)
+    hooks: list[Hook] = [metrics, HealthMonitor()]
     if client is not None:
         hooks.append(client)
-    hooks += [watchdog, checkpointer]
+    hooks.append(watchdog)
+    if eval_step is not None:
+        hooks.append(Evaluator(ctx, held_out, eval_step, metrics))
+    hooks.append(checkpointer)
+    profiler = Profiler.from_config(ctx.config)
+    if profiler is not None:
+        hooks.append(profiler)
     if chaos is not None:
         hooks.append(chaos)
     return hooks
@@ -190,7 +206,8 @@ def _train(
         return client.phase(name) if client is not None else contextlib.nullcontext()
 
     ctx = prepare(config, workdir, events, generation)
-    source = make_source(config)
+    # The validation split is held out of training whether or not evaluation runs.
+    source, held_out = holdout(make_source(config), config.eval.fraction)
     checkpointer = _checked(lambda: Checkpointer(ctx))
     opened.append(checkpointer)
     # The workdir is accepted: only from here on does the run write into it.
@@ -215,9 +232,16 @@ def _train(
     loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
     with phase(PHASE_COMPILE):
         compiled = compile_step(ctx)
+        eval_step = compile_eval_step(ctx) if config.eval.every_steps else None
     step_fn = wrap_step(compiled, faults) if faults is not None else without_fault_scale(compiled)
     hooks = build_hooks(
-        ctx, checkpointer=checkpointer, watchdog=watchdog, client=client, chaos=faults
+        ctx,
+        checkpointer=checkpointer,
+        watchdog=watchdog,
+        client=client,
+        chaos=faults,
+        held_out=held_out,
+        eval_step=eval_step,
     )
     opened[:] = hooks
     try:

@@ -54,6 +54,8 @@ def test_breakdown_of_a_run_with_a_failure():
         "initialisation": 2.0,
         "compilation": 3.0,
         "data_loading": 2.5,  # 10 x 0.25 s
+        "evaluation": 0.0,
+        "profiling": 0.0,
         "checkpoint_save": 0.5,
         "checkpoint_restore": 1.0,
         "lost_progress": 2.5,

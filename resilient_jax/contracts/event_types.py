@@ -44,3 +44,6 @@ class EventType(Name):
     # Fault injection.
     CHAOS = "chaos"  # kind, fault, step: written by the process a fault hits, before it acts
     FAULT_INJECTED = "fault_injected"  # action, slice, process: faults the supervisor carries out
+    # Evaluation and profiling.
+    EVAL = "eval"  # step, duration_s, batches, eval_loss, eval_perplexity: training paused for it
+    PROFILE = "profile"  # action (start | stop), duration_s; at stop: first_step, last_step, path

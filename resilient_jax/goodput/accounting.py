@@ -15,6 +15,10 @@ module reads, by type:
     restore          duration_s, step      restoring a checkpoint (any tier)
     save             duration_s, step      saving: the time the loop was *blocked*, not the
                                            background write
+    eval             duration_s, step      held-out evaluation: training paused for it (its
+                                           interval lies inside a step's host interval, and
+                                           takes that part of it)
+    profile          duration_s            starting or stopping (writing) a profiler trace
     step             step, duration_s,     one training step: `step` its number, `duration_s` the
                      data_wait_s           host time it took (its interval ends at `time`),
                                            `data_wait_s` the part spent waiting for the batch.
@@ -75,6 +79,8 @@ PRIORITY = (
     "compilation",
     "initialisation",
     "restart",
+    "evaluation",
+    "profiling",
     "anomaly",
     "lost_progress",
     "data_loading",
@@ -86,6 +92,8 @@ BADPUT = (
     "initialisation",
     "compilation",
     "data_loading",
+    "evaluation",
+    "profiling",
     "checkpoint_save",
     "checkpoint_restore",
     "lost_progress",
@@ -100,6 +108,8 @@ LABELS = {
     "initialisation": "initialisation",
     "compilation": "compilation",
     "data_loading": "data loading",
+    "evaluation": "evaluation (held-out)",
+    "profiling": "profiler trace",
     "checkpoint_save": "checkpoint save (blocking)",
     "checkpoint_restore": "checkpoint restore",
     "lost_progress": "progress lost, recomputed",
@@ -114,6 +124,8 @@ _PHASES = {
     EventType.COMPILE: "compilation",
     EventType.RESTORE: "checkpoint_restore",
     EventType.SAVE: "checkpoint_save",
+    EventType.EVAL: "evaluation",
+    EventType.PROFILE: "profiling",
 }
 _INIT_TYPES = (EventType.JAX_INIT, EventType.INIT)
 _RESHAPE_TYPES = (EventType.EVICT, EventType.SCALE_UP)

@@ -23,6 +23,8 @@ _CATEGORY_COLOURS = {
     "initialisation": "#7f7f7f",
     "compilation": "#ff7f0e",
     "data_loading": "#bcbd22",
+    "evaluation": "#aec7e8",
+    "profiling": "#c5b0d5",
     "checkpoint_save": "#1f77b4",
     "checkpoint_restore": "#9467bd",
     "lost_progress": "#d62728",
@@ -38,6 +40,8 @@ _LANE_BARS = {
     EventType.COMPILE: "compilation",
     EventType.SAVE: "checkpoint_save",
     EventType.RESTORE: "checkpoint_restore",
+    EventType.EVAL: "evaluation",
+    EventType.PROFILE: "profiling",
     EventType.JAX_INIT: "initialisation",
     EventType.INIT: "initialisation",
 }

@@ -1,7 +1,8 @@
-"""Compiling the train step ahead of time, so compile time is measured and reported on its own,
-through the per-process executable cache (`resilient_jax.executables`): a restarted worker loads
-the step it compiled before for the same mesh. `without_fault_scale` turns the compiled step into
-the two-argument step the loop calls."""
+"""Compiling the train step, and held-out evaluation's loss-only step, ahead of time, so compile
+time is measured and reported on its own (a `compile` event per program), through the per-process
+executable cache (`resilient_jax.executables`): a restarted worker loads the steps it compiled
+before for the same mesh. `without_fault_scale` turns the compiled step into the two-argument step
+the loop calls."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from resilient_jax import executables
 from resilient_jax import mesh as mesh_lib
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.train.context import RunContext
+from resilient_jax.train.eval import EvalStepFn, make_eval_step
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import Metrics, ScaledStepFn, StepFn, make_train_step
 
@@ -24,20 +26,43 @@ def compile_step(ctx: RunContext, cache_dir: str | None = None) -> ScaledStepFn:
     and, with a cache, whether it came from it. `cache_dir`: where executables are kept (default:
     `executables.default_dir()`, none when JAX's compilation cache is off)."""
     start = time.perf_counter()
-    step_fn = make_train_step(ctx.config, ctx.mesh)
+    scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=mesh_lib.replicated(ctx.mesh))
+    lowered = make_train_step(ctx.config, ctx.mesh).lower(
+        ctx.abstract_state, _abstract_batch(ctx), scale
+    )
+    return _compile(ctx, lowered, start, cache_dir, program="train")
+
+
+def compile_eval_step(ctx: RunContext, cache_dir: str | None = None) -> EvalStepFn:
+    """The compiled loss-only step of held-out evaluation, like `compile_step`."""
+    start = time.perf_counter()
+    lowered = make_eval_step(ctx.config, ctx.mesh).lower(
+        ctx.abstract_state.params, _abstract_batch(ctx)
+    )
+    return _compile(ctx, lowered, start, cache_dir, program="eval")
+
+
+def _abstract_batch(ctx: RunContext) -> jax.ShapeDtypeStruct:
     rows = ctx.config.global_batch_size // ctx.plan.microbatches
-    batch = jax.ShapeDtypeStruct(
+    return jax.ShapeDtypeStruct(
         (ctx.plan.microbatches, rows, ctx.config.data.seq_len + 1),
         jnp.int32,
         sharding=mesh_lib.batch_sharding(ctx.mesh),
     )
-    scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=mesh_lib.replicated(ctx.mesh))
-    lowered = step_fn.lower(ctx.abstract_state, batch, scale)
+
+
+def _compile(
+    ctx: RunContext,
+    lowered: jax.stages.Lowered,
+    start: float,
+    cache_dir: str | None,
+    program: str,
+) -> Any:
     directory = cache_dir or executables.default_dir()
     compiled, hit = executables.compile_cached(
         lowered, ctx.mesh.devices.flat, directory, ctx.events
     )
-    fields: dict[str, Any] = {"duration_s": time.perf_counter() - start}
+    fields: dict[str, Any] = {"duration_s": time.perf_counter() - start, "program": program}
     if directory:
         fields["cache"] = "hit" if hit else "miss"
     ctx.events.emit(EventType.COMPILE, **fields)

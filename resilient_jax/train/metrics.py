@@ -1,7 +1,10 @@
 """Training metrics: `metrics.jsonl`, TensorBoard event files, a progress bar (tqdm), MFU.
 
 Throughput is measured between consecutive metric arrivals on the host, which in steady state is
-the step time (the loop dispatches step s+1 before it pulls step s's metrics).
+the step time (the loop dispatches step s+1 before it pulls step s's metrics). An evaluation after
+step s (`train.eval`) lands in step s's row, which is then always written; its time is taken out
+of that row's step time, while the `step` event keeps the whole host interval (goodput accounting
+gives the evaluation's part of it to the evaluation).
 """
 
 from __future__ import annotations
@@ -69,13 +72,21 @@ class MetricsLogger(Hook):
 
             self._tb = SummaryWriter(os.path.join(ctx.workdir, "tensorboard"))
         self._last_time: float | None = None
+        self._evals: dict[int, tuple[dict[str, float], float]] = {}  # step -> (values, seconds)
+        self._last_eval_loss: float | None = None  # shown on the progress line
         self.last: dict[str, Any] = {}
+
+    def record_eval(self, step: int, values: dict[str, float], duration_s: float) -> None:
+        """An evaluation of the state after `step`: `values` join that step's row."""
+        self._evals[step] = (values, duration_s)
 
     def on_metrics(self, ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
         now = time.perf_counter()
-        step_time = now - self._last_time if self._last_time is not None else float("nan")
+        interval = now - self._last_time if self._last_time is not None else float("nan")
         self._last_time = now
-        row: dict[str, Any] = {"step": step, **metrics, "step_time_s": step_time}
+        evaluation, eval_s = self._evals.pop(step, ({}, 0.0))
+        step_time = interval - eval_s
+        row: dict[str, Any] = {"step": step, **metrics, "step_time_s": step_time, **evaluation}
         if step_time == step_time:  # not NaN: from the second step on
             row["tokens_per_s"] = self._tokens_per_step / step_time
             if self._peak:
@@ -83,12 +94,14 @@ class MetricsLogger(Hook):
         ctx.events.emit(
             EventType.STEP,
             step=step,
-            duration_s=step_time,
+            duration_s=interval,
             data_wait_s=metrics.get("data_wait_s"),
             loss=metrics.get("loss"),
         )
         self.last = row
-        if step % self._every == 0 or step == self._total:
+        if evaluation:
+            self._last_eval_loss = evaluation["eval_loss"]
+        if step % self._every == 0 or step == self._total or evaluation:
             self._write(row)
         if self._progress:
             self._show(row)
@@ -115,6 +128,8 @@ class MetricsLogger(Hook):
                 dynamic_ncols=True,
             )
         postfix = f"loss {row['loss']:.4f}"
+        if self._last_eval_loss is not None:
+            postfix += f" eval_loss {self._last_eval_loss:.4f}"
         if "tokens_per_s" in row:
             postfix += f" {row['tokens_per_s']:,.0f} tok/s"
         self._bar.set_postfix_str(postfix, refresh=False)
