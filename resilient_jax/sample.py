@@ -37,7 +37,7 @@ import ml_collections
 from resilient_jax import config as config_lib
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import topology as topology_lib
-from resilient_jax.checkpoint import Checkpointer, CheckpointError, Restored
+from resilient_jax.checkpoint import Checkpointer, CheckpointError, Restored, Tier
 from resilient_jax.config import BadInput
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
@@ -154,7 +154,8 @@ def restore(config: ml_collections.ConfigDict, workdir: str) -> Restored:
         restored = checkpointer.restore_latest(ctx)
     finally:
         checkpointer.close()
-    if restored is None:
+    # A run with no step of its own restores only `checkpoint.init_from`'s parameters: not its.
+    if restored is None or restored.tier == Tier.INIT_FROM:
         raise BadInput(f"--workdir={workdir} is invalid: no checkpoint to sample from")
     return restored
 
