@@ -181,7 +181,7 @@ def test_training_with_a_zero_weight_exits_2_with_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.slow  # three short training runs: about a minute on two cores
+@pytest.mark.slow  # three short training runs: two to five minutes on two cores
 def test_sigkill_then_resume_is_bitwise_exact_with_a_mixture(tmp_path, launcher, mixture_dirs):
     extra = as_flags({"data.mixture": mixture_dirs})
     total = launcher.total_steps

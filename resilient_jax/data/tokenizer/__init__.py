@@ -67,8 +67,11 @@ class ByteTokenizer(Tokenizer):
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        # Generated ids need not form valid UTF-8 (a sample can stop inside a character).
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        # Generated ids need not form valid UTF-8 (a sample can stop inside a character), and a
+        # model wider than 256 can emit ids no byte has: those are dropped, as the Hugging Face
+        # tokenizers drop ids outside their vocabulary.
+        kept = bytes(int(i) for i in ids if 0 <= int(i) < self.vocab_size)
+        return kept.decode("utf-8", errors="replace")
 
 
 class HFTokenizer(Tokenizer):
