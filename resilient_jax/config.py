@@ -116,6 +116,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint.auto_interval = False
     c.checkpoint.mtbf_s = 3600.0  # mean time between failures assumed when none is observed
     c.checkpoint.init_from = ""  # a checkpoint dir of another run/model to initialise from
+    # A Hugging Face Llama directory (config.json, model.safetensors) whose weights start a fresh
+    # run (resilient_jax.hf; `python -m resilient_jax.hf config --hf_dir=DIR` derives the model
+    # section); restarts resume from the run's own checkpoints. Excludes init_from.
+    c.checkpoint.init_from_hf = ""
     c.checkpoint.sync_timeout_s = 300.0  # bound on waiting for peers to agree (restore, saves)
 
     # In-band anomaly detection and self-healing (resilient_jax.health).
@@ -306,6 +310,8 @@ def _validate_checkpoint(c: ml_collections.ConfigDict) -> None:
         _fail("checkpoint.mtbf_s", c.mtbf_s, "must be > 0 seconds")
     if not c.sync_timeout_s > 0:
         _fail("checkpoint.sync_timeout_s", c.sync_timeout_s, "must be > 0 seconds")
+    if c.init_from and c.init_from_hf:
+        _fail("checkpoint.init_from_hf", c.init_from_hf, "excludes checkpoint.init_from (pick one)")
 
 
 def _validate_health(h: ml_collections.ConfigDict) -> None:

@@ -44,6 +44,7 @@ from resilient_jax.data.split import holdout
 from resilient_jax.events import EventLog
 from resilient_jax.goodput import accounting as goodput
 from resilient_jax.health import HealthMonitor, Watchdog
+from resilient_jax.hf.importer import HFSource
 from resilient_jax.train.compile import compile_eval_step, compile_step, without_fault_scale
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.eval import EvalStepFn, Evaluator
@@ -208,6 +209,8 @@ def _train(
     ctx = prepare(config, workdir, events, generation)
     # The validation split is held out of training whether or not evaluation runs.
     source, held_out = holdout(make_source(config), config.eval.fraction)
+    # checkpoint.init_from_hf: refused here if unusable, before anything is written.
+    hf_source = HFSource.from_config(config)
     checkpointer = _checked(lambda: Checkpointer(ctx))
     opened.append(checkpointer)
     # The workdir is accepted: only from here on does the run write into it.
@@ -226,7 +229,13 @@ def _train(
         restored = _checked(restore)
     if restored is None:
         state, position = init_state(config, ctx.mesh), DataPosition()
-        events.emit(EventType.INIT, duration_s=time.perf_counter() - start)
+        if hf_source is not None:  # a fresh start: parameters from the HF directory
+            state = state.replace(params=hf_source.load_params(ctx.abstract_state.params))
+        events.emit(
+            EventType.INIT,
+            duration_s=time.perf_counter() - start,
+            source=config.checkpoint.init_from_hf or None,
+        )
     else:
         state, position = restored
     loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)

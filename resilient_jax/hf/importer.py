@@ -1,0 +1,104 @@
+"""A Hugging Face Llama directory as the initial parameters of a run, on the run's mesh.
+
+`config.checkpoint.init_from_hf` names the directory. `run.py` opens it (`HFSource.open`, which
+refuses another architecture or a model that differs from `config.model`, BadInput: exit 2)
+before it writes anything, and takes its parameters (`load_params`) only when the run has no
+checkpoint of its own to resume: restarts resume from the run's checkpoints, as with `init_from`.
+Each process reads the tensors one at a time and places only the shards its own devices hold, so
+any mesh works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+import ml_collections
+
+from resilient_jax.config import BadInput
+from resilient_jax.hf import hf_config, layout
+from resilient_jax.model import ModelConfig
+
+if TYPE_CHECKING:
+    from resilient_jax.hf.files import Weights
+
+_MAX_PROBLEMS = 3  # named in the one-line refusal
+
+
+@dataclasses.dataclass
+class HFSource:
+    hf_dir: str
+    model: ModelConfig
+    weights: Weights
+    hf_tied: bool  # the HF model reuses its input embedding as its output layer
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> HFSource | None:
+        """The source `config.checkpoint.init_from_hf` names (None: the key is empty)."""
+        hf_dir = config.checkpoint.init_from_hf
+        return cls.open(hf_dir, ModelConfig.from_config(config.model)) if hf_dir else None
+
+    @classmethod
+    def open(cls, hf_dir: str, model: ModelConfig) -> HFSource:
+        """Checks the directory against `model` from config.json and the tensor headers."""
+        # Here, not at the top: safetensors is the `hf` extra, and run.py imports this module.
+        try:
+            from resilient_jax.hf.files import Weights
+        except ImportError as e:
+            raise BadInput(
+                f"config.checkpoint.init_from_hf needs the hf extra ({e.name} is missing): "
+                "pip install 'resilient_jax[hf]'"
+            ) from None
+
+        hf = hf_config.read(hf_dir)
+        section = hf_config.model_section(hf)
+        problems = hf_config.mismatches(model, section)
+        if problems:
+            raise BadInput(_refusal(hf_dir, "is another model than config.model", problems))
+        weights = Weights(hf_dir)
+        hf_tied = bool(hf.get("tie_word_embeddings", False)) or layout.LM_HEAD not in weights
+        problems = layout.shape_problems(weights.shapes, model, hf_tied)
+        if problems:
+            raise BadInput(_refusal(hf_dir, "does not match config.model", problems))
+        return cls(hf_dir, model, weights, hf_tied)
+
+    def load_params(self, abstract_params: Any) -> Any:
+        """Our params tree on the shardings of `abstract_params` (ShapeDtypeStructs)."""
+        loaders = layout.from_hf(self.weights.get, self.model, self.hf_tied, self.hf_dir)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_params)
+        leaves = []
+        for keys, target in flat:
+            path = tuple(str(k.key) for k in keys)
+            value = loaders[path]().astype(target.dtype)
+            assert value.shape == target.shape, (path, value.shape, target.shape)
+            leaves.append(
+                jax.make_array_from_callback(
+                    target.shape, target.sharding, lambda index, value=value: value[index]
+                )
+            )
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def derived_model_section(hf_dir: str) -> dict[str, Any]:
+    """The `config.model` keys an import of `hf_dir` needs (see `hf_config` for the mapping)."""
+    from resilient_jax.hf.files import Weights
+
+    hf = hf_config.read(hf_dir)
+    section = hf_config.model_section(hf)
+    weights = Weights(hf_dir)
+    tied = bool(hf.get("tie_word_embeddings", False)) or layout.LM_HEAD not in weights
+    if not tied:
+        # Our own export of a tied model: an untied lm_head that is the scaled embedding.
+        m = ModelConfig(**section, remat=False, compute_dtype="float32", tie_embeddings=True)
+        if weights.shapes[layout.LM_HEAD] == weights.shapes[layout.EMBED]:
+            embed = weights.get(layout.EMBED)
+            tied = layout.is_scaled_copy(weights.get(layout.LM_HEAD), embed, m)
+    section["tie_embeddings"] = tied
+    return section
+
+
+def _refusal(hf_dir: str, what: str, problems: list[str]) -> str:
+    more = len(problems) - _MAX_PROBLEMS
+    listed = "; ".join(problems[:_MAX_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
+    return f"Hugging Face directory {hf_dir} {what}: {listed}"
