@@ -1,0 +1,162 @@
+"""Tokenizers: bytes or a Hugging Face tokenizer.json, the `train` command, the shipped BPE, the
+converter recording the tokenizer, and the refusals (missing file, vocabulary too small, a dataset
+made with another tokenizer): exit 2 and one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import run_python, tiny_config
+
+from resilient_jax import config as config_lib
+from resilient_jax.config import BadInput, ConfigError
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.data import corpus, make_source, tokenizer
+from resilient_jax.data.convert import convert
+
+TEXT = "Hello, world!\n\n  Tabs\tand  spaces, unicode: naïve café — 3.14 ∑ 🙂 end."
+
+
+def assert_one_line_exit_2(result, *phrases: str) -> None:
+    assert result.returncode == ExitCode.BAD_INPUT, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and all(p in line for p in phrases), result.stderr
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    folder = tmp_path / "text"
+    folder.mkdir()
+    (folder / "a.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 50)
+    (folder / "b.txt").write_text("  Pack my box with five dozen liquor jugs!  " * 50)
+    (folder / "c.txt").write_text("Sphinx of black quartz, judge my vow.\n\nSecond paragraph.")
+    return folder
+
+
+def test_bytes_tokenizer():
+    tok = tokenizer.load("")
+    assert (tok.vocab_size, tok.identity, tok.path) == (256, "bytes", None)
+    ids = tok.encode(TEXT)
+    assert ids == list(TEXT.encode("utf-8")) and tok.decode(ids) == TEXT
+    assert tok.decode([0xE2, 0x82]) == "\ufffd"  # a sample cut inside a character still decodes
+    assert tok.decode([72, 300, 105]) == "Hi" == tokenizer.load("bundled").decode([40, 5000, 73])
+
+
+def test_bundled_bpe_round_trips_and_is_subword():
+    tok = tokenizer.load("bundled")
+    assert tok.vocab_size == 1024 and tok.path == tokenizer.BUNDLED_PATH
+    ids = tok.encode(TEXT)
+    assert tok.decode(ids) == TEXT
+    assert max(ids) < tok.vocab_size and len(ids) < len(TEXT.encode("utf-8"))
+    prose = corpus.read_text("").decode()[:20_000]
+    assert len(tok.encode(prose)) < len(prose) / 2.5  # subwords: ~2.9 bytes per token here
+
+
+def test_identity_is_the_content_not_the_path(tmp_path):
+    bundled = tokenizer.load("bundled")
+    copy = tmp_path / "reformatted.json"
+    with open(tokenizer.BUNDLED_PATH) as f:
+        copy.write_text(json.dumps(json.load(f)))  # same tokenizer, other formatting
+    assert tokenizer.load(str(copy)).identity == bundled.identity
+    data = json.loads(copy.read_text())
+    first_merge = data["model"]["merges"][0]
+    data["model"]["merges"] = [first_merge, *data["model"]["merges"][2:]]
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    assert tokenizer.load(str(other)).identity != bundled.identity
+
+
+def test_shipped_tokenizer_is_what_the_train_command_makes():
+    documents = [d.decode() for d in corpus.read_documents("")]
+    trained = tokenizer.train_bpe(documents, 1024, show_progress=False)
+    assert trained.identity == tokenizer.load("bundled").identity
+
+
+def test_token_stream_is_the_joined_text_encoded(text_dir):
+    tok = tokenizer.load("bundled")
+    stream = corpus.token_stream(tok, str(text_dir))
+    assert np.array_equal(stream, tok.encode(corpus.read_text(str(text_dir)).decode()))
+    assert np.array_equal(
+        corpus.token_stream(tokenizer.load(""), str(text_dir)),
+        np.frombuffer(corpus.read_text(str(text_dir)), np.uint8),
+    )
+
+
+def test_from_config_refuses_a_vocabulary_smaller_than_the_tokenizers():
+    config = tiny_config(**{"model.vocab_size": 512})
+    with pytest.raises(
+        ConfigError, match=r"config.model.vocab_size=512 .*data.tokenizer='bundled'"
+    ):
+        tokenizer.from_config(config)
+    assert tokenizer.from_config(tiny_config()).vocab_size == 1024
+    bytes_config = tiny_config(**{"data.tokenizer": "", "model.vocab_size": 100})
+    with pytest.raises(ConfigError, match=r"config\.model\.vocab_size=100"):
+        make_source(bytes_config)
+
+
+def test_missing_or_malformed_tokenizer_file(tmp_path):
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(ConfigError, match=r"config\.data\.tokenizer=.*nope\.json.* no such file"):
+        config_lib.validate(tiny_config(**{"data.tokenizer": missing}))
+    with pytest.raises(ConfigError, match=r"config\.data\.tokenizer=.* no such file"):
+        tokenizer.from_config(tiny_config(**{"data.tokenizer": missing}))
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    with pytest.raises(BadInput, match=r"not a tokenizer\.json"):
+        tokenizer.load(str(garbage))
+
+
+def test_train_command(tmp_path, text_dir):
+    out = tmp_path / "tok" / "tokenizer.json"
+    args = ["-m", "resilient_jax.data.tokenizer", "train", f"--input={text_dir}"]
+    result = run_python([*args, "--vocab_size=300", f"--output={out}"], timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "read 3 documents" in result.stdout and f"wrote {out}: 300 tokens" in result.stdout
+    tok = tokenizer.load(str(out))
+    assert tok.vocab_size == 300 and tok.decode(tok.encode(TEXT)) == TEXT
+    assert tok.identity in result.stdout
+
+
+def test_train_command_bad_input(tmp_path, text_dir):
+    args = ["-m", "resilient_jax.data.tokenizer", "train", f"--output={tmp_path / 't.json'}"]
+    missing = run_python([*args, f"--input={tmp_path / 'missing'}"], timeout=120)
+    assert_one_line_exit_2(missing, "--input=", "no such file")
+    too_small = run_python([*args, f"--input={text_dir}", "--vocab_size=200"], timeout=120)
+    assert_one_line_exit_2(too_small, "--vocab_size=200", "at least 257")
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_converter_records_the_tokenizer_and_training_refuses_another(tmp_path, text_dir):
+    out = str(tmp_path / "data.array_record")
+    bpe = tokenizer.load("bundled")
+    n = convert(str(text_dir), out, seq_len=32, tokenizer=bpe)
+    meta = json.loads((tmp_path / "data.array_record.meta.json").read_text())
+    assert meta == {"tokenizer": bpe.identity, "vocab_size": 1024, "seq_len": 32, "sequences": n}
+    records = {"data.source": "arrayrecord", "data.path": out}
+    source = make_source(tiny_config(**records))
+    assert len(source) == n and max(int(source[i].max()) for i in range(n)) >= 256
+    with pytest.raises(ConfigError, match=r"config\.data\.tokenizer .*tokenized with sha256:"):
+        make_source(tiny_config(**records, **{"data.tokenizer": "", "model.vocab_size": 256}))
+
+
+def test_converter_cli_bad_tokenizer(tmp_path):
+    out = tmp_path / "x.array_record"
+    args = ["-m", "resilient_jax.data.convert", f"--output={out}", "--seq_len=64"]
+    result = run_python([*args, f"--tokenizer={tmp_path / 'missing.json'}"], timeout=120)
+    assert_one_line_exit_2(result, "missing.json", "no such file")
+    assert not out.exists()
+
+
+def test_training_refuses_a_missing_tokenizer_and_a_small_vocabulary(tmp_path):
+    base = ["launch/train.py", "--config=configs/tiny_cpu.py", "--config.checkpoint.local_dir="]
+    missing = run_python(
+        [*base, f"--workdir={tmp_path / 'a'}", f"--config.data.tokenizer={tmp_path / 'no.json'}"],
+        timeout=300,
+    )
+    assert_one_line_exit_2(missing, "config.data.tokenizer=", "no such file")
+    small = run_python(
+        [*base, f"--workdir={tmp_path / 'b'}", "--config.model.vocab_size=512"], timeout=300
+    )
+    assert_one_line_exit_2(small, "config.model.vocab_size=512", "config.data.tokenizer='bundled'")
