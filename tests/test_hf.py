@@ -17,7 +17,7 @@ from conftest import SMALL, as_flags, run_python, tiny_config
 from safetensors.numpy import save_file
 
 from resilient_jax import mesh, topology
-from resilient_jax.config import BadInput
+from resilient_jax.config import BadInput, ConfigError, validate
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.data.position import DataPosition
 from resilient_jax.hf import exporter, layout
@@ -362,3 +362,9 @@ def test_bfloat16_export_reads_back_rounded(tmp_path):
     rounded = np.asarray(params["embed"]).astype(jnp.bfloat16).astype(np.float32)
     assert back["embed"].dtype == np.float32 and np.array_equal(back["embed"], rounded)
     assert not np.array_equal(back["embed"], params["embed"])
+
+
+def test_init_from_and_init_from_hf_exclude_each_other():
+    config = small_config(**{"checkpoint.init_from": "/a", "checkpoint.init_from_hf": "/b"})
+    with pytest.raises(ConfigError, match=r"init_from_hf='/b' is invalid: excludes"):
+        validate(config)
