@@ -57,6 +57,7 @@ SMALL = {
     "total_steps": 20,
     "log.progress_bar": False,
     "log.tensorboard": False,
+    "eval.every_steps": 0,  # tests that check evaluation turn it on
 }
 
 

@@ -17,7 +17,7 @@ class EventType(Name):
     JAX_INIT = "jax_init"  # duration_s, num_processes, coordinator
     INIT = "init"  # duration_s: parameters initialised from the seed (no checkpoint)
     RESTORE = "restore"  # step, tier, duration_s, source
-    COMPILE = "compile"  # duration_s, cached
+    COMPILE = "compile"  # duration_s, cache, program (train | eval)
     COMPILE_CACHE_INVALID = "compile_cache_invalid"  # path, cause
     STEP = "step"  # step, loss, step_time_s, ... (one per logged step)
     STOP = "stop"  # reason, exit_code

@@ -73,6 +73,8 @@ _INTERFERING = {
     EventType.CHAOS,
     EventType.PREEMPTION,
     EventType.INIT,
+    EventType.EVAL,
+    EventType.PROFILE,
 }
 _INJECTED_FAILURES = {FaultKind.KILL, FaultKind.LOSE_SLICE, FaultKind.HANG}
 _ANOMALY_FAULTS = {FaultKind.NAN, FaultKind.SPIKE}
