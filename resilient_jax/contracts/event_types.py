@@ -15,7 +15,7 @@ class EventType(Name):
     # A worker's life.
     PROCESS_START = "process_start"  # topology, mesh
     JAX_INIT = "jax_init"  # duration_s, num_processes, coordinator
-    INIT = "init"  # duration_s: parameters initialised from the seed (no checkpoint)
+    INIT = "init"  # duration_s; source: the checkpoint.init_from_hf directory (else the seed)
     RESTORE = "restore"  # step, tier, duration_s, source
     COMPILE = "compile"  # duration_s, cache, program (train | eval)
     COMPILE_CACHE_INVALID = "compile_cache_invalid"  # path, cause

@@ -78,6 +78,12 @@ class Loop:
                 last_info = info
                 for hook in self.hooks:
                     hook.after_step(self.ctx, state, info)
+                # A hook that waited for step s (a save copies it to the host) leaves its metrics
+                # ready: publish them now, not after the next step, so that no checkpoint commits
+                # a step whose metrics a crash in between would lose.
+                if all(v.is_ready() for v in pending.metrics.values()):
+                    pending, previous = None, pending
+                    self._publish(previous)
             except Rollback as rollback:
                 bad = previous.info if previous is not None else last_info
                 state, step = self._roll_back(rollback, bad)
