@@ -2,8 +2,9 @@
 must give the losses in `golden/tiny_cpu.json` at steps 10, 50 and 100, so any change in numerics
 (model, initialisation, data order, optimizer, the step) is seen.
 
-The golden losses were made from commit dda00f6, before the layout redesign, and today's code
-reproduces them bit for bit on the machine that made them. The comparison allows a relative 1e-4:
+The golden losses were first made before the layout redesign (which reproduced them bit for bit),
+then made again when the default run moved to the bundled 1024-token BPE with a held-out
+evaluation split (losses per subword token). The comparison allows a relative 1e-4:
 far below what any change in what is computed moves a loss (1e-2 and more by step 10), and above
 the float32 reduction-order noise another CPU's vectorisation or another XLA version may add over
 100 steps."""
