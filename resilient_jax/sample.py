@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -32,132 +31,15 @@ from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
-from resilient_jax import config as config_lib
-from resilient_jax import mesh as mesh_lib
-from resilient_jax import topology as topology_lib
-from resilient_jax.checkpoint import Checkpointer, CheckpointError, Restored, Tier
+from resilient_jax.checkpoint import CheckpointError, Restored
+from resilient_jax.checkpoint.reader import load_run_config, restore_newest
 from resilient_jax.config import BadInput
-from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.data.tokenizer import Tokenizer, from_config
-from resilient_jax.events import EventLog
 from resilient_jax.model import KVCache, ModelConfig, Transformer
-from resilient_jax.train.context import RunContext
-from resilient_jax.train.state import abstract_state
 
 # ------------------------------------------------------------------------------- the run's model
-
-
-def load_run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config a run saved in `<workdir>/config.json`, over today's defaults (keys added
-    since keep their defaults). Raises `BadInput` if there is none or it does not load."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.isdir(workdir):
-        raise BadInput(f"--workdir={workdir} is invalid: no such directory")
-    if not os.path.isfile(path):
-        raise BadInput(f"--workdir={workdir} is invalid: no config.json (not a run directory)")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as e:
-        raise BadInput(f"{path} is invalid: {e}") from None
-    config = config_lib.default_config()
-    _merge(config, saved, path, "config")
-    return config
-
-
-def _merge(config: ml_collections.ConfigDict, saved: Any, path: str, prefix: str) -> None:
-    if not isinstance(saved, dict):
-        raise BadInput(f"{path} is invalid: {prefix} is not a mapping")
-    for key, value in saved.items():
-        if key not in config:
-            raise BadInput(f"{path} is invalid: {prefix}.{key} is not a known config key")
-        if isinstance(config[key], ml_collections.ConfigDict):
-            _merge(config[key], value, path, f"{prefix}.{key}")
-            continue
-        try:
-            config[key] = value
-        except (TypeError, ValueError) as e:
-            raise BadInput(f"{path} is invalid: {prefix}.{key}={value!r} ({e})") from None
-
-
-def sampling_mesh(config: ml_collections.ConfigDict) -> tuple[topology_lib.Topology, Any, Any]:
-    """Topology, plan and mesh on the most devices present that the model's shapes divide,
-    whatever mesh the run trained on.
-
-    Sampling splits no training batch, so the plan is made for a batch of one row per
-    data-parallel device, and tensor parallelism the devices cannot divide is dropped.
-    """
-    devices = jax.devices()
-    for count in range(len(devices), 0, -1):
-        topology = mesh_lib.discover(devices[:count])
-        planned = config.copy_and_resolve_references()
-        if count % planned.mesh.tensor or topology.devices_per_slice % planned.mesh.tensor:
-            planned.mesh.tensor = 1
-        planned.global_batch_size = count // planned.mesh.tensor
-        planned.per_device_batch_size = 0
-        plan = topology_lib.plan_mesh(planned, topology, strict=False)
-        mesh = mesh_lib.make_mesh(plan, topology)
-        if count == 1 or _divides(abstract_state(config, mesh)):
-            return topology, plan, mesh
-    raise AssertionError("jax.devices() is never empty")
-
-
-def _divides(abstract: Any) -> bool:
-    """Whether every array of `abstract` splits evenly over its sharding's mesh axes."""
-    for leaf in jax.tree.leaves(abstract):
-        axes = leaf.sharding.spec
-        mesh_shape = leaf.sharding.mesh.shape
-        for size, names in zip(leaf.shape, axes, strict=False):
-            names = (names,) if isinstance(names, str) else names or ()
-            ways = 1
-            for name in names:
-                ways *= mesh_shape[name]
-            if size % ways:
-                return False
-    return True
-
-
-class _StderrEvents(EventLog):
-    """Restore's events, which belong to no training run: why a step was passed by goes to
-    stderr, nothing to the run's events.jsonl."""
-
-    def __init__(self) -> None:
-        super().__init__(None)
-
-    def emit(self, type: str, **fields: Any) -> dict[str, Any]:
-        event = super().emit(type, **fields)
-        if type in (EventType.CHECKPOINT_INVALID, EventType.CHECKPOINT_QUARANTINED):
-            print(f"{type}: step {fields.get('step')}: {fields.get('cause')}", file=sys.stderr)
-        return event
-
-
-def restore(config: ml_collections.ConfigDict, workdir: str) -> Restored:
-    """The newest verified step of the run in `workdir`, on all the devices present.
-
-    Raises `BadInput` when the run has no checkpoint, `CheckpointError` when none verifies.
-    """
-    topology, plan, mesh = sampling_mesh(config)
-    ctx = RunContext(
-        config=config,
-        workdir=workdir,
-        topology=topology,
-        plan=plan,
-        mesh=mesh,
-        events=_StderrEvents(),
-        abstract_state=abstract_state(config, mesh),
-    )
-    checkpointer = Checkpointer(ctx, handle_sigterm=False)
-    try:
-        restored = checkpointer.restore_latest(ctx)
-    finally:
-        checkpointer.close()
-    # A run with no step of its own restores only `checkpoint.init_from`'s parameters: not its.
-    if restored is None or restored.tier == Tier.INIT_FROM:
-        raise BadInput(f"--workdir={workdir} is invalid: no checkpoint to sample from")
-    return restored
 
 
 # ---------------------------------------------------------------------------------- decoding
@@ -293,7 +175,7 @@ def sample(
         ModelConfig.from_config(config.model), sampling, tokenizer.vocab_size, max_len or trained
     )
     decoder.check_fits(len(ids), max_new_tokens)
-    restored = restore(config, workdir)
+    restored = restore_newest(config, workdir)
     new, _ = decoder.generate(restored.state.params, ids, max_new_tokens, seed)
     return tokenizer.decode(new), restored
 

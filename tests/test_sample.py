@@ -5,6 +5,8 @@ resilient_jax.sample` turns a trained run's checkpoint into the same text for th
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import run_python, tiny_config
 
+from resilient_jax.chaos.corrupt import corrupt_step
 from resilient_jax.config import BadInput
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.model import KVCache, ModelConfig, Transformer
@@ -109,6 +112,29 @@ def test_the_same_seed_gives_the_same_text_from_the_newest_checkpoint(trained_ru
     assert (trained_run / "events.jsonl").read_text() == events_before
 
 
+def _files(root) -> dict[str, tuple[int, int]]:
+    return {
+        os.path.relpath(os.path.join(d, name), root): (
+            os.stat(os.path.join(d, name)).st_size,
+            os.stat(os.path.join(d, name)).st_mtime_ns,
+        )
+        for d, _, names in os.walk(root)
+        for name in names
+    }
+
+
+def test_reading_a_run_changes_nothing_in_it_even_when_a_step_is_passed_by(trained_run, tmp_path):
+    """The run may still be training: a reader that fell back past a bad step must not retire
+    it to quarantine (as a resuming run would), clean temp dirs or write anything."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    assert corrupt_step(str(run / "checkpoints" / str(TRAINED_STEPS)))
+    before = _files(run)
+    _, restored = sample(str(run), "ROMEO:", 4, GREEDY, seed=0)
+    assert restored.step == 5  # the corrupted newest step did not verify
+    assert _files(run) == before
+
+
 def test_the_command_prints_the_same_text_for_the_same_seed_on_another_mesh(trained_run):
     argv = ["-m", "resilient_jax.sample", f"--workdir={trained_run}", "--prompt=ROMEO:"]
     argv += ["--max_new_tokens=16", "--temperature=0.8", "--top_p=0.9", "--seed=11"]
@@ -146,7 +172,7 @@ def test_a_run_directory_without_config_or_checkpoint_is_refused(tmp_path):
         sample(str(tmp_path / "missing"), "ROMEO:", 4, GREEDY, seed=0)
     config = tiny_config()
     (tmp_path / "config.json").write_text(json.dumps(json.loads(config.to_json())))
-    with pytest.raises(BadInput, match="no checkpoint to sample from"):
+    with pytest.raises(BadInput, match="holds no checkpoint"):
         sample(str(tmp_path), "ROMEO:", 4, GREEDY, seed=0)
 
 

@@ -214,6 +214,7 @@ class LocalTier:
         process_index: int,
         keep: int,
         on_commit: Callable[[int, float, int], None] | None = None,
+        read_only: bool = False,  # only restores: creates nothing under `root`
     ) -> None:
         self.root = root
         self.process_index = process_index
@@ -226,6 +227,8 @@ class LocalTier:
         self._error_step: int | None = None
         self._committed: list[int] = []
         self._lock = threading.Lock()  # guards _committed (the writer thread appends)
+        if read_only:
+            return
         try:
             os.makedirs(self.own_dir, exist_ok=True)
         except OSError as e:

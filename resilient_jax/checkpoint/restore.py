@@ -107,6 +107,9 @@ class Restorer:
     run_id: str  # of the persistent directory: local copies of earlier runs are not candidates
     accept_other_config: bool  # init_from names the persistent directory itself
     on_new_timeline: Callable[[int | None, str], None]
+    # A reader outside the run (sampling, export) leaves the run's steps as it found them: the run
+    # may still be training and committing the steps a restore would otherwise retire.
+    read_only: bool = False
 
     def restore(
         self, ctx: RunContext, started: float, max_step: int | None, exact: bool
@@ -160,6 +163,8 @@ class Restorer:
         return None
 
     def _retire_after(self, step: int | None) -> None:
+        if self.read_only:
+            return
         timeline = retire_after(step, self.persistent, self.local, self.sync, self.events)
         self.on_new_timeline(step, timeline)
 

@@ -1,7 +1,8 @@
 """The newest verified checkpoint of a run, written as a Hugging Face Llama directory.
 
-`restore_params` restores like a resuming run (`Checkpointer.restore_latest`: newest step of any
-tier that verifies) onto this process's devices, with the run's own `config.json`; `export`
+`restore_params` restores like a resuming run (`checkpoint.reader.restore_newest`: newest step of
+any tier that verifies, read without writing into the run) onto this process's devices, with the
+run's own `config.json`; `export`
 writes `config.json`, `model.safetensors` (PyTorch layout, `format: pt`) and, for a subword
 tokenizer, `tokenizer.json` with a `tokenizer_config.json` that `AutoTokenizer` reads. A
 bytes-tokenizer run has no Hugging Face tokenizer to write. One process; no events are written
@@ -20,64 +21,21 @@ import ml_collections
 import numpy as np
 import tokenizers
 
-from resilient_jax import config as config_lib
-from resilient_jax import mesh as mesh_lib
-from resilient_jax import topology as topology_lib
-from resilient_jax.checkpoint import Checkpointer
-from resilient_jax.checkpoint.tier import Tier
+from resilient_jax.checkpoint.reader import load_run_config, restore_newest
 from resilient_jax.config import BadInput
 from resilient_jax.data import tokenizer as tokenizer_lib
-from resilient_jax.events import EventLog
 from resilient_jax.hf import files, hf_config, layout
 from resilient_jax.model import ModelConfig
-from resilient_jax.train.context import RunContext
-from resilient_jax.train.state import abstract_state
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
-def run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config a run wrote into its workdir (BadInput if there is none or it does not load)."""
-    path = os.path.join(workdir, "config.json")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except FileNotFoundError:
-        raise BadInput(f"{workdir} is not a run directory: it has no config.json") from None
-    except (OSError, ValueError) as e:
-        raise BadInput(f"{path} is unreadable: {e}") from None
-    config = config_lib.default_config()
-    try:
-        config.update(saved)
-    except (AttributeError, KeyError, TypeError) as e:
-        raise BadInput(f"{path} does not fit this version's config: {e}") from None
-    return config
-
-
 def restore_params(workdir: str) -> tuple[ml_collections.ConfigDict, int, Any]:
     """The run's config, and the step and parameters (host numpy arrays) of its newest
     verified checkpoint. BadInput if the run has none."""
-    config = run_config(workdir)
-    topology = mesh_lib.discover()
-    plan = topology_lib.plan_mesh(config, topology, strict=False)
-    mesh = mesh_lib.make_mesh(plan, topology)
-    ctx = RunContext(
-        config=config,
-        workdir=workdir,
-        topology=topology,
-        plan=plan,
-        mesh=mesh,
-        events=EventLog(None),
-        abstract_state=abstract_state(config, mesh),
-    )
-    checkpointer = Checkpointer(ctx, handle_sigterm=False)
-    try:
-        restored = checkpointer.restore_latest(ctx)
-    finally:
-        checkpointer.close()
-    if restored is None or restored.tier == Tier.INIT_FROM:
-        raise BadInput(f"{workdir} has no checkpoint to export")
+    config = load_run_config(workdir)
+    restored = restore_newest(config, workdir)
     params = jax.tree.map(lambda x: np.asarray(jax.device_get(x)), restored.state.params)
     return config, restored.step, params
 
