@@ -208,11 +208,13 @@ def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def fingerprint(config: ml_collections.ConfigDict) -> str:
-    """Hash of what defines the trained function: model shapes, data and seed (not logging)."""
+    """Hash of what defines the trained function: model shapes, data (with the held-out share) and
+    seed (not logging)."""
     d = config_to_dict(config)
     keep = {k: d[k] for k in ("model", "seed", "global_batch_size") if k in d}
     data_keys = ("source", "path", "seq_len", "tokenizer", "mixture")
     keep["data"] = {k: d["data"].get(k) for k in data_keys}
+    keep["eval_fraction"] = d["eval"]["fraction"]  # the held-out share is not trained on
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 

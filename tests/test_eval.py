@@ -189,3 +189,14 @@ def test_eval_losses_are_the_same_after_a_restart_and_evaluation_has_its_own_goo
     assert result.seconds["evaluation"] == pytest.approx(evaluation_s, abs=1e-6 * len(evals))
     assert result.seconds["evaluation"] > 0
     assert "evaluation (held-out)" in accounting.format_table(result)
+
+
+def test_the_held_out_share_is_part_of_the_config_fingerprint():
+    """It decides which examples are trained on: a checkpoint of one share is another run's."""
+    plain = tiny_config()
+    assert config_lib.fingerprint(plain) != config_lib.fingerprint(
+        tiny_config(**{"eval.fraction": 0.1})
+    )
+    assert config_lib.fingerprint(plain) == config_lib.fingerprint(
+        tiny_config(**{"eval.every_steps": 25})
+    )
