@@ -91,6 +91,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.95  # Adam's second-moment decay
     c.optimizer.eps = 1e-8  # Adam's denominator floor
     c.optimizer.grad_clip_norm = 1.0  # clip the global gradient norm to this; 0 = no clipping
+    # GaLore (resilient_jax.train.galore): Adam runs on each weight matrix's gradient projected
+    # onto its top `rank` singular vectors, so its moments take r*max(m, n) instead of m*n. Weights
+    # with head axes are the matrices the model multiplies by ([d_model, heads*head_dim]).
+    c.optimizer.galore = ml_collections.ConfigDict()
+    c.optimizer.galore.rank = 0  # rank of the projection; 0 = off (plain AdamW)
+    c.optimizer.galore.update_interval = 200  # optimizer steps between SVD refreshes of the basis
+    c.optimizer.galore.scale = 1.0  # multiplies the update projected back to full space
+    c.optimizer.galore.min_size = 4096  # weights with fewer elements (and all 1-D) stay plain Adam
 
     # Mesh axes: replica crosses slices, fsdp and tensor stay inside one (resilient_jax.topology).
     c.mesh = ml_collections.ConfigDict()
@@ -284,6 +292,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _fail("optimizer.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     if o.grad_clip_norm < 0:
         _fail("optimizer.grad_clip_norm", o.grad_clip_norm, "must be >= 0 (0 = no clipping)")
+    _validate_galore(config)
     for axis in ("replica", "fsdp", "tensor"):
         value = config.mesh[axis]
         if value == 0 or value < -1:
@@ -297,6 +306,33 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _validate_coordinator(config.coordinator)
     _validate_eval(config.eval)
     profile_steps(config.profile.steps)
+
+
+def _galore_matrices(m: ml_collections.ConfigDict) -> list[tuple[int, int]]:
+    """[rows, cols] of the model's weight matrices as GaLore sees them (see resilient_jax.model)."""
+    attention = [m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim]
+    matrices = [(m.vocab_size, m.d_model), (m.d_model, m.d_ff), (m.d_ff, m.d_model)]
+    matrices += [(m.d_model, width) for width in attention]
+    if not m.tie_embeddings:
+        matrices.append((m.d_model, m.vocab_size))
+    return matrices
+
+
+def _validate_galore(config: ml_collections.ConfigDict) -> None:
+    g = config.optimizer.galore
+    for key in ("rank", "min_size"):
+        if not isinstance(g[key], int) or isinstance(g[key], bool) or g[key] < 0:
+            _fail(f"optimizer.galore.{key}", g[key], "must be an integer >= 0")
+    _check_positive(config, "optimizer.galore.update_interval")
+    if not g.scale > 0:
+        _fail("optimizer.galore.scale", g.scale, "must be > 0")
+    projected = [min(r, c) for r, c in _galore_matrices(config.model) if r * c >= g.min_size]
+    if projected and g.rank > min(projected):
+        _fail(
+            "optimizer.galore.rank",
+            g.rank,
+            f"must be <= {min(projected)}, the smaller side of the smallest projected matrix",
+        )
 
 
 def _validate_checkpoint(c: ml_collections.ConfigDict) -> None:

@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from resilient_jax import mesh as mesh_lib
 from resilient_jax.model import ModelConfig, Transformer
+from resilient_jax.train.galore import galore
 from resilient_jax.train.in_band import HealthStats
 
 
@@ -43,16 +44,48 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
     )
 
 
+def _decay_mask(params: Any) -> Any:
+    return jax.tree.map(lambda p: p.ndim > 1, params)  # no decay on norms
+
+
+def _galore_adamw(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """AdamW's three stages with Adam's moments inside GaLore's projection; decay and learning
+    rate act on the full update, as in plain AdamW."""
+    o, g = config.optimizer, config.optimizer.galore
+    d_model = config.model.d_model
+
+    def matrix_split(shape: tuple[int, ...]) -> int:
+        # The matrix the model multiplies by: [d_model, heads*head_dim] for wq/wk/wv,
+        # [heads*head_dim, d_model] for wo (d_model last).
+        return len(shape) - 1 if len(shape) > 2 and shape[-1] == d_model else 1
+
+    return optax.chain(
+        galore(
+            optax.scale_by_adam(b1=o.b1, b2=o.b2, eps=o.eps),
+            rank=g.rank,
+            update_interval=g.update_interval,
+            scale=g.scale,
+            min_size=g.min_size,
+            matrix_split=matrix_split,
+        ),
+        optax.add_decayed_weights(o.weight_decay, _decay_mask),
+        optax.scale_by_learning_rate(learning_rate_schedule(config)),
+    )
+
+
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     o = config.optimizer
-    adamw = optax.adamw(
-        learning_rate_schedule(config),
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        mask=lambda params: jax.tree.map(lambda p: p.ndim > 1, params),  # no decay on norms
-    )
+    if o.galore.rank > 0:
+        adamw = _galore_adamw(config)
+    else:
+        adamw = optax.adamw(
+            learning_rate_schedule(config),
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            mask=_decay_mask,
+        )
     if o.grad_clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
     return adamw

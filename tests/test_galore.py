@@ -1,0 +1,176 @@
+"""GaLore: the projection's arithmetic, its config checks, its state's shardings and size, and
+its checkpoints restoring bitwise on the same mesh and onto a reshaped one."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import checkpoint_config, data_position, run_context, tiny_config
+
+from resilient_jax.checkpoint import Checkpointer, Tier
+from resilient_jax.config import ConfigError, validate
+from resilient_jax.data import BatchLoader, make_source
+from resilient_jax.train.galore import galore
+from resilient_jax.train.hooks import StepInfo
+from resilient_jax.train.state import init_state
+from resilient_jax.train.step import make_train_step
+
+GALORE = {"optimizer.galore.rank": 16, "optimizer.galore.update_interval": 2}
+
+
+def _grads(seed: int = 0) -> dict[str, jax.Array]:
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    return {"w": jax.random.normal(k1, (12, 20)), "norm": jax.random.normal(k2, (20,))}
+
+
+def test_update_is_the_gradient_projected_onto_its_top_singular_vectors():
+    grads = _grads()
+    for rank in (4, 12):  # below and at the smaller side
+        tx = galore(optax.identity(), rank=rank, update_interval=1, scale=0.5, min_size=0)
+        updates, state = tx.update(grads, tx.init(grads))
+        u, s, vt = np.linalg.svd(np.asarray(grads["w"]), full_matrices=False)
+        best = (u[:, :rank] * s[:rank]) @ vt[:rank]
+        np.testing.assert_allclose(updates["w"], 0.5 * best, rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(updates["norm"], grads["norm"])  # 1-D: not projected
+        assert state.projections["w"].shape == (12, rank)  # rows (12 < 20) are projected
+        assert state.inner == tx.init(grads).inner
+
+
+def test_projection_is_refreshed_every_interval_and_kept_between():
+    tx = galore(optax.identity(), rank=3, update_interval=2, scale=1.0, min_size=0)
+    state = tx.init(_grads())
+    bases = []
+    for seed in range(4):
+        _, state = tx.update(_grads(seed), state)
+        bases.append(np.asarray(state.projections["w"]))
+    assert int(state.count) == 4 and int(state.refreshed_at) == 2
+    np.testing.assert_array_equal(bases[0], bases[1])
+    np.testing.assert_array_equal(bases[2], bases[3])
+    assert not np.allclose(bases[1], bases[2])
+
+
+def test_small_weights_and_vectors_pass_through_the_inner_optimizer_unchanged():
+    grads = _grads()
+    tx = galore(optax.scale_by_adam(), rank=4, update_interval=1, scale=1.0, min_size=241)
+    plain = optax.scale_by_adam()
+    updates, state = tx.update(grads, tx.init(grads))
+    expected, _ = plain.update(grads, plain.init(grads))
+    assert state.projections == {}  # 12 x 20 = 240 < min_size
+    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        ({"optimizer.galore.rank": 65}, "optimizer.galore.rank"),  # d_model = 64
+        ({"optimizer.galore.rank": -1}, "optimizer.galore.rank"),
+        ({"optimizer.galore.min_size": -5}, "optimizer.galore.min_size"),
+        ({"optimizer.galore.update_interval": 0}, "optimizer.galore.update_interval"),
+        ({"optimizer.galore.scale": -1.0}, "optimizer.galore.scale"),
+    ],
+)
+def test_bad_galore_config_is_refused_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=f"config.{key}="):
+        validate(tiny_config(**overrides))
+
+
+def test_rank_only_limited_by_matrices_large_enough_to_project():
+    # Every matrix of the tiny model has a side of 64; with min_size above all of them, none
+    # is projected and no rank is too large for it.
+    validate(tiny_config(**{"optimizer.galore.rank": 65, "optimizer.galore.min_size": 10**7}))
+
+
+def _opt_state_bytes(state) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state.opt_state))
+
+
+def test_state_is_sharded_like_its_weights_and_at_most_half_of_adamw(tmp_path):
+    ctx = run_context(tiny_config(**GALORE), str(tmp_path))
+    galore_state = ctx.abstract_state.opt_state[1][0]
+    specs = {k: tuple(v.sharding.spec) for k, v in galore_state.projections.items()}
+    assert specs["layer_0__mlp__w_gate"] == ("fsdp", None)  # [d_model, r]: rows of [64, 128]
+    assert specs["layer_0__mlp__w_down"] == ("fsdp", None)  # [d_model, r]: cols of [128, 64]
+    assert specs["layer_0__attn__wo"] == (None, None)  # rows are heads x head_dim: replicated
+    mu = galore_state.inner.mu["layer_0"]["mlp"]
+    assert (mu["w_gate"].shape, tuple(mu["w_gate"].sharding.spec)) == ((16, 128), (None, "tensor"))
+    assert (mu["w_down"].shape, tuple(mu["w_down"].sharding.spec)) == ((128, 16), ("tensor", None))
+    adamw = run_context(tiny_config(), str(tmp_path)).abstract_state
+    assert _opt_state_bytes(ctx.abstract_state) <= _opt_state_bytes(adamw) / 2
+
+
+def _bitwise(a, b) -> bool:
+    return all(
+        np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def _batches(ctx) -> list[jax.Array]:
+    """The first five global batches, sharded for `ctx`'s mesh."""
+    loader = BatchLoader(ctx.config, ctx.mesh, ctx.plan, make_source(ctx.config))
+    return [loader.next()[1] for _ in range(5)]
+
+
+_STEPS = {}
+
+
+def _train(ctx, state, batches, first: int, last: int):
+    """Steps first..last (batch s-1 for step s), one compiled step per device count; the state
+    is donated: copy it out first."""
+    devices = ctx.mesh.devices.size
+    if devices not in _STEPS:
+        _STEPS[devices] = make_train_step(ctx.config, ctx.mesh)
+    for s in range(first, last + 1):
+        state, _ = _STEPS[devices](state, batches[s - 1], jnp.float32(1.0))
+    return state
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory):
+    """Three GaLore steps on 8 devices saved to the persistent tier, and the two steps after."""
+    workdir = str(tmp_path_factory.mktemp("galore_run"))
+    config = checkpoint_config(**GALORE, **{"checkpoint.every_steps": 3})
+    ctx = run_context(config, workdir)
+    state = _train(ctx, init_state(ctx.config, ctx.mesh), _batches(ctx), 1, 3)
+    saved = jax.tree.map(np.asarray, state)
+    assert int(saved.opt_state[1][0].refreshed_at) == 2  # a refreshed projection is saved
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.on_start(ctx, state)
+    ck.after_step(ctx, state, StepInfo(3, 2, data_position(3), 0.01))
+    ck.wait_until_finished()
+    ck.close()
+    # Step 4 uses the saved projections; step 5 recomputes them (count 4 = 2 x update_interval).
+    state = _train(ctx, state, _batches(ctx), 4, 4)
+    after = {4: jax.tree.map(np.asarray, state)}
+    after[5] = jax.tree.map(np.asarray, _train(ctx, state, _batches(ctx), 5, 5))
+    return config, workdir, saved, after
+
+
+def _restore(config, workdir: str, devices: int):
+    ctx = run_context(config, workdir, devices)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 3)
+    return ctx, restored.state
+
+
+def test_checkpoint_restores_bitwise_and_resumes_bitwise_on_the_same_mesh(saved_run):
+    config, workdir, saved, after = saved_run
+    ctx, state = _restore(config, workdir, 8)
+    assert _bitwise(state, saved)
+    assert _bitwise(jax.tree.map(np.asarray, _train(ctx, state, _batches(ctx), 4, 5)), after[5])
+    _, state = _restore(config, workdir, 4)  # onto half the devices: the same values
+    assert _bitwise(state, saved)
+
+
+def test_checkpoint_resumes_on_half_the_devices_up_to_reduction_order(saved_run):
+    config, workdir, _, after = saved_run
+    ctx, state = _restore(config, workdir, 4)
+    resumed = jax.tree.map(np.asarray, _train(ctx, state, _batches(ctx), 4, 4))
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(after[4]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
