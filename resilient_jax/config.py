@@ -91,9 +91,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.95  # Adam's second-moment decay
     c.optimizer.eps = 1e-8  # Adam's denominator floor
     c.optimizer.grad_clip_norm = 1.0  # clip the global gradient norm to this; 0 = no clipping
-    # GaLore (resilient_jax.train.galore): Adam runs on each weight matrix's gradient projected
-    # onto its top `rank` singular vectors, so its moments take r*max(m, n) instead of m*n. Weights
-    # with head axes are the matrices the model multiplies by ([d_model, heads*head_dim]).
+    # GaLore (resilient_jax.train.galore): Adam runs on each attention and MLP weight's gradient
+    # projected onto its top `rank` singular vectors, so its moments take r*max(m, n) instead of
+    # m*n; embeddings and norms keep full Adam. Weights with head axes are the matrices the model
+    # multiplies by ([d_model, heads*head_dim]).
     c.optimizer.galore = ml_collections.ConfigDict()
     c.optimizer.galore.rank = 0  # rank of the projection; 0 = off (plain AdamW)
     c.optimizer.galore.update_interval = 200  # optimizer steps between SVD refreshes of the basis
@@ -311,11 +312,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
 def _galore_matrices(m: ml_collections.ConfigDict) -> list[tuple[int, int]]:
     """[rows, cols] of the model's weight matrices as GaLore sees them (see resilient_jax.model)."""
     attention = [m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim]
-    matrices = [(m.vocab_size, m.d_model), (m.d_model, m.d_ff), (m.d_ff, m.d_model)]
-    matrices += [(m.d_model, width) for width in attention]
-    if not m.tie_embeddings:
-        matrices.append((m.d_model, m.vocab_size))
-    return matrices
+    # The embeddings keep full Adam (resilient_jax.train.state): not projected.
+    return [(m.d_model, m.d_ff), (m.d_ff, m.d_model)] + [(m.d_model, w) for w in attention]
 
 
 def _validate_galore(config: ml_collections.ConfigDict) -> None:

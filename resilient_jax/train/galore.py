@@ -6,7 +6,8 @@ rank-r subspace (left, P^T G of shape [r, n], when m <= n; right, G P of shape [
 the smaller side is the one projected), the inner transformation runs on the projected gradient,
 and its update is projected back and multiplied by `scale`. P holds the top-r singular vectors of
 the gradient, recomputed every `update_interval` updates (the first update included). Every other
-leaf goes through the inner transformation unchanged. The inner state of a projected leaf has the
+leaf, and those `exclude` names by path ("layer_0__mlp__w_up"), goes through the inner
+transformation unchanged. The inner state of a projected leaf has the
 projected shape, which is where the memory goes: Adam's two moments of an [m, n] weight shrink
 from 2mn to 2r*max(m, n), plus the m*r or n*r of P.
 
@@ -89,6 +90,7 @@ def galore(
     scale: float,
     min_size: int,
     matrix_split: Callable[[tuple[int, ...]], int] = lambda shape: 1,
+    exclude: Callable[[str], bool] = lambda path: False,
 ) -> optax.GradientTransformation:
     """GaLore around `inner`; see the module docstring. Raises ValueError when `rank` exceeds the
     smaller side of a weight it would project."""
@@ -114,7 +116,7 @@ def galore(
         inner_params, projections = [], {}
         for path, leaf in flat:
             value = leaf.value if _is_box(leaf) else leaf
-            plan = plan_of(value.shape)
+            plan = None if exclude(_path_key(path)) else plan_of(value.shape)
             if plan is None:
                 inner_params.append(leaf)
                 continue

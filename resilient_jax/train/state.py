@@ -67,6 +67,10 @@ def _galore_adamw(config: ml_collections.ConfigDict) -> optax.GradientTransforma
             scale=g.scale,
             min_size=g.min_size,
             matrix_split=matrix_split,
+            # Embedding gradients touch only the rows of the tokens seen: a low-rank basis of one
+            # batch's rows fits the next batch poorly, so the embeddings keep full Adam (as in
+            # the GaLore paper, which projects attention and MLP weights only).
+            exclude=lambda path: path in ("embed", "unembed"),
         ),
         optax.add_decayed_weights(o.weight_decay, _decay_mask),
         optax.scale_by_learning_rate(learning_rate_schedule(config)),
