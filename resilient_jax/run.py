@@ -52,7 +52,7 @@ from resilient_jax.train.hooks import Hook, StopTraining
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.profile import Profiler
-from resilient_jax.train.state import TrainState, abstract_state, init_state
+from resilient_jax.train.state import TrainState, init_state
 from resilient_jax.worker.client import SupervisorClient
 from resilient_jax.worker.distributed import initialize_from_env, read_env
 
@@ -97,16 +97,7 @@ def prepare(
     plan = topology_lib.plan_mesh(config, topology, strict=generation == 0)
     mesh = mesh_lib.make_mesh(plan, topology)
     events.update_common(process=jax.process_index(), slice=topology.slice_index)
-    return RunContext(
-        config=config,
-        workdir=workdir,
-        topology=topology,
-        plan=plan,
-        mesh=mesh,
-        events=events,
-        abstract_state=abstract_state(config, mesh),
-        generation=generation,
-    )
+    return RunContext.on_mesh(config, workdir, topology, plan, mesh, events, generation)
 
 
 def build_hooks(

@@ -127,15 +127,7 @@ def restore_newest(config: ml_collections.ConfigDict, workdir: str) -> Restored:
     # Orbax warns that a read-only manager saves nothing: true, and no news to a reader.
     absl_logging.set_verbosity(min(absl_logging.get_verbosity(), absl_logging.ERROR))
     topology, plan, mesh = inference_mesh(config)
-    ctx = RunContext(
-        config=config,
-        workdir=workdir,
-        topology=topology,
-        plan=plan,
-        mesh=mesh,
-        events=StderrEvents(),
-        abstract_state=abstract_state(config, mesh),
-    )
+    ctx = RunContext.on_mesh(config, workdir, topology, plan, mesh, StderrEvents())
     c = config.checkpoint
     directory = persistent_dir(config, workdir)
     persistent = PersistentTier(directory, c.keep, c.keep_period, read_only=True)

@@ -77,28 +77,16 @@ def check(
         report = reports.get(process)
         if report is None:
             if now - spawned_at[process] > thresholds.startup_timeout_s:
-                return Failure(
-                    FailureCause.STARTUP,
-                    process,
-                    f"no heartbeat within startup_timeout_s={thresholds.startup_timeout_s:g}",
-                    since=spawned_at[process],
-                )
+                why = f"no heartbeat within startup_timeout_s={thresholds.startup_timeout_s:g}"
+                return Failure(FailureCause.STARTUP, process, why, since=spawned_at[process])
             continue
         if report.phase == protocol.PHASE_ERROR:
-            return Failure(
-                FailureCause.ERROR,
-                process,
-                f"process {process} failed: {report.error or 'error'}",
-                since=report.last_seen,
-            )
+            why = f"process {process} failed: {report.error or 'error'}"
+            return Failure(FailureCause.ERROR, process, why, since=report.last_seen)
         silent = now - report.last_seen
         if not report.said_bye and silent > thresholds.heartbeat_timeout_s:
-            return Failure(
-                FailureCause.HEARTBEAT,
-                process,
-                f"no heartbeat for {silent:.1f}s (phase {report.phase}, step {report.step})",
-                since=report.last_seen,
-            )
+            why = f"no heartbeat for {silent:.1f}s (phase {report.phase}, step {report.step})"
+            return Failure(FailureCause.HEARTBEAT, process, why, since=report.last_seen)
     return _check_progress(now, spawned_at, reports, thresholds)
 
 

@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 
 from resilient_jax.events import EventLog
 from resilient_jax.topology import MeshPlan, Topology
-from resilient_jax.train.state import TrainState
+from resilient_jax.train.state import TrainState, abstract_state
 
 
 @dataclasses.dataclass
@@ -22,3 +22,18 @@ class RunContext:
     events: EventLog
     abstract_state: TrainState  # ShapeDtypeStructs with shardings: the target of every restore
     generation: int = 0  # how many times the coordinator has restarted this job
+
+    @classmethod
+    def on_mesh(
+        cls,
+        config: ml_collections.ConfigDict,
+        workdir: str,
+        topology: Topology,
+        plan: MeshPlan,
+        mesh: Mesh,
+        events: EventLog,
+        generation: int = 0,
+    ) -> RunContext:
+        """The context of a run on `mesh`, with the abstract state every restore targets."""
+        state = abstract_state(config, mesh)
+        return cls(config, workdir, topology, plan, mesh, events, state, generation)

@@ -18,6 +18,7 @@ next one.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.struct
@@ -51,17 +52,8 @@ class HealthStats:
 
     @classmethod
     def init(cls) -> HealthStats:
-        zero = jnp.zeros((), jnp.float32)
-        return cls(
-            count=zero,
-            loss_mean=zero,
-            loss_var=zero,
-            log_grad_mean=zero,
-            log_grad_var=zero,
-            pid_integral=zero,
-            pid_error=zero,
-            lr_scale=jnp.ones((), jnp.float32),
-        )
+        zeros = {field.name: jnp.zeros((), jnp.float32) for field in dataclasses.fields(cls)}
+        return cls(**{**zeros, "lr_scale": jnp.ones((), jnp.float32)})  # full rate until a spike
 
 
 def _ema(mean: jax.Array, var: jax.Array, x: jax.Array, decay: jax.Array):
