@@ -106,8 +106,11 @@ class Decoder:
             return token_B.astype(jnp.int32), logits_BV, cache
 
         self.prefill: StepFn = jax.jit(advance)
-        # The cache is updated in place: its buffers are donated to the step.
-        self.step: StepFn = jax.jit(advance, donate_argnums=2)
+        # On accelerators the cache is updated in place: its buffers are donated to the step.
+        # Not on CPU, where donation across several host-platform devices can corrupt or abort
+        # (jax-ml/jax#20088) and a copy of the cache costs little next to the step itself.
+        donate = () if jax.default_backend() == "cpu" else (2,)
+        self.step: StepFn = jax.jit(advance, donate_argnums=donate)
 
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Raises `BadInput` unless prompt and new tokens fit the cache (a write past its end
