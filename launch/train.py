@@ -6,6 +6,14 @@ Under `launch/local_cluster.py`, SLURM or a JobSet, each worker runs this same c
 environment tells it which JAX job to join. Exits 0 when training finished; 2 on bad input (one line
 on stderr saying what and why, nothing written to the workdir); on anything unexpected 1 with the
 traceback and a one-line reason (a failure the supervisor may restart); see `ExitCode`.
+
+    python launch/train.py --config=configs/llama_7b.py --plan \
+        --cluster=devices=64,memory_gb=80,slices=8
+
+checks a config against a described cluster instead of training: bytes per device of parameters,
+optimizer state, gradients, activations and checkpoint, on the whole cluster and after losing one
+or two slices, and whether each fits (`resilient_jax.train.memory_plan`). It traces shapes only, on
+the CPU backend, so it takes seconds and never touches an accelerator; it needs no --workdir.
 """
 
 from __future__ import annotations
@@ -14,13 +22,16 @@ import os
 import sys
 import traceback
 
+import jax
 import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from resilient_jax import config as config_lib
 from resilient_jax.config import BadInput
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.run import RunError, train
+from resilient_jax.train import memory_plan
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py).", lock_config=True
@@ -29,7 +40,13 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, log
 _CHAOS = flags.DEFINE_string(
     "chaos", "", "Faults to inject, e.g. 'nan:step=15;kill:process=1,step=40' (see chaos/)."
 )
-flags.mark_flags_as_required(["config", "workdir"])
+_PLAN = flags.DEFINE_bool(
+    "plan", False, "Print the memory plan of the config on --cluster instead of training."
+)
+_CLUSTER = flags.DEFINE_string(
+    "cluster", "", f"The cluster --plan describes: {memory_plan.CLUSTER_SYNTAX}."
+)
+flags.mark_flags_as_required(["config"])
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -95,12 +112,30 @@ def _first_line(error: BaseException) -> str:
     return text.strip().splitlines()[0] if text.strip() else type(error).__name__
 
 
+def _print_plan(config: ml_collections.ConfigDict, cluster: str) -> ExitCode:
+    if not cluster:
+        raise BadInput(f"--plan needs --cluster={memory_plan.CLUSTER_SYNTAX}")
+    spec = memory_plan.parse_cluster(cluster)
+    # Shapes only: on the CPU backend no accelerator is initialised, let alone its memory taken.
+    jax.config.update("jax_platforms", "cpu")
+    config_lib.validate(config)
+    print(memory_plan.format_plan(memory_plan.plan(config, spec)))
+    return ExitCode.FINISHED
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
     try:
-        code = train(_CONFIG.value, os.path.abspath(_WORKDIR.value), chaos=_CHAOS.value)
+        if _PLAN.value:
+            code = _print_plan(_CONFIG.value, _CLUSTER.value)
+        else:
+            if _CLUSTER.value:
+                raise BadInput("--cluster describes the cluster of --plan: add --plan or drop it")
+            if not _WORKDIR.value:
+                raise BadInput("--workdir is required to train (only --plan runs without one)")
+            code = train(_CONFIG.value, os.path.abspath(_WORKDIR.value), chaos=_CHAOS.value)
     except BadInput as e:  # the user must fix it: restarting would only repeat it
         print(f"error: {e}", file=sys.stderr)
         code = ExitCode.BAD_INPUT

@@ -118,17 +118,23 @@ def _init_fn(config: ml_collections.ConfigDict):
     return init
 
 
+def logical_state(config: ml_collections.ConfigDict) -> tuple[TrainState, TrainState]:
+    """The state's shapes and dtypes (`jax.ShapeDtypeStruct`s) and each leaf's logical axes (a
+    `PartitionSpec` of model axis names), from `jax.eval_shape`: nothing is allocated."""
+    boxed = jax.eval_shape(_init_fn(config))
+    return nn.unbox(boxed), nn.get_partition_spec(boxed)
+
+
 def state_shardings(config: ml_collections.ConfigDict, mesh: Mesh) -> TrainState:
     """NamedSharding for every leaf of the state, from the parameters' logical axes."""
-    abstract = jax.eval_shape(_init_fn(config))
-    logical = nn.get_partition_spec(abstract)
+    _, logical = logical_state(config)
     return mesh_lib.logical_sharding(logical, mesh)
 
 
 def abstract_state(config: ml_collections.ConfigDict, mesh: Mesh) -> TrainState:
     """Shapes, dtypes and shardings of the state: the target a checkpoint restores onto."""
-    abstract = nn.unbox(jax.eval_shape(_init_fn(config)))
-    shardings = state_shardings(config, mesh)
+    abstract, logical = logical_state(config)
+    shardings = mesh_lib.logical_sharding(logical, mesh)
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
     )

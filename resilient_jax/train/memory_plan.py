@@ -1,0 +1,283 @@
+"""Will a config fit a cluster? Bytes per device of each part of a run, computed without devices.
+
+`plan(config, cluster)` traces the train state with `jax.eval_shape` (shapes and dtypes only:
+nothing is allocated), maps each leaf's logical axes to mesh axes with `mesh.LOGICAL_AXIS_RULES`,
+and divides by the mesh axis sizes that `topology.plan_mesh` chooses for the described cluster,
+whole and after losing one or two slices (the meshes a reshape would run on). What it reports per
+device, for each candidate mesh:
+
+- **params**, **optimizer**: the device's shards of the float32 parameters and of the optimizer
+  state (Adam's two moments, and the step, RNG and health counters), exactly as sharded.
+- **gradients**: twice the parameter shards: the step accumulates float32 gradients over the
+  microbatches (`train.step`: the scan's running sum plus the microbatch's own gradients).
+- **weights**: FSDP gathers a layer's weights (sharded over `tensor` only) in the compute dtype
+  before using them; XLA keeps the next layer's in flight while one computes: two layers.
+- **activations**, per microbatch of `rows_per_device` sequences (`_activation_bytes`): with
+  `model.remat` each block keeps only its input for the backward pass and recomputes the rest, one
+  block's full working set at a time; without it every block keeps its working set. The working
+  set per token counts the tensors a block saves (norm outputs, q/k/v, the attention
+  probabilities, one row of seq_len per head, as XLA's attention materialises them; a fused flash
+  kernel would not, so the estimate is high on such a backend), the attention output, the
+  residual, the MLP's four [d_ff] tensors; plus the float32 logits and their gradient.
+- **checkpoint**: the device's shards of params and optimizer state, what it writes per save
+  (not device memory: host RAM for the local tier, storage for the persistent one).
+
+A mesh fits when params + optimizer + gradients + weights + activations stay within
+`HEADROOM` of the device's memory; the rest is left to XLA's temporaries and the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import jax
+import ml_collections
+from jax.sharding import PartitionSpec
+
+from resilient_jax import mesh as mesh_lib
+from resilient_jax import topology as topology_lib
+from resilient_jax.config import BadInput, ConfigError
+from resilient_jax.model import ModelConfig
+from resilient_jax.topology import MeshPlan, Topology
+from resilient_jax.train.state import logical_state
+
+GB = 1e9
+# Share of a device's memory a plan may fill; the rest is XLA's scratch, collectives' buffers and
+# the runtime (a CUDA context alone takes ~0.5 GB).
+HEADROOM = 0.9
+CLUSTER_SYNTAX = "devices=N,memory_gb=G[,slices=S] (e.g. devices=64,memory_gb=80,slices=8)"
+
+
+class ClusterSpecError(BadInput):
+    """A `--cluster` description the planner cannot read."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    devices: int  # accelerators in all, across slices
+    memory_gb: float  # memory of one device, in GB (1e9 bytes)
+    slices: int = 1  # groups joined by the slow network; a failure takes out a whole one
+
+    @property
+    def devices_per_slice(self) -> int:
+        return self.devices // self.slices
+
+    def topology(self, slices: int) -> Topology:
+        """`slices` of this cluster's slices as a Topology (its devices are placeholders)."""
+        n = slices * self.devices_per_slice
+        return Topology(
+            num_slices=slices, num_processes=slices, process_index=0, devices=tuple(range(n))
+        )
+
+
+def parse_cluster(text: str) -> ClusterSpec:
+    """`devices=N,memory_gb=G[,slices=S]`; anything else is a one-line ClusterSpecError."""
+
+    def fail(why: str) -> ClusterSpecError:
+        return ClusterSpecError(f"--cluster={text!r} is invalid: {why}; expected {CLUSTER_SYNTAX}")
+
+    fields: dict[str, str] = {}
+    for item in text.split(","):
+        key, eq, value = item.strip().partition("=")
+        if not eq or not key or not value:
+            raise fail(f"{item.strip()!r} is not KEY=VALUE")
+        if key not in ("devices", "memory_gb", "slices"):
+            raise fail(f"unknown key {key!r}")
+        if key in fields:
+            raise fail(f"{key} given twice")
+        fields[key] = value.strip()
+    for key in ("devices", "memory_gb"):
+        if key not in fields:
+            raise fail(f"{key} is missing")
+    try:
+        devices, slices = int(fields["devices"]), int(fields.get("slices", "1"))
+        memory_gb = float(fields["memory_gb"])
+    except ValueError as e:
+        raise fail(f"not a number ({e})") from None
+    if devices < 1 or slices < 1 or not memory_gb > 0 or math.isinf(memory_gb):
+        raise fail("devices and slices must be >= 1, memory_gb > 0")
+    if devices % slices:
+        raise fail(f"slices={slices} must divide devices={devices} (equal slices)")
+    return ClusterSpec(devices=devices, memory_gb=memory_gb, slices=slices)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshMemory:
+    """Bytes one device holds on one candidate mesh (see the module docstring for each part)."""
+
+    slices: int
+    plan: MeshPlan
+    params: int
+    optimizer: int
+    gradients: int
+    weights: int
+    activations: int
+    checkpoint: int
+    capacity: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.optimizer + self.gradients + self.weights + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= HEADROOM * self.capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """The mesh a run would use on `slices` slices, or why none exists."""
+
+    slices: int
+    memory: MeshMemory | None
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    cluster: ClusterSpec
+    num_params: int
+    checkpoint_total: int  # bytes of one saved step (params + optimizer state), all shards
+    candidates: tuple[Candidate, ...]  # whole cluster, then one and two slices fewer
+
+
+def _mesh_axis_sizes(plan: MeshPlan) -> dict[str, int]:
+    return {"replica": plan.replica, "fsdp": plan.fsdp, "tensor": plan.tensor}
+
+
+def _shard_bytes(leaf: jax.ShapeDtypeStruct, spec: PartitionSpec, sizes: dict[str, int]) -> int:
+    """Bytes of the largest shard of `leaf` under mesh axes `spec` (uneven splits round up)."""
+    elements = 1
+    for i, dim in enumerate(leaf.shape):
+        axes = spec[i] if i < len(spec) else None
+        axes = (axes,) if isinstance(axes, str) else (axes or ())
+        elements *= -(-dim // math.prod(sizes[a] for a in axes))
+    return elements * leaf.dtype.itemsize
+
+
+def _tree_shard_bytes(abstract, mesh_specs, sizes: dict[str, int]) -> int:
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    leaves = jax.tree.leaves(
+        jax.tree.map(lambda s, a: _shard_bytes(a, s, sizes), mesh_specs, abstract, is_leaf=is_spec)
+    )
+    return int(sum(leaves))
+
+
+def _layer_weight_bytes(m: ModelConfig, tensor: int) -> int:
+    """One block's weights in the compute dtype, gathered over fsdp, split over tensor."""
+    attention = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+    return (attention + 3 * m.d_model * m.d_ff) // tensor * m.dtype.itemsize
+
+
+def _activation_bytes(m: ModelConfig, seq_len: int, rows: int, tensor: int) -> int:
+    """Activation bytes of one microbatch of `rows` sequences on one device (module docstring)."""
+    d, e, t = m.d_model, m.head_dim, tensor
+    working_set = (
+        4 * d  # block input, attention norm output, residual after attention, MLP norm output
+        + (m.num_heads + 2 * m.num_kv_heads) * e / t  # q, k, v
+        + m.num_heads * seq_len / t  # attention probabilities: a row of seq_len per head
+        + m.num_heads * e / t  # attention output before its projection
+        + 4 * m.d_ff / t  # gate pre-activation, its silu, up projection, their product
+    )
+    if m.remat:
+        per_token = (m.num_layers * d + working_set) * m.dtype.itemsize
+    else:
+        per_token = m.num_layers * working_set * m.dtype.itemsize
+    per_token += 2 * 4 * m.vocab_size / t  # float32 logits and their gradient
+    return int(rows * seq_len * per_token)
+
+
+def mesh_memory(
+    config: ml_collections.ConfigDict, plan: MeshPlan, slices: int, capacity: int, state=None
+) -> MeshMemory:
+    """Bytes per device of `config` on the mesh `plan` (`state`: `logical_state(config)`)."""
+    abstract, logical = state if state is not None else logical_state(config)
+    mesh_specs = nn.logical_to_mesh(logical, mesh_lib.LOGICAL_AXIS_RULES)
+    sizes = _mesh_axis_sizes(plan)
+    params = _tree_shard_bytes(abstract.params, mesh_specs.params, sizes)
+    others = _tree_shard_bytes(abstract, mesh_specs, sizes) - params
+    m = ModelConfig.from_config(config.model)
+    return MeshMemory(
+        slices=slices,
+        plan=plan,
+        params=params,
+        optimizer=others,
+        gradients=2 * params,
+        weights=2 * _layer_weight_bytes(m, plan.tensor),
+        activations=_activation_bytes(m, config.data.seq_len, plan.rows_per_device, plan.tensor),
+        checkpoint=params + others,
+        capacity=capacity,
+    )
+
+
+def plan(config: ml_collections.ConfigDict, cluster: ClusterSpec) -> Plan:
+    """Memory per device on the whole cluster and after losing one or two slices.
+
+    Raises ConfigError when the config does not fit the whole cluster's devices at all (axes or
+    batch that do not divide); a reshape that has no mesh is reported as a candidate's reason."""
+    state = logical_state(config)
+    abstract, _ = state
+    capacity = int(cluster.memory_gb * GB)
+    candidates = []
+    for lost in range(3):
+        slices = cluster.slices - lost
+        if slices < 1:
+            break
+        try:
+            mesh_plan = topology_lib.plan_mesh(config, cluster.topology(slices), strict=lost == 0)
+        except ConfigError as e:
+            if lost == 0:
+                raise
+            candidates.append(Candidate(slices, None, str(e)))
+            continue
+        candidates.append(
+            Candidate(slices, mesh_memory(config, mesh_plan, slices, capacity, state))
+        )
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract))
+    return Plan(
+        cluster=cluster,
+        num_params=sum(leaf.size for leaf in jax.tree.leaves(abstract.params)),
+        checkpoint_total=int(total),
+        candidates=tuple(candidates),
+    )
+
+
+def format_plan(result: Plan) -> str:
+    """The plan as a table, one row per candidate mesh, sizes in GB per device."""
+    c = result.cluster
+    lines = [
+        f"{result.num_params / 1e9:.2f}B parameters; one checkpoint "
+        f"{result.checkpoint_total / GB:.1f} GB; {c.devices} devices in {c.slices} slice(s) "
+        f"of {c.devices_per_slice}, "
+        f"{c.memory_gb:g} GB each (plans fill at most {HEADROOM:.0%})",
+        "GB per device:",
+    ]
+    header = (
+        f"{'slices':>6} {'mesh r x f x t':>14} {'micro':>5} {'rows':>4} {'params':>7} "
+        f"{'optim':>7} {'grads':>7} {'weights':>7} {'activ':>7} {'total':>7} {'ckpt':>7}  fits"
+    )
+    lines.append(header)
+    for cand in result.candidates:
+        mem = cand.memory
+        if mem is None:
+            lines.append(f"{cand.slices:>6} no mesh: {cand.reason}")
+            continue
+        p = mem.plan
+        sizes = (
+            mem.params,
+            mem.optimizer,
+            mem.gradients,
+            mem.weights,
+            mem.activations,
+            mem.total,
+            mem.checkpoint,
+        )
+        lines.append(
+            f"{cand.slices:>6} {f'{p.replica}x{p.fsdp}x{p.tensor}':>14} {p.microbatches:>5} "
+            f"{p.rows_per_device:>4} "
+            + " ".join(f"{b / GB:7.2f}" for b in sizes)
+            + f"  {'yes' if mem.fits else 'NO'}"
+        )
+    return "\n".join(lines)
