@@ -275,3 +275,146 @@ class LauncherRuns:
 @pytest.fixture(scope="session")
 def launcher() -> LauncherRuns:
     return LauncherRuns()
+
+
+# ------------------------------------------------------------ multi-host test bed (netns, Slurm)
+# launch/testbed/netns.sh and slurm.sh on this machine: real addresses, real link cuts, a real
+# slurmctld. Each test gets its own test bed (its own name, subnet and slurmctld port, so runs in
+# parallel do not meet), deleted in the fixture's finalizer whatever the test did.
+
+TESTBED_DIR = os.path.join(REPO, "launch", "testbed")
+_TESTBED_CLAIMS = "/run/rj-testbed-claims"
+
+
+def _testbed_skip_reason() -> str | None:
+    import shutil
+
+    if os.geteuid() != 0:
+        return "the network-namespace test bed needs root"
+    for tool in ("ip", "nsenter", "unshare"):
+        if shutil.which(tool) is None:
+            return f"the network-namespace test bed needs `{tool}` (iproute2, util-linux)"
+    probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    if probe.returncode:
+        return f"`ip netns` does not work here: {probe.stderr.strip()}"
+    return None
+
+
+class Testbed:
+    """One test bed: `hosts` (names), the head address (the bridge, in our own namespace)."""
+
+    def __init__(self, slot: int, num_hosts: int) -> None:
+        self.name = f"rjt{slot}"
+        self.subnet = f"10.77.{slot}"
+        self.head_address = f"{self.subnet}.1"
+        self.hosts = [f"{self.name}n{i}" for i in range(1, num_hosts + 1)]
+        self.env = {
+            **os.environ,
+            "RJ_TESTBED": self.name,
+            "RJ_TESTBED_SUBNET": self.subnet,
+            "RJ_SLURMCTLD_PORT": str(6817 + 10 * slot),
+        }
+
+    def address(self, host: str) -> str:
+        return f"{self.subnet}.{10 + self.hosts.index(host) + 1}"
+
+    def script(self, name: str, *args: str, timeout: float = 120) -> str:
+        """Runs launch/testbed/NAME.sh ARGS; its stdout. Fails the test with its stderr."""
+        proc = subprocess.run(
+            [os.path.join(TESTBED_DIR, f"{name}.sh"), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if proc.returncode:
+            pytest.fail(f"{name}.sh {' '.join(args)} exited {proc.returncode}: {proc.stderr}")
+        return proc.stdout
+
+    def exec_argv(self, host: str, argv: list[str]) -> list[str]:
+        """`argv` run on `host` (its own address, hostname and /etc/hosts), same PID."""
+        return [os.path.join(TESTBED_DIR, "netns.sh"), "exec", host, "--", *argv]
+
+    def popen(self, host: str, argv: list[str], log_path: str, env: dict | None = None):
+        """Starts `argv` on `host` from the repo root, output to `log_path`, its own session."""
+        with open(log_path, "w") as log:
+            return subprocess.Popen(
+                self.exec_argv(host, argv),
+                cwd=REPO,
+                env={**self.env, **(env or {})},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+
+def _claim_testbed_slot() -> int:
+    """A slot (name, subnet, port) no other live test bed uses: mkdir is atomic."""
+    os.makedirs(_TESTBED_CLAIMS, exist_ok=True)
+    for slot in range(100, 200):
+        path = os.path.join(_TESTBED_CLAIMS, str(slot))
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            try:  # claimed by a test run that has ended without releasing it
+                with open(os.path.join(path, "pid")) as f:
+                    owner = int(f.read())
+                os.kill(owner, 0)
+                continue
+            except (OSError, ValueError):
+                pass
+        with open(os.path.join(path, "pid"), "w") as f:
+            f.write(str(os.getpid()))
+        return slot
+    pytest.skip("no free test-bed slot (100 test beds alive?)")
+
+
+@pytest.fixture
+def netns_testbed(request):
+    """A 3-host namespace test bed (`@pytest.mark.parametrize("netns_testbed", [N],
+    indirect=True)` for N hosts); every process on it is killed and it is deleted afterwards."""
+    import shutil
+
+    reason = _testbed_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    slot = _claim_testbed_slot()
+    testbed = Testbed(slot, getattr(request, "param", 3))
+    try:
+        testbed.script("netns", "up", str(len(testbed.hosts)))
+        yield testbed
+    finally:
+        subprocess.run([os.path.join(TESTBED_DIR, "netns.sh"), "down"], env=testbed.env)
+        shutil.rmtree(os.path.join(_TESTBED_CLAIMS, str(slot)), ignore_errors=True)
+
+
+@pytest.fixture
+def slurm_cluster(request):
+    """A Slurm cluster on a fresh namespace test bed (3 nodes unless parametrized like
+    `netns_testbed`): slurmctld on the head, one slurmd per host. Installs slurm-wlm if needed;
+    skips only when that is impossible. `SLURM_CONF` is in `testbed.env`."""
+    import shutil
+
+    reason = _testbed_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
+        pytest.skip("Slurm is not installed and there is no apt-get to install it")
+    slot = _claim_testbed_slot()
+    testbed = Testbed(slot, getattr(request, "param", 3))
+    try:
+        proc = subprocess.run(
+            [os.path.join(TESTBED_DIR, "slurm.sh"), "up", str(len(testbed.hosts))],
+            env=testbed.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if proc.returncode and "apt-get install" in proc.stderr:
+            pytest.skip(f"cannot install Slurm here: {proc.stderr.strip()}")
+        assert proc.returncode == 0, f"slurm.sh up failed: {proc.stderr}"
+        testbed.env["SLURM_CONF"] = testbed.script("slurm", "env").split("=", 1)[1].strip()
+        yield testbed
+    finally:
+        subprocess.run([os.path.join(TESTBED_DIR, "slurm.sh"), "down"], env=testbed.env)
+        shutil.rmtree(os.path.join(_TESTBED_CLAIMS, str(slot)), ignore_errors=True)
