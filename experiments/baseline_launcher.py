@@ -137,7 +137,7 @@ class BaselineLauncher:
         for process in range(num_processes):
             slice_id = process // c.processes_per_slice
             place = placement_env(
-                port, num_processes, process, c.num_slices, slice_id, self._generation
+                "127.0.0.1", port, num_processes, process, c.num_slices, slice_id, self._generation
             )
             worker_env = {**env, **place}
             prefix = f"[g{self._generation} s{slice_id} p{process}] "

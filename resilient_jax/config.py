@@ -187,6 +187,16 @@ def default_config() -> ml_collections.ConfigDict:
     # JAX's persistent compilation cache for supervised workers, so a restart skips the XLA
     # compile of the step: a relative path is under the workdir; "" = off.
     c.coordinator.compilation_cache_dir = ".jax_cache"
+    # Host agents (resilient_jax.control.agent): a host whose agent is silent this long is lost
+    # (heartbeats every heartbeat_interval_s, like the workers').
+    c.coordinator.agent_timeout_s = 5.0
+    # An agent without a supervisor for this long asks its workers to save and stop, then exits
+    # with ExitCode.SUPERVISOR_LOST; a supervisor restarted sooner finds the run still training.
+    c.coordinator.orphan_timeout_s = 120.0
+    # The health probe before a host is admitted: start a JAX process and count its devices
+    # (False: only the workdir, the local tier and free disk are checked).
+    c.coordinator.probe_jax = True
+    c.coordinator.probe_min_free_gb = 1.0  # free disk the workdir needs for a host to be admitted
 
     # What process 0 reports while training (resilient_jax.train.metrics).
     c.log = ml_collections.ConfigDict()
@@ -377,6 +387,8 @@ def _validate_health(h: ml_collections.ConfigDict) -> None:
 def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
     for key in (
         "heartbeat_interval_s",
+        "agent_timeout_s",
+        "orphan_timeout_s",
         "hang_floor_s",
         "startup_timeout_s",
         "first_step_timeout_s",
@@ -404,6 +416,8 @@ def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
     for key in ("max_restarts", "wait_for_slices_s", "backoff_s", "kill_grace_s", "save_grace_s"):
         if c[key] < 0:
             _fail(f"coordinator.{key}", c[key], "must be >= 0")
+    if c.probe_min_free_gb < 0:
+        _fail("coordinator.probe_min_free_gb", c.probe_min_free_gb, "must be >= 0")
     if c.backoff_max_s < c.backoff_s:
         _fail("coordinator.backoff_max_s", c.backoff_max_s, f"must be >= backoff_s={c.backoff_s}")
 

@@ -42,6 +42,9 @@ BASE = {
     "coordinator.readmit_after_s": -1.0,
     # Slices here step no faster than one: re-admission would never pay, and is what is tested.
     "coordinator.scale_up_when_faster": False,
+    # The hosts' health probe without its JAX start (tests of the probe run it).
+    "coordinator.probe_jax": False,
+    "coordinator.agent_timeout_s": 1.5,
 }
 
 

@@ -520,7 +520,7 @@ def test_worker_env_is_read_back_by_the_worker():
         "77",
     )
     assert shared[env_vars.JAX_COMPILATION_CACHE_DIR] == "/tmp/cache"
-    place = worker_env.placement_env(1234, 4, 3, 2, slice_id=5, generation=7)
+    place = worker_env.placement_env("127.0.0.1", 1234, 4, 3, 2, slice_id=5, generation=7)
     env = read_env({**shared, **place})
     assert (env.process_id, env.slice_index, env.slice, env.generation) == (3, 1, 5, 7)
     assert env.coordinator_address == "127.0.0.1:1234"

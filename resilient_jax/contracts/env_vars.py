@@ -17,8 +17,11 @@ AUTO_DISTRIBUTED = "RJ_AUTO_DISTRIBUTED"
 
 # How a worker reaches its supervisor.
 SUPERVISOR_ADDRESS = "RJ_SUPERVISOR_ADDRESS"  # host:port of the heartbeat server
-SUPERVISOR_PID = "RJ_SUPERVISOR_PID"  # a worker whose supervisor is gone stops
+# The pid of the process that started the worker (its host agent): a worker whose parent is gone
+# stops. Checked only while that pid is the worker's parent, so it never names another host's pid.
+SUPERVISOR_PID = "RJ_SUPERVISOR_PID"
 RUN_TOKEN = "RJ_RUN_TOKEN"  # every message carries it: a stray process cannot pose as a worker
+RUN_TOKEN_FILE = "RJ_RUN_TOKEN_FILE"  # or a file holding it (mode 0600), for agents and supervisor
 
 # What the supervisor has learned that the workers' policies use.
 OBSERVED_MTBF_S = "RJ_OBSERVED_MTBF_S"  # mean time between failures seen so far (seconds)

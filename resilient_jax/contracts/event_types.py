@@ -41,6 +41,14 @@ class EventType(Name):
     SCALE_UP_DEFERRED = "scale_up_deferred"  # slices, gain_s, cost_s: not worth a restart yet
     READMIT = "readmit"  # slice: an evicted slice's cool-down is over
     STRAGGLER = "straggler"  # process, slice, ratio, median_s, reference_s
+    # Hosts and the control channel.
+    AGENT_START = "agent_start"  # pid, host, slice, devices, slots: a host agent is up
+    HOST_JOINED = "host_joined"  # host, slice, agent_pid, probe: registered, health probe passed
+    HOST_PROBE_FAILED = "host_probe_failed"  # host, slice, detail: not admitted
+    HOST_LOST = "host_lost"  # host, slice, cause (silent | disconnected), latency_s
+    SUPERVISOR_ATTACH = "supervisor_attach"  # host, slice, agent_pid, workers: an agent attached
+    CONNECTION_REFUSED = "connection_refused"  # peer, why: a connection without the run's token
+    AGENT_ORPHANED = "agent_orphaned"  # host, waited_s: no supervisor; workers asked to save
     # Fault injection.
     CHAOS = "chaos"  # kind, fault, step: written by the process a fault hits, before it acts
     FAULT_INJECTED = "fault_injected"  # action, slice, process: faults the supervisor carries out

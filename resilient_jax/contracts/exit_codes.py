@@ -18,6 +18,7 @@ class ExitCode(enum.IntEnum):
     HEALTH_GAVE_UP = 3  # anomalies kept coming after the last rollback allowed: fatal
     HUNG = 4  # the watchdog saw no progress for too long: restartable
     CHECKPOINT = 5  # nothing valid to restore, or a save that never committed: restartable
+    SUPERVISOR_LOST = 6  # a host agent saw no supervisor for coordinator.orphan_timeout_s
     PREEMPTED = 42  # asked to stop (SIGTERM, scale-up): saved and left; restart freely
     TIME_LIMIT = 124  # the supervisor's time limit ran out (as `timeout` reports it)
     INTERRUPTED = 130  # SIGINT/SIGTERM to the supervisor itself (128 + SIGINT)

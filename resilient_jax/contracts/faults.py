@@ -45,3 +45,16 @@ class SupervisorFaultKind(Name):
     `FaultKind`s."""
 
     PREEMPT = "preempt"  # SIGTERM to a worker, as a cloud preemption notice: it saves and stops
+    # Whole hosts, carried out by the host's agent (so they work across machines):
+    LOSE_HOST = "lose_host"  # the agent SIGKILLs its workers' process groups, then itself
+    FREEZE_HOST = "freeze_host"  # the agent SIGSTOPs its workers' process groups, then itself
+    # Without network namespaces: the agent closes its link to the supervisor and ignores it for
+    # the outage (its workers run on); the namespace test bed cuts the host's link instead.
+    PARTITION_HOST = "partition_host"
+
+
+HOST_FAULT_KINDS = (
+    SupervisorFaultKind.LOSE_HOST,
+    SupervisorFaultKind.FREEZE_HOST,
+    SupervisorFaultKind.PARTITION_HOST,
+)

@@ -30,6 +30,7 @@ class FailureCause(Name):
     HEARTBEAT = "heartbeat"  # it went silent (a frozen host, a dead network)
     HANG = "hang"  # it stopped making progress while its peers waited
     STARTUP = "startup_timeout"  # it never reported after starting
+    HOST_LOST = "host_lost"  # its host's agent went silent or away (killed, frozen, cut off)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ import signal
 from collections.abc import Callable, Sequence
 
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.contracts.faults import FaultKind, SupervisorFaultKind
-from resilient_jax.control.processes import WorkerProcess
+from resilient_jax.contracts.faults import HOST_FAULT_KINDS, FaultKind, SupervisorFaultKind
+from resilient_jax.control.hosts import RemoteWorker
 from resilient_jax.events import EventLog
 
 ActionKind = FaultKind | SupervisorFaultKind
@@ -29,7 +29,7 @@ ACTION_SIGNALS: dict[ActionKind, signal.Signals] = {
     FaultKind.HANG: signal.SIGSTOP,
     SupervisorFaultKind.PREEMPT: signal.SIGTERM,
 }
-ACTION_KINDS: tuple[ActionKind, ...] = tuple(ACTION_SIGNALS)
+ACTION_KINDS: tuple[ActionKind, ...] = (*ACTION_SIGNALS, *HOST_FAULT_KINDS)
 _KIND_BY_NAME = {kind.value: kind for kind in ACTION_KINDS}
 
 
@@ -39,7 +39,10 @@ class SupervisorAction:
 
     kind: `kill` (SIGKILL), `hang` (SIGSTOP), `lose_slice` (SIGKILL every process of the slice;
     the slice stays out for `duration_s`, by default `coordinator.readmit_after_s`, then may be
-    re-admitted) or `preempt` (SIGTERM); given as a kind or its name. `process` is the index
+    re-admitted), `preempt` (SIGTERM), or a host fault carried out by the agents of the slice's
+    hosts: `lose_host` (agent and workers SIGKILLed; with `duration_s` a fresh agent starts after
+    it, on the local cluster), `freeze_host` (agent and workers SIGSTOPped), `partition_host` (the
+    agent drops its link for `duration_s`); given as a kind or its name. `process` is the index
     inside the slice (None: every process of it). It fires once, when any worker has reported
     `at_step` or `at_s` seconds after the supervisor started, whichever is set. Faults hit
     hardware that runs: aimed at a slice that is out (evicted, lost), it hits the running slice at
@@ -64,8 +67,8 @@ class SupervisorAction:
 
 
 def action_targets(
-    workers: Sequence[WorkerProcess], action: SupervisorAction, processes_per_slice: int
-) -> list[WorkerProcess]:
+    workers: Sequence[RemoteWorker], action: SupervisorAction, processes_per_slice: int
+) -> list[RemoteWorker]:
     """The running workers an action hits: its slice, and its process within the slice when it
     names one."""
     return [
@@ -89,6 +92,7 @@ class FaultInjector:
         announce_outage: Callable[[int, float], None],
         events: EventLog,
         say: Callable[[str], None],
+        host_fault: Callable[[int, ActionKind, float | None], None] | None = None,
     ) -> None:
         for action in actions:
             if action.slice not in all_slices:
@@ -99,6 +103,7 @@ class FaultInjector:
         self._announce_outage = announce_outage  # (slice, until on the monotonic clock)
         self._events = events
         self._say = say
+        self._host_fault = host_fault  # (slice, kind, duration_s): carried out by its hosts' agents
 
     def fire_due(
         self,
@@ -106,7 +111,7 @@ class FaultInjector:
         elapsed_s: float,
         max_step: int | None,
         slices: Sequence[int],
-        workers: Sequence[WorkerProcess],
+        workers: Sequence[RemoteWorker],
         generation: int,
     ) -> dict[int, float]:
         """Fires the actions due at `elapsed_s` seconds into the run or at `max_step` (the highest
@@ -136,7 +141,14 @@ class FaultInjector:
                     duration = self._default_outage_s
                 if duration >= 0:
                     self._announce_outage(action.slice, now + duration)
-            for worker in targets:
+            if action.kind in HOST_FAULT_KINDS:
+                assert self._host_fault is not None, "host faults need the hosts' agents"
+                if action.kind == SupervisorFaultKind.LOSE_HOST and action.duration_s is not None:
+                    self._announce_outage(action.slice, now + action.duration_s)
+                self._host_fault(action.slice, action.kind, action.duration_s)
+                targets = [w for w in workers if w.slice == action.slice and w.running]
+                hit_at.update({w.process: now for w in targets})
+            for worker in targets if action.kind not in HOST_FAULT_KINDS else ():
                 # A preemption notice goes to the worker alone, as a scheduler would send it.
                 group = action.kind != SupervisorFaultKind.PREEMPT
                 worker.signal(ACTION_SIGNALS[action.kind], group=group)

@@ -16,7 +16,8 @@ from resilient_jax.contracts import exit_codes
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.names import Name
 from resilient_jax.control import detector
-from resilient_jax.control.processes import WorkerProcess, describe_exit
+from resilient_jax.control.hosts import RemoteWorker
+from resilient_jax.control.processes import describe_exit
 from resilient_jax.control.stragglers import Straggler, StragglerWatch
 
 
@@ -57,7 +58,7 @@ class Generation:
 
     number: int = -1
     slices: list[int] = dataclasses.field(default_factory=list)
-    workers: list[WorkerProcess] = dataclasses.field(default_factory=list)
+    workers: list[RemoteWorker] = dataclasses.field(default_factory=list)
     started: float = 0.0  # when stopping the previous generation began: a restart's cost from it
     stragglers: StragglerWatch | None = None
     fault_times: dict[int, float] = dataclasses.field(default_factory=dict)  # process -> when hit
@@ -65,12 +66,12 @@ class Generation:
     first_step: int | None = None
     scale_up_deferred: bool = False  # said so already
 
-    def worker(self, process: int | None) -> WorkerProcess | None:
+    def worker(self, process: int | None) -> RemoteWorker | None:
         return next((w for w in self.workers if w.process == process), None)
 
 
 def poll_exits(
-    workers: Sequence[WorkerProcess], now: float, poll_s: float
+    workers: Sequence[RemoteWorker], now: float, poll_s: float
 ) -> tuple[dict[int, float], bool, Watched | None]:
     """The running workers (process -> when started), whether any finished training, and the
     outcome an exit calls for (None: no worker failed or was preempted)."""

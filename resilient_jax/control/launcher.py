@@ -1,9 +1,9 @@
-"""The start of a generation: every worker of it, each with its place in the job, from a ready
-standby where there is one, else a fresh process; and the standbys for the next generation.
+"""The start of a generation: every worker of it, each with its place in the job, started by the
+agent of its host (`hosts`), from a ready standby where the agent has one; and the standbys.
 
-A generation's workers get a fresh JAX coordinator port, so no survivor of an earlier generation
-can join it. Standbys (`resilient_jax.worker.standby`) are started once the job trains, so their
-imports do not slow the start of the generation they would serve.
+A generation's workers get a fresh JAX coordinator port on process 0's host, so no survivor of an
+earlier generation can join it. Standbys (`resilient_jax.worker.standby`) are asked for once the
+job trains, so their imports do not slow the start of the generation they would serve.
 """
 
 from __future__ import annotations
@@ -12,102 +12,111 @@ from collections.abc import Mapping, Sequence
 
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
+from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import processes
+from resilient_jax.control.hosts import HostRegistry, RemoteWorker
 from resilient_jax.control.worker_env import free_port, placement_env
 from resilient_jax.events import EventLog
 
 
 class WorkerLauncher:
-    """Starts `worker_argv` as the workers of each generation; keeps standbys if asked to."""
+    """Starts `worker_argv` as the workers of each generation through the hosts' agents."""
 
     def __init__(
         self,
         worker_argv: Sequence[str],
-        sink: processes.OutputSink,
+        hosts: HostRegistry,
         events: EventLog,
         use_standbys: bool,
+        devices_per_process: int,
+        cache_env: Mapping[str, str],
         cwd: str | None = None,
     ) -> None:
         self._argv = list(worker_argv)
-        self._sink = sink
+        self._hosts = hosts
         self._events = events
         self._cwd = cwd
+        self._devices = devices_per_process
+        self._cache_env = dict(cache_env)
         self._standby_argv = processes.standby_argv(self._argv) if use_standbys else None
-        self._standbys: list[processes.Standby] = []
+        self._standbys_asked = False
 
     def start_generation(
         self,
         generation: int,
         slices: Sequence[int],
         processes_per_slice: int,
-        shared_env: Mapping[str, str],
         observed_mtbf_s: float | None,
-    ) -> list[processes.WorkerProcess]:
-        """Starts `processes_per_slice` workers on each of `slices`, numbered slice by slice, and
-        writes a `process_start` event for each."""
-        port = free_port()
+    ) -> list[RemoteWorker]:
+        """Starts `processes_per_slice` workers on each of `slices` (numbered slice by slice, on
+        the slice's hosts in name order, as many as each has slots) and writes a `process_start`
+        event for each. Raises OSError when a start fails."""
         num_processes = len(slices) * processes_per_slice
-        workers: list[processes.WorkerProcess] = []
+        places = []  # (process, slice, host)
+        for index, slice_id in enumerate(slices):
+            free = [(h, h.slots) for h in self._hosts.hosts_for(slice_id)]
+            for local in range(processes_per_slice):
+                while free and free[0][1] == 0:
+                    free.pop(0)
+                if not free:
+                    raise OSError(f"slice {slice_id} has too few worker slots on its hosts")
+                host, left = free[0]
+                free[0] = (host, left - 1)
+                places.append((index * processes_per_slice + local, slice_id, host))
+        coordinator = places[0][2].address
+        port = free_port()
+        workers: list[RemoteWorker] = []
         try:
-            for index, slice_id in enumerate(slices):
-                for local in range(processes_per_slice):
-                    process = index * processes_per_slice + local
-                    env = dict(shared_env)
-                    env.update(
-                        placement_env(
-                            port, num_processes, process, len(slices), slice_id, generation
-                        )
-                    )
-                    if observed_mtbf_s is not None:  # the local checkpoint interval follows it
-                        env[env_vars.OBSERVED_MTBF_S] = f"{observed_mtbf_s:.1f}"
-                    prefix = f"[g{generation} s{slice_id} p{process}] "
-                    worker = self._spawn(env, prefix, process, slice_id, generation)
-                    workers.append(worker)
-                    self._events.emit(
-                        EventType.PROCESS_START,
-                        pid=worker.pid,
-                        process=process,
-                        slice=slice_id,
-                        generation=generation,
-                        num_processes=num_processes,
-                        num_slices=len(slices),
-                    )
+            for process, slice_id, host in places:
+                placement = placement_env(
+                    coordinator, port, num_processes, process, len(slices), slice_id, generation
+                )
+                if observed_mtbf_s is not None:  # the local checkpoint interval follows it
+                    placement[env_vars.OBSERVED_MTBF_S] = f"{observed_mtbf_s:.1f}"
+                command = {
+                    "generation": generation,
+                    "process": process,
+                    "slice": slice_id,
+                    "argv": self._argv,
+                    "cwd": self._cwd,
+                    "placement": placement,
+                    "cache_env": self._cache_env,
+                    "devices": self._devices,
+                }
+                workers.append(self._hosts.start(host, generation, process, command))
+            self._hosts.await_started(workers)
         except BaseException:  # e.g. the command cannot start: leave no half generation behind
             processes.stop(workers, grace_s=0.0)
             raise
+        for worker in workers:
+            self._events.emit(
+                EventType.PROCESS_START,
+                pid=worker.pid,
+                process=worker.process,
+                slice=worker.slice,
+                host=worker.host,
+                generation=generation,
+                num_processes=num_processes,
+                num_slices=len(slices),
+            )
         return workers
 
-    def refill_standbys(self, wanted: int, shared_env: Mapping[str, str]) -> None:
-        """Starts standbys until `wanted` are alive (a no-op without standbys)."""
-        if self._standby_argv is None:
+    def refill_standbys(self) -> None:
+        """Asks every agent, and each that joins later, to keep one standby per worker slot."""
+        if self._standby_argv is None or self._standbys_asked:
             return
-        if len(self._standbys) >= wanted and all(s.alive for s in self._standbys):
-            return
-        processes.discard([s for s in self._standbys if not s.alive])
-        self._standbys = [s for s in self._standbys if s.alive]
-        while len(self._standbys) < wanted:
-            self._standbys.append(
-                processes.spawn_standby(self._standby_argv, shared_env, self._sink, cwd=self._cwd)
-            )
+        self._standbys_asked = True
+        self._hosts.set_standbys(
+            {
+                "type": ap.CMD_STANDBYS,
+                "count": -1,  # one per slot
+                "argv": self._standby_argv,
+                "cwd": self._cwd,
+                "cache_env": self._cache_env,
+                "devices": self._devices,
+            }
+        )
 
     def close(self) -> None:
         """Ends the standbys no generation will need."""
-        processes.discard(self._standbys)
-        self._standbys = []
-
-    def _spawn(
-        self, env: dict[str, str], prefix: str, process: int, slice_id: int, generation: int
-    ) -> processes.WorkerProcess:
-        """A worker from a ready standby if there is one, else a freshly started process."""
-        while self._standbys:
-            standby = self._standbys.pop(0)
-            if not standby.alive:
-                processes.discard([standby])
-                continue
-            try:
-                return processes.assign(standby, env, prefix, process, slice_id, generation)
-            except OSError:  # it died just now
-                processes.discard([standby])
-        return processes.spawn(
-            self._argv, env, self._sink, prefix, process, slice_id, generation, cwd=self._cwd
-        )
+        self._hosts.set_standbys({"type": ap.CMD_STANDBYS, "count": 0})

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO
+from typing import IO, Protocol
 
 
 @dataclasses.dataclass
@@ -44,6 +44,14 @@ class WorkerProcess:
         if self.exit_code is None:
             self.exit_code = self.popen.poll()
         return self.exit_code
+
+    def wait(self, timeout: float) -> None:
+        """Waits up to `timeout` for the exit (a process in uninterruptible I/O may outlive
+        SIGKILL for a while), then for its output to be drained."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=timeout)
+        self.poll()
+        self.reader.join(timeout=1.0)
 
     def signal(self, signum: int, group: bool = False) -> None:
         """Sends `signum` to the worker (or its whole process group); a gone process is fine."""
@@ -72,6 +80,13 @@ class OutputSink:
         for raw in iter(pipe.readline, b""):
             self.write_line(prefix() + raw.decode(errors="replace"))
         pipe.close()
+
+
+def start_piped(
+    argv: Sequence[str], env: Mapping[str, str], sink: OutputSink, prefix: str = ""
+) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+    """Starts a helper process (a local host agent) in its own session, output into `sink`."""
+    return _start(argv, env, None, subprocess.DEVNULL, sink, lambda: prefix)
 
 
 def _start(
@@ -192,8 +207,19 @@ def discard(standbys: Sequence[Standby]) -> None:
         standby.reader.join(timeout=1.0)
 
 
+class Stoppable(Protocol):
+    """A worker as `stop` sees it: a local `WorkerProcess` or an agent's `hosts.RemoteWorker`."""
+
+    @property
+    def running(self) -> bool: ...
+
+    def signal(self, signum: int, group: bool = False) -> None: ...
+
+    def wait(self, timeout: float) -> None: ...
+
+
 def stop(
-    workers: Sequence[WorkerProcess],
+    workers: Sequence[Stoppable],
     grace_s: float,
     should_hurry: Callable[[], bool] = lambda: False,
 ) -> float:
@@ -214,11 +240,7 @@ def stop(
         # The group too: an exited worker's own children must not outlive it.
         worker.signal(signal.SIGKILL, group=True)
     for worker in workers:
-        # A process in uninterruptible I/O may outlive SIGKILL for a while: do not wait forever.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            worker.popen.wait(timeout=5.0)
-        worker.poll()
-        worker.reader.join(timeout=1.0)
+        worker.wait(timeout=5.0)
     return time.monotonic() - start
 
 

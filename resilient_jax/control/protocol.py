@@ -45,6 +45,9 @@ MAX_LINE_BYTES = 4096
 MAX_ARRIVALS_KEPT = 64
 
 
+WRONG_TOKEN = "no or wrong run token"
+
+
 class ProtocolError(ValueError):
     """A line that is not a valid message from a worker of this run."""
 
@@ -64,7 +67,9 @@ def decode(line: bytes, token: str) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ProtocolError("not a JSON object")
     if not hmac.compare_digest(str(message.get("token", "")), token):
-        raise ProtocolError("wrong run token")
+        raise ProtocolError(WRONG_TOKEN)
+    if isinstance(message.get("host"), str):
+        return message  # a host agent's line (`agent_protocol`): the server hands it on
     for key in ("generation", "process"):
         if not isinstance(message.get(key), int):
             raise ProtocolError(f"missing integer {key!r}")

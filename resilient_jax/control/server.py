@@ -2,7 +2,11 @@
 
 One thread multiplexes every connection with `selectors`. Each received line replaces the
 worker's record; the receive time on the supervisor's own monotonic clock is what detection uses,
-so clocks of other hosts never matter. Lines without this run's token close the connection.
+so clocks of other hosts never matter. Lines without this run's token close the connection, and
+`on_refused` hears of it (the supervisor logs a `connection_refused` event).
+
+Host agents (`agent_protocol`) talk over the same listener: their lines go to `on_agent` with the
+connection, which `send` answers on; `on_disconnect` hears when such a connection closes.
 """
 
 from __future__ import annotations
@@ -48,8 +52,15 @@ class HeartbeatServer:
         host: str = "127.0.0.1",
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        on_agent: Callable[[socket.socket, dict[str, Any]], None] | None = None,
+        on_refused: Callable[[str, str], None] | None = None,
+        on_disconnect: Callable[[socket.socket], None] | None = None,
     ) -> None:
         self._token = token
+        self._on_agent = on_agent
+        self._on_refused = on_refused
+        self._on_disconnect = on_disconnect
+        self._send_lock = threading.Lock()
         self._clock = clock
         self._lock = threading.Lock()
         self._reports: dict[tuple[int, int], WorkerReport] = {}
@@ -76,6 +87,15 @@ class HeartbeatServer:
                 if gen == generation
             }
 
+    def send(self, conn: socket.socket, message: dict[str, Any]) -> bool:
+        """Sends one line to an agent's connection; False when it is gone (closed on the way)."""
+        try:
+            with self._send_lock:
+                conn.sendall(protocol.encode(message))
+        except OSError:
+            return False
+        return True
+
     def forget_before(self, generation: int) -> None:
         with self._lock:
             for key in [k for k in self._reports if k[0] < generation]:
@@ -101,19 +121,22 @@ class HeartbeatServer:
             conn, _ = self._listener.accept()
         except OSError:
             return
-        conn.setblocking(False)
+        # Reads happen only when the selector says data is there; the timeout bounds `send`.
+        conn.settimeout(1.0)
         self._buffers[conn] = b""
         self._selector.register(conn, selectors.EVENT_READ, None)
 
     def _drop(self, conn: socket.socket) -> None:
         self._selector.unregister(conn)
         self._buffers.pop(conn, None)
+        if self._on_disconnect is not None:
+            self._on_disconnect(conn)
         conn.close()
 
     def _read(self, conn: socket.socket) -> None:
         try:
             data = conn.recv(65536)
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, TimeoutError):
             return
         except OSError:
             data = b""
@@ -128,10 +151,16 @@ class HeartbeatServer:
         for line in lines:
             try:
                 message = protocol.decode(line, self._token)
-            except protocol.ProtocolError:
+            except protocol.ProtocolError as e:
+                if self._on_refused is not None:
+                    self._on_refused(_peer(conn), str(e))
                 self._drop(conn)
                 return
-            self._record(message)
+            if "host" in message:
+                if self._on_agent is not None:
+                    self._on_agent(conn, message)
+            else:
+                self._record(message)
 
     def _record(self, message: dict[str, Any]) -> None:
         now = self._clock()
@@ -172,6 +201,14 @@ class HeartbeatServer:
             _merge_arrivals(report.arrivals, message.get("arrivals"))
             report.last_seen = now
             report.said_bye = report.said_bye or message["type"] == protocol.MSG_BYE
+
+
+def _peer(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"{host}:{port}"
 
 
 def _merge_arrivals(arrivals: dict[int, float], reported: Any) -> None:

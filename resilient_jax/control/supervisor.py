@@ -29,7 +29,9 @@ import ml_collections
 from resilient_jax.contracts import exit_codes
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.control import compile_cache, detector, processes, worker_env
+from resilient_jax.contracts.faults import SupervisorFaultKind
+from resilient_jax.control import agent_protocol as ap
+from resilient_jax.control import attach, compile_cache, detector, processes, protocol
 from resilient_jax.control.cluster import ClusterSpec, fit_slices, plan_for
 from resilient_jax.control.fault_injection import FaultInjector, SupervisorAction
 from resilient_jax.control.generation import (
@@ -39,7 +41,9 @@ from resilient_jax.control.generation import (
     Watched,
     poll_exits,
 )
+from resilient_jax.control.hosts import HostRegistry
 from resilient_jax.control.launcher import WorkerLauncher
+from resilient_jax.control.local_hosts import LocalHosts
 from resilient_jax.control.outages import OutageReader
 from resilient_jax.control.policy import (
     ReshapeLedger,
@@ -66,7 +70,13 @@ class SupervisorResult:
 
 
 class Supervisor:
-    """Runs `worker_argv` as S x P processes on simulated slices; `run()` returns the verdict."""
+    """Runs `worker_argv` as S x P processes through the hosts' agents; `run()` returns the verdict.
+
+    host_agents: "local" starts one agent per slice on this machine (`local_hosts`); "external"
+    waits for agents started elsewhere (Slurm, Kubernetes, a test bed) to register. `listen` is
+    the control channel's host:port (default: loopback; after a restart, the address in
+    `<workdir>/supervisor.json`, so running workers' heartbeats reach the new supervisor).
+    """
 
     def __init__(
         self,
@@ -78,7 +88,11 @@ class Supervisor:
         out: IO[str] | None = None,
         poll_interval_s: float = 0.05,
         cwd: str | None = None,
+        host_agents: str = "local",
+        listen: str | None = None,
     ) -> None:
+        if host_agents not in ("local", "external"):
+            raise ValueError(f"host_agents={host_agents!r}; allowed: local, external")
         self._config = config
         self._c = config.coordinator
         self._cluster = cluster
@@ -91,6 +105,23 @@ class Supervisor:
         self._policy = RestartPolicy(self._c)
         self._sink = processes.OutputSink(out if out is not None else sys.stdout)
         self._events = EventLog(workdir, process="supervisor", source="supervisor")
+        self._token = ap.read_token(os.environ) or secrets.token_hex(16)
+        self._hosts = HostRegistry(
+            self._events, self._say, self._welcome(), float(self._c.agent_timeout_s)
+        )
+        self._local = (
+            LocalHosts(
+                workdir,
+                self._pool.all_slices,
+                cluster.processes_per_slice,
+                cluster.devices_per_process,
+                self._token,
+                self._sink,
+            )
+            if host_agents == "local"
+            else None
+        )
+        self._listen = listen
         self._faults = FaultInjector(
             actions,
             self._pool.all_slices,
@@ -99,13 +130,19 @@ class Supervisor:
             self._pool.announce_outage,
             self._events,
             self._say,
+            self._inject_host_fault,
         )
         # Workers started ahead of the next generation (imports done while the job trains).
         self._launcher = WorkerLauncher(
-            worker_argv, self._sink, self._events, bool(self._c.standby_workers), cwd=cwd
+            worker_argv,
+            self._hosts,
+            self._events,
+            bool(self._c.standby_workers),
+            cluster.devices_per_process,
+            compile_cache.cache_env(self._c, workdir),
+            cwd=cwd,
         )
         self._outages = OutageReader(workdir)
-        self._token = secrets.token_hex(16)
         self._server: HeartbeatServer | None = None
         self._stop = StopRequests(poll_interval_s)
         self._gen = Generation()
@@ -124,14 +161,33 @@ class Supervisor:
         self._start_time = time.monotonic()
         deadline = None if time_limit_s is None else self._start_time + time_limit_s
         restore_handlers = self._stop.install_handlers()
-        self._server = HeartbeatServer(self._token)
+        listen = self._listen or ap.read_supervisor_address(self._workdir) or "127.0.0.1:0"
         try:
+            host, port = protocol.split_address(listen)
+            self._server = HeartbeatServer(
+                self._token,
+                host,
+                port,
+                on_agent=self._hosts.on_message,
+                on_refused=self._refused,
+                on_disconnect=self._hosts.on_disconnect,
+            )
+        except (OSError, ValueError) as e:
+            restore_handlers()
+            return self._finish(ExitCode.BAD_INPUT, f"cannot listen on {listen}: {e}")
+        self._hosts.bind(self._server.send)
+        ap.write_supervisor_file(self._workdir, self._server.address, os.getpid())
+        try:
+            if self._local is not None:
+                self._local.start(self._server.address)
             return self._supervise(deadline)
         except OSError as e:  # the worker command cannot start (missing file, permissions)
             return self._finish(ExitCode.BAD_INPUT, f"cannot start workers: {e}")
         finally:
             processes.stop(self._gen.workers, grace_s=0.0)
             self._launcher.close()
+            if self._local is not None:
+                self._local.close(self._hosts.worker_pids())
             self._server.close()
             restore_handlers()
 
@@ -139,10 +195,29 @@ class Supervisor:
 
     def _supervise(self, deadline: float | None) -> SupervisorResult:
         slices = self._pool.choose([])
-        fitted, reason = self._fit(slices)
+        fitted, reason = fit_slices(self._config, self._cluster, slices)
         if reason or len(fitted) < len(slices):
             return self._finish(ExitCode.BAD_INPUT, reason or f"cannot run on {len(slices)} slices")
-        self._start_generation(slices)
+        history = attach.read_history(self._workdir)
+        for step in history.failure_steps:  # a restarted supervisor keeps the run's budget
+            self._policy.record_failure(step)
+        reason = attach.await_hosts(
+            self._hosts,
+            self._pool.all_slices,
+            self._cluster.processes_per_slice,
+            float(self._c.startup_timeout_s),
+            int(self._c.min_slices),
+            self._stop.sleep,
+            self._tick,
+        )
+        if reason:
+            return self._finish(ExitCode.FAILED, reason)
+        running = attach.adoptable(self._hosts, self._cluster.processes_per_slice)
+        if running is not None:
+            self._adopt(running)
+        else:
+            self._gen.number = history.last_generation  # the next one is numbered after it
+            self._start_generation(self._fit(self._pool.choose([]))[0])
         while True:
             watched = self._watch(deadline)
             outcome = watched.outcome
@@ -330,6 +405,11 @@ class Supervisor:
             slices, _ = self._fit(self._pool.choose(self._gen.slices))
             if len(slices) >= min_slices:
                 return slices, None
+            if self._awaiting_hosts():  # a healthy slice's host may come back (re-registers)
+                if self._stop.sleep(0.2):
+                    return [], "interrupted while waiting for slices"
+                if time.monotonic() < give_up:
+                    continue
             early = self._pool.readmit_suspects(time.monotonic(), min_slices - len(slices))
             if early:
                 self._events.emit(EventType.READMIT, slices=early, generation=self._gen.number)
@@ -348,7 +428,15 @@ class Supervisor:
                 return [], "interrupted while waiting for slices"
 
     def _fit(self, slices: list[int]) -> tuple[list[int], str | None]:
-        return fit_slices(self._config, self._cluster, slices)
+        """The slices of `slices` the next generation can run on: hosts admitted, mesh fits."""
+        ready = self._hosts.ready_slices(self._cluster.processes_per_slice)
+        return fit_slices(self._config, self._cluster, [s for s in slices if s in ready])
+
+    def _awaiting_hosts(self) -> bool:
+        """Whether a slice the pool holds healthy waits only for its host to (re-)join."""
+        self._tick()
+        ready = self._hosts.ready_slices(self._cluster.processes_per_slice)
+        return any(s not in ready for s in self._pool.healthy())
 
     # One generation.
 
@@ -362,6 +450,9 @@ class Supervisor:
         assert self._server is not None
         number = self._gen.number + 1
         self._server.forget_before(number)
+        self._hosts.generation = number
+        # Survivors of earlier generations on hosts that were cut off end now.
+        self._hosts.broadcast({"type": ap.CMD_FENCE, "below": number})
         pps = self._cluster.processes_per_slice
         num_processes = len(slices) * pps
         self._gen = Generation(
@@ -393,20 +484,85 @@ class Supervisor:
         observed_mtbf_s = None
         if self._policy.failures:
             observed_mtbf_s = (time.monotonic() - self._start_time) / self._policy.failures
-        self._gen.workers = self._launcher.start_generation(
-            number, slices, pps, self._shared_env(), observed_mtbf_s
+        self._gen.workers = self._launcher.start_generation(number, slices, pps, observed_mtbf_s)
+
+    def _adopt(self, running: attach.Adoptable) -> None:
+        """Takes over a generation a previous supervisor started, its workers untouched."""
+        pps = self._cluster.processes_per_slice
+        self._gen = Generation(
+            number=running.generation,
+            slices=running.slices,
+            started=time.monotonic(),
+            stragglers=StragglerWatch(
+                float(self._config.health.straggler_factor),
+                int(self._config.health.straggler_window),
+                {p: running.slices[p // pps] for p in range(len(running.slices) * pps)},
+            ),
+        )
+        self._gen.workers = self._hosts.adopt(running.generation, running.processes)
+        self._hosts.generation = running.generation
+        self._hosts.broadcast({"type": ap.CMD_FENCE, "below": running.generation})
+        self._say(
+            f"adopted generation {running.generation} on slices {running.slices}: "
+            f"{len(running.processes)} workers train on"
         )
 
-    def _shared_env(self) -> dict[str, str]:
-        assert self._server is not None
-        return worker_env.shared_env(
-            os.environ,
-            self._server.address,
-            os.getpid(),
-            self._token,
-            self._cluster.devices_per_process,
-            compile_cache.cache_env(self._c, self._workdir),
-        )
+    def _welcome(self) -> dict[str, object]:
+        """What every registering agent is told: its settings and what its probe checks."""
+        return {
+            "type": ap.CMD_WELCOME,
+            "settings": {
+                "heartbeat_interval_s": float(self._c.heartbeat_interval_s),
+                "orphan_timeout_s": float(self._c.orphan_timeout_s),
+                "save_grace_s": float(self._c.save_grace_s),
+            },
+            "probe": {
+                "jax": bool(self._c.probe_jax),
+                "devices": self._cluster.devices_per_process,
+                "local_dir": str(self._config.checkpoint.local_dir),
+                "min_free_gb": float(self._c.probe_min_free_gb),
+                "cache_env": compile_cache.cache_env(self._c, self._workdir),
+            },
+        }
+
+    def _refused(self, peer: str, why: str) -> None:
+        self._events.emit(EventType.CONNECTION_REFUSED, peer=peer, why=why)
+        self._say(f"refused a connection from {peer}: {why}")
+
+    def _inject_host_fault(self, slice_id: int, kind: object, duration_s: float | None) -> None:
+        """Has the agents of the slice's hosts act out a host fault; on the local cluster a lost
+        host with a duration gets a fresh agent after it (a rebooted machine)."""
+        for name in self._hosts.host_names(slice_id):
+            self._hosts.send(name, {"type": ap.CMD_FAULT, "kind": kind, "duration_s": duration_s})
+        lost = kind == SupervisorFaultKind.LOSE_HOST
+        if lost and self._local is not None and duration_s is not None and duration_s >= 0:
+            self._local.reboot_after(slice_id, duration_s)
+
+    def _tick(self) -> None:
+        if self._local is not None:
+            self._local.poll()
+
+    def _host_lost(self, now: float) -> Watched | None:
+        """A failure when a lost host ran workers of this generation."""
+        for record, cause, silent_s in self._hosts.newly_lost():
+            self._say(
+                f"host {record.name} (slice {record.slice}) lost: {cause} for {silent_s:.2f}s"
+            )
+            ours = [w for w in self._gen.workers if getattr(w, "host", None) == record.name]
+            if not ours or record.slice not in self._gen.slices:
+                continue
+            process = min(w.process for w in ours)
+            since = min(self._gen.fault_times.get(w.process, now - silent_s) for w in ours)
+            return Watched(
+                Outcome.FAILURE,
+                detector.Failure(
+                    detector.FailureCause.HOST_LOST,
+                    process,
+                    f"host {record.name} of slice {record.slice} lost ({cause})",
+                    since=since,
+                ),
+            )
+        return None
 
     def _watch(self, deadline: float | None) -> Watched:
         """Polls the running generation until something needs a decision."""
@@ -432,6 +588,10 @@ class Supervisor:
             returned = self._pool.refresh(now)
             if returned:
                 self._say(f"slices {returned} are healthy again")
+            self._tick()
+            lost = self._host_lost(now)
+            if lost is not None:
+                return lost
             running, finished, exited = poll_exits(gen.workers, now, self._poll_s)
             if exited is not None:
                 return exited
@@ -460,8 +620,7 @@ class Supervisor:
                     return straggling
             if gen.max_step is not None:
                 # Once this generation trains: their imports must not slow its start.
-                wanted = self._pool.target * self._cluster.processes_per_slice
-                self._launcher.refill_standbys(wanted, self._shared_env())
+                self._launcher.refill_standbys()
             if completed_at is None and self._can_scale_up():
                 return Watched(Outcome.SCALE_UP)
             time.sleep(self._poll_s)
@@ -524,6 +683,7 @@ class Supervisor:
 
     def _finish(self, exit_code: int, reason: str) -> SupervisorResult:
         self._stop_workers(0.0)
+        self._hosts.broadcast({"type": ap.CMD_END, "exit_code": 0, "reason": reason})
         self._events.emit(
             EventType.STOP,
             reason=reason,

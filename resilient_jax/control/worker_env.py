@@ -53,6 +53,7 @@ def shared_env(
 
 
 def placement_env(
+    coordinator_host: str,
     coordinator_port: int,
     num_processes: int,
     process: int,
@@ -61,9 +62,9 @@ def placement_env(
     generation: int,
 ) -> dict[str, str]:
     """A worker's place in one generation: its JAX process id among `num_processes` (numbered
-    slice by slice) and the physical slice it runs on."""
+    slice by slice), the physical slice it runs on, and the JAX coordinator (process 0's host)."""
     return {
-        env_vars.COORDINATOR_ADDRESS: f"127.0.0.1:{coordinator_port}",
+        env_vars.COORDINATOR_ADDRESS: f"{coordinator_host}:{coordinator_port}",
         env_vars.NUM_PROCESSES: str(num_processes),
         env_vars.PROCESS_ID: str(process),
         env_vars.NUM_SLICES: str(num_slices),

@@ -1,0 +1,471 @@
+"""The host agent: one long-lived process per host that runs that host's workers for the supervisor.
+
+    python -m resilient_jax.control.agent --workdir=W --host=NAME --slice=S \
+        [--supervisor=HOST:PORT] [--slots=1] [--devices=1] [--address=IP] [--token_file=PATH]
+
+It connects to the supervisor (the address given, else the one in `<workdir>/supervisor.json`,
+read again before every attempt, so a restarted supervisor is found), registers its host, slice,
+devices and worker slots, and heartbeats. On command it starts workers with the environment the
+supervisor gives, signals them, keeps warm standbys, and reports each worker's exit the moment a
+waiter thread sees it. Worker output goes to `<workdir>/logs/<host>/workers.log` and stdout.
+
+Workers keep training while no supervisor is connected: a restarted one finds them in the
+agent's next registration. With no supervisor for `coordinator.orphan_timeout_s` the agent asks
+its workers to save and stop (SIGTERM, the save-and-stop request) and exits
+`ExitCode.SUPERVISOR_LOST`. Exit 0 when the supervisor ends the run, 2 on bad input; one line on
+stderr for any non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.contracts.faults import SupervisorFaultKind
+from resilient_jax.control import agent_protocol as ap
+from resilient_jax.control import processes, protocol, worker_env
+from resilient_jax.control.probe import probe_host
+from resilient_jax.events import EventLog
+
+# Registrations repeat the newest workers' records (running or exited) for a restarted supervisor.
+_WORKERS_REPORTED = 16
+
+
+class _Tee:
+    """Writes to two streams (stdout and the host's worker log)."""
+
+    def __init__(self, *streams: IO[str]) -> None:
+        self._streams = streams
+
+    def write(self, text: str) -> None:
+        for stream in self._streams:
+            stream.write(text)
+
+    def flush(self) -> None:
+        for stream in self._streams:
+            stream.flush()
+
+
+class HostAgent:
+    def __init__(
+        self,
+        workdir: str,
+        host: str,
+        slice_id: int,
+        token: str,
+        slots: int = 1,
+        devices: int = 1,
+        supervisor: str | None = None,
+        address: str | None = None,
+        connect_timeout_s: float = 600.0,
+        out: IO[str] | None = None,
+    ) -> None:
+        self._workdir = workdir
+        self._host = host
+        self._slice = slice_id
+        self._token = token
+        self._slots = slots
+        self._devices = devices
+        self._fixed_supervisor = supervisor
+        self._address = address
+        log_dir = os.path.join(workdir, "logs", host)
+        os.makedirs(log_dir, exist_ok=True)
+        self._log = open(os.path.join(log_dir, "workers.log"), "a")  # noqa: SIM115 (closed in run)
+        self._sink = processes.OutputSink(_Tee(out or sys.stdout, self._log))
+        self._events = EventLog(workdir, process="agent", source="agent")
+        self._lock = threading.Lock()  # the connection and the worker tables
+        self._conn: socket.socket | None = None
+        self._supervisor_address: str | None = None
+        self._buffer = b""
+        self._workers: dict[tuple[int, int], processes.WorkerProcess] = {}
+        self._standbys: list[processes.Standby] = []
+        self._standby_spec: dict[str, Any] | None = None
+        # Settings the supervisor's `welcome` replaces; the orphan timeout before the first
+        # welcome is how long the agent waits for a supervisor at all.
+        self._settings: dict[str, Any] = {
+            "heartbeat_interval_s": 0.5,
+            "orphan_timeout_s": connect_timeout_s,
+            "save_grace_s": 60.0,
+        }
+        self._partitioned_until = 0.0
+        self._end: tuple[int, str] | None = None
+
+    # The loop.
+
+    def run(self) -> tuple[int, str]:
+        self._events.emit(
+            EventType.AGENT_START,
+            pid=os.getpid(),
+            host=self._host,
+            slice=self._slice,
+            devices=self._devices,
+            slots=self._slots,
+        )
+        self._say(f"agent for host {self._host} (slice {self._slice}) started")
+        alone_since = time.monotonic()
+        next_beat = 0.0
+        try:
+            while self._end is None:
+                now = time.monotonic()
+                interval = float(self._settings["heartbeat_interval_s"])
+                if self._conn is None:
+                    if now - alone_since > float(self._settings["orphan_timeout_s"]):
+                        return self._orphaned(now - alone_since)
+                    if now < self._partitioned_until or not self._connect():
+                        time.sleep(min(interval, 0.2))
+                        continue
+                    next_beat = 0.0
+                if now >= next_beat:
+                    self._send({"type": ap.MSG_AGENT_HEARTBEAT})
+                    next_beat = now + interval
+                self._read_commands(max(0.0, min(next_beat - time.monotonic(), interval)))
+                self._refill_standbys()
+                if self._conn is None:
+                    alone_since = time.monotonic()
+            return self._end
+        finally:
+            self._stop_all(grace_s=0.0)
+            self._close_conn()
+            self._log.close()
+
+    def _connect(self) -> bool:
+        address = self._fixed_supervisor or ap.read_supervisor_address(self._workdir)
+        if address is None:
+            return False
+        try:
+            host, port = protocol.split_address(address)
+            conn = socket.create_connection((host, port), timeout=2.0)
+        except (OSError, ValueError):
+            return False
+        conn.settimeout(2.0)
+        with self._lock:
+            self._conn, self._buffer = conn, b""
+            self._supervisor_address = address
+        own_address = self._address or conn.getsockname()[0]
+        self._send(
+            {
+                "type": ap.MSG_REGISTER,
+                "slice": self._slice,
+                "devices": self._devices,
+                "slots": self._slots,
+                "pid": os.getpid(),
+                "address": own_address,
+                "workers": self._worker_records(),
+            }
+        )
+        return self._conn is not None
+
+    def _read_commands(self, wait_s: float) -> None:
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            ready, _, _ = select.select([conn], [], [], wait_s)
+            if not ready:
+                return
+            data = conn.recv(65536)
+        except (OSError, ValueError):
+            data = b""
+        if not data:
+            self._say("lost the supervisor's connection; workers train on")
+            self._close_conn()
+            return
+        *lines, self._buffer = (self._buffer + data).split(b"\n")
+        if len(self._buffer) > ap.MAX_COMMAND_BYTES:
+            self._close_conn()
+            return
+        for line in lines:
+            try:
+                self._handle(ap.decode_command(line))
+            except protocol.ProtocolError as e:
+                self._say(f"ignored a line from the supervisor: {e}")
+
+    # Commands.
+
+    def _handle(self, command: dict[str, Any]) -> None:
+        kind = command["type"]
+        if kind == ap.CMD_WELCOME:
+            self._settings.update(command.get("settings", {}))
+            if command.get("probe_now"):
+                threading.Thread(
+                    target=self._probe, args=(command.get("probe", {}),), daemon=True
+                ).start()
+        elif kind == ap.CMD_START:
+            self._start_worker(command)
+        elif kind == ap.CMD_SIGNAL:
+            self._signal(command)
+        elif kind == ap.CMD_STANDBYS:
+            count = int(command.get("count", 0))
+            self._standby_spec = {**command, "count": self._slots if count < 0 else count}
+            if count == 0:
+                self._standby_spec = None
+                processes.discard(self._standbys)
+                self._standbys = []
+        elif kind == ap.CMD_FENCE:
+            self._fence(int(command["below"]))
+        elif kind == ap.CMD_FAULT:
+            self._fault(command)
+        elif kind == ap.CMD_END:
+            self._end = (int(command.get("exit_code", 0)), str(command.get("reason", "")))
+
+    def _probe(self, spec: dict[str, Any]) -> None:
+        env = self._shared_env(spec.get("cache_env", {}), int(spec.get("devices", self._devices)))
+        ok, detail = probe_host(
+            self._workdir,
+            str(spec.get("local_dir", "")),
+            float(spec.get("min_free_gb", 0.0)),
+            int(spec["devices"]) if spec.get("jax") else None,
+            env,
+        )
+        self._send({"type": ap.MSG_PROBE, "ok": ok, "detail": detail})
+
+    def _shared_env(self, cache_env: dict[str, str], devices: int) -> dict[str, str]:
+        return worker_env.shared_env(
+            os.environ,
+            self._supervisor_address or "",
+            os.getpid(),
+            self._token,
+            devices,
+            cache_env,
+        )
+
+    def _start_worker(self, command: dict[str, Any]) -> None:
+        generation, process = int(command["generation"]), int(command["process"])
+        slice_id = int(command["slice"])
+        env = self._shared_env(command.get("cache_env", {}), int(command["devices"]))
+        env.update(command["placement"])
+        prefix = f"[g{generation} s{slice_id} p{process}] "
+        try:
+            worker = self._from_standby(env, prefix, process, slice_id, generation)
+            if worker is None:
+                worker = processes.spawn(
+                    command["argv"],
+                    env,
+                    self._sink,
+                    prefix,
+                    process,
+                    slice_id,
+                    generation,
+                    cwd=command.get("cwd"),
+                )
+        except OSError as e:
+            self._send(
+                {
+                    "type": ap.MSG_STARTED,
+                    "generation": generation,
+                    "process": process,
+                    "error": str(e),
+                }
+            )
+            return
+        with self._lock:
+            self._workers[(generation, process)] = worker
+        threading.Thread(target=self._wait_for, args=(worker,), daemon=True).start()
+        self._send(
+            {
+                "type": ap.MSG_STARTED,
+                "generation": generation,
+                "process": process,
+                "pid": worker.pid,
+            }
+        )
+
+    def _from_standby(
+        self, env: dict[str, str], prefix: str, process: int, slice_id: int, generation: int
+    ) -> processes.WorkerProcess | None:
+        while self._standbys:
+            standby = self._standbys.pop(0)
+            try:
+                if standby.alive:
+                    return processes.assign(standby, env, prefix, process, slice_id, generation)
+            except OSError:  # it died just now
+                pass
+            processes.discard([standby])
+        return None
+
+    def _refill_standbys(self) -> None:
+        spec = self._standby_spec
+        if spec is None:
+            return
+        dead = [s for s in self._standbys if not s.alive]
+        if dead:
+            processes.discard(dead)
+            self._standbys = [s for s in self._standbys if s.alive]
+        env = self._shared_env(spec.get("cache_env", {}), int(spec["devices"]))
+        while len(self._standbys) < int(spec["count"]):
+            try:
+                standby = processes.spawn_standby(spec["argv"], env, self._sink, spec.get("cwd"))
+            except OSError:
+                self._standby_spec = None
+                return
+            self._standbys.append(standby)
+
+    def _wait_for(self, worker: processes.WorkerProcess) -> None:
+        """Reports the worker's exit as soon as it happens (a thread per worker)."""
+        code = worker.popen.wait()
+        worker.poll()
+        self._send(
+            {
+                "type": ap.MSG_WORKER_EXIT,
+                "generation": worker.generation,
+                "process": worker.process,
+                "pid": worker.pid,
+                "exit_code": code,
+            }
+        )
+
+    def _targets(self, command: dict[str, Any]) -> list[processes.WorkerProcess]:
+        generation, process = command.get("generation"), command.get("process")
+        with self._lock:
+            return [
+                w
+                for (g, p), w in self._workers.items()
+                if (generation is None or g == generation) and (process is None or p == process)
+            ]
+
+    def _signal(self, command: dict[str, Any]) -> None:
+        signum = signal.Signals[str(command["signal"])]
+        for worker in self._targets(command):
+            worker.signal(signum, group=bool(command.get("group")))
+
+    def _fence(self, below: int) -> None:
+        """Ends workers of generations before `below`: survivors the supervisor no longer runs
+        (a host back from a partition) must not train on beside the new generation."""
+        with self._lock:
+            stale = [w for (g, _), w in self._workers.items() if g < below and w.running]
+        for worker in stale:
+            worker.signal(signal.SIGKILL, group=True)
+
+    def _fault(self, command: dict[str, Any]) -> None:
+        kind = command["kind"]
+        self._say(f"host fault {kind}")
+        if kind == SupervisorFaultKind.PARTITION_HOST:
+            self._partitioned_until = time.monotonic() + float(command.get("duration_s") or 0.0)
+            self._close_conn()
+            return
+        signum = signal.SIGKILL if kind == SupervisorFaultKind.LOSE_HOST else signal.SIGSTOP
+        with self._lock:
+            pids = [w.pid for w in self._workers.values() if w.running]
+        pids += [s.popen.pid for s in self._standbys if s.alive]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signum)
+        os.kill(os.getpid(), signum)
+
+    # Leaving.
+
+    def _orphaned(self, waited_s: float) -> tuple[int, str]:
+        """No supervisor for too long: workers save at their next step and stop."""
+        self._events.emit(EventType.AGENT_ORPHANED, host=self._host, waited_s=round(waited_s, 3))
+        with self._lock:
+            running = [w for w in self._workers.values() if w.running]
+        # SIGTERM is the save-and-stop request (JAX's preemption notice): every worker saves at
+        # the step they agree on and exits ExitCode.PREEMPTED.
+        processes.stop(running, float(self._settings["save_grace_s"]))
+        codes = sorted({processes.describe_exit(w.exit_code or 0) for w in running})
+        return ExitCode.SUPERVISOR_LOST, (
+            f"no supervisor for {waited_s:.1f}s (coordinator.orphan_timeout_s="
+            f"{float(self._settings['orphan_timeout_s']):g}): asked {len(running)} workers to save "
+            f"and stop; they {', '.join(codes) or 'were none'}"
+        )
+
+    def _stop_all(self, grace_s: float) -> None:
+        with self._lock:
+            workers = list(self._workers.values())
+        processes.stop(workers, grace_s)
+        processes.discard(self._standbys)
+        self._standbys = []
+
+    # The connection.
+
+    def _worker_records(self) -> list[dict[str, Any]]:
+        with self._lock:
+            newest = sorted(self._workers.items())[-_WORKERS_REPORTED:]
+        return [
+            {"generation": g, "process": p, "slice": w.slice, "pid": w.pid, "exit_code": w.poll()}
+            for (g, p), w in newest
+        ]
+
+    def _send(self, message: dict[str, Any]) -> None:
+        message = {**message, "token": self._token, "host": self._host}
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                return
+            try:
+                conn.sendall(protocol.encode(message))
+                return
+            except OSError:
+                pass
+        self._close_conn()
+
+    def _close_conn(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _say(self, message: str) -> None:
+        self._sink.write_line(f"[agent {self._host}] {message}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m resilient_jax.control.agent", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--workdir", required=True, help="the run directory (shared by all hosts)")
+    parser.add_argument("--host", default=socket.gethostname(), help="this host's name")
+    parser.add_argument("--slice", type=int, required=True, help="the physical slice it serves")
+    parser.add_argument("--slots", type=int, default=1, help="worker processes it can run")
+    parser.add_argument("--devices", type=int, default=1, help="devices each worker sees")
+    parser.add_argument("--supervisor", help="HOST:PORT (default: <workdir>/supervisor.json)")
+    parser.add_argument("--address", help="how other hosts reach this one (JAX coordinator)")
+    parser.add_argument("--token_file", help="file holding the run token (mode 0600)")
+    parser.add_argument(
+        "--connect_timeout_s", type=float, default=600.0, help="wait this long for a supervisor"
+    )
+    args = parser.parse_args(argv)
+    try:
+        token = ap.read_token(os.environ, args.token_file)
+        if token is None:
+            raise ap.TokenError("no run token: set RJ_RUN_TOKEN, RJ_RUN_TOKEN_FILE or --token_file")
+        if args.slice < 0 or args.slots < 1 or args.devices < 1:
+            raise ValueError(
+                f"--slice={args.slice} --slots={args.slots} --devices={args.devices}: "
+                "slice must be >= 0, slots and devices >= 1"
+            )
+        agent = HostAgent(
+            os.path.abspath(args.workdir),
+            args.host,
+            args.slice,
+            token,
+            slots=args.slots,
+            devices=args.devices,
+            supervisor=args.supervisor,
+            address=args.address,
+            connect_timeout_s=args.connect_timeout_s,
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(ExitCode.BAD_INPUT)
+    # SIGTERM to the agent (Slurm, Kubernetes) stops it like the end of the run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(ExitCode.PREEMPTED))
+    code, reason = agent.run()
+    if code:
+        print(f"error: {reason}", file=sys.stderr)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""The supervisor's view of its hosts: each agent's registration, liveness and workers.
+
+`HostRegistry.on_message` and `on_disconnect` run on the heartbeat server's thread; the
+supervisor's loop reads the registry (`ready_slices`, `newly_lost`, `adoptable`) and drives
+workers through it (`start`, `RemoteWorker.signal`). A `RemoteWorker` looks to the supervisor
+like a local `processes.WorkerProcess`: its exit code is what the agent reported, and a worker on a
+host declared lost counts as gone (nothing more can be heard of it).
+
+A host is lost when its agent is silent for `coordinator.agent_timeout_s` (frozen, or a cut link
+that leaves the connection open) or its connection has been closed for `_RECONNECT_GRACE_S`
+(killed, or partitioned on one machine). A host that registers again is probed by its agent and
+admitted when the probe passes; the slice pool then decides when it runs again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.control import agent_protocol as ap
+from resilient_jax.events import EventLog
+
+# A closed agent connection not replaced within this is a lost host: long enough for an agent to
+# reconnect after a hiccup, far below any heartbeat timeout.
+_RECONNECT_GRACE_S = 0.5
+_START_ACK_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass
+class HostRecord:
+    name: str
+    slice: int
+    devices: int
+    slots: int
+    pid: int
+    address: str  # where other hosts reach it (process 0's host is the JAX coordinator)
+    conn: socket.socket | None
+    last_seen: float
+    disconnected_at: float | None = None
+    probe_ok: bool | None = None  # None: its probe has not answered yet
+    lost: bool = False
+    # (generation, process) -> (pid, exit code or None) as the agent registered them
+    reported: dict[tuple[int, int], tuple[int, int | None]] = dataclasses.field(
+        default_factory=dict
+    )
+
+    @property
+    def admitted(self) -> bool:
+        return not self.lost and self.conn is not None and self.probe_ok is True
+
+
+@dataclasses.dataclass
+class RemoteWorker:
+    """A worker process an agent runs, with the interface of `processes.WorkerProcess`."""
+
+    process: int
+    slice: int
+    generation: int
+    host: str
+    started_at: float
+    registry: HostRegistry
+    pid: int | None = None
+    exit_code: int | None = None  # Popen convention: -N = killed by signal N
+    start_error: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.poll() is None
+
+    def poll(self) -> int | None:
+        if self.exit_code is None and self.registry.is_lost(self.host):
+            self.exit_code = -signal.SIGKILL  # its host is gone, and it with it
+        return self.exit_code
+
+    def signal(self, signum: int, group: bool = False) -> None:
+        self.registry.send(
+            self.host,
+            {
+                "type": ap.CMD_SIGNAL,
+                "generation": self.generation,
+                "process": self.process,
+                "signal": signal.Signals(signum).name,
+                "group": group,
+            },
+        )
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+class HostRegistry:
+    def __init__(
+        self,
+        events: EventLog,
+        say: Callable[[str], None],
+        welcome: dict[str, Any],
+        agent_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._events = events
+        self._say = say
+        self._welcome = welcome  # the `welcome` command every registering agent gets
+        self._agent_timeout_s = agent_timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._hosts: dict[str, HostRecord] = {}
+        self._workers: dict[tuple[int, int], RemoteWorker] = {}
+        self._send: Callable[[socket.socket, dict[str, Any]], bool] | None = None
+        self.generation: int | None = None  # the generation the supervisor runs (fences others)
+        self._standbys: dict[str, Any] | None = None  # the standby request for every agent
+
+    def bind(self, send: Callable[[socket.socket, dict[str, Any]], bool]) -> None:
+        self._send = send
+
+    # From the server's thread.
+
+    def on_message(self, conn: socket.socket, message: dict[str, Any]) -> None:
+        now = self._clock()
+        name = message["host"]
+        kind = message.get("type")
+        if kind == ap.MSG_REGISTER:
+            self._register(conn, name, message, now)
+            return
+        with self._lock:
+            record = self._hosts.get(name)
+            if record is None or record.conn is not conn:
+                return  # a line from a connection the host has since replaced
+            record.last_seen = now
+            key = (message.get("generation"), message.get("process"))
+            worker = self._workers.get(key)  # type: ignore[arg-type]
+        if kind == ap.MSG_STARTED and worker is not None:
+            worker.pid = message.get("pid")
+            worker.start_error = message.get("error") or worker.start_error
+            if worker.pid is None and worker.start_error is None:
+                worker.start_error = "the agent gave no pid"
+        elif kind == ap.MSG_WORKER_EXIT and worker is not None:
+            worker.exit_code = int(message["exit_code"])
+        elif kind == ap.MSG_PROBE:
+            self._probed(record, bool(message.get("ok")), str(message.get("detail", "")))
+
+    def on_disconnect(self, conn: socket.socket) -> None:
+        with self._lock:
+            for record in self._hosts.values():
+                if record.conn is conn:
+                    record.conn, record.disconnected_at = None, self._clock()
+
+    def _register(
+        self, conn: socket.socket, name: str, message: dict[str, Any], now: float
+    ) -> None:
+        reported = {}
+        for w in message.get("workers", []):
+            if isinstance(w, dict) and isinstance(w.get("generation"), int):
+                reported[(w["generation"], w["process"])] = (w.get("pid"), w.get("exit_code"))
+        with self._lock:
+            previous = self._hosts.get(name)
+            record = HostRecord(
+                name=name,
+                slice=int(message["slice"]),
+                devices=int(message.get("devices", 1)),
+                slots=int(message.get("slots", 1)),
+                pid=int(message.get("pid", 0)),
+                address=str(message.get("address") or conn.getpeername()[0]),
+                conn=conn,
+                last_seen=now,
+                reported=reported,
+            )
+            running = [k for k, (_, code) in reported.items() if code is None]
+            # Workers of this host the supervisor runs: what the agent saw of them counts.
+            for key, (pid, code) in reported.items():
+                worker = self._workers.get(key)
+                if worker is not None and worker.host == name:
+                    worker.pid = worker.pid or pid
+                    if code is not None:
+                        worker.exit_code = code
+            # Workers running for the first supervisor this one knows show the host's health
+            # (a supervisor restart); a reconnect keeps the verdict; the agent probes any other.
+            if previous is None and running:
+                record.probe_ok = True
+            elif previous is not None and not previous.lost:
+                record.probe_ok = previous.probe_ok
+            self._hosts[name] = record
+            stale = self.generation is not None and any(g < self.generation for g, _ in running)
+        self._events.emit(
+            EventType.SUPERVISOR_ATTACH,
+            host=name,
+            slice=record.slice,
+            agent_pid=record.pid,
+            address=record.address,
+            workers=[[g, p] for g, p in sorted(running)],
+            rejoined=previous is not None,
+        )
+        self.send(name, {**self._welcome, "probe_now": record.probe_ok is None})
+        if stale:
+            self.send(name, {"type": ap.CMD_FENCE, "below": self.generation})
+        if self._standbys is not None:
+            self.send(name, self._standbys)
+        if record.probe_ok:
+            self._events.emit(
+                EventType.HOST_JOINED, host=name, slice=record.slice, probe="training"
+            )
+
+    def _probed(self, record: HostRecord | None, ok: bool, detail: str) -> None:
+        if record is None:
+            return
+        with self._lock:
+            record.probe_ok = ok
+        kind = EventType.HOST_JOINED if ok else EventType.HOST_PROBE_FAILED
+        self._events.emit(kind, host=record.name, slice=record.slice, probe=detail)
+        self._say(
+            f"host {record.name} (slice {record.slice}) {'joined' if ok else 'failed its probe'}: {detail}"
+        )
+
+    # From the supervisor's loop.
+
+    def send(self, host: str, command: dict[str, Any]) -> bool:
+        with self._lock:
+            record = self._hosts.get(host)
+            conn = record.conn if record is not None and not record.lost else None
+        if conn is None or self._send is None:
+            return False
+        return self._send(conn, command)
+
+    def is_lost(self, host: str) -> bool:
+        with self._lock:
+            record = self._hosts.get(host)
+            return record is None or record.lost
+
+    def newly_lost(self) -> list[tuple[HostRecord, str, float]]:
+        """Hosts found lost since the last call: (record, cause, seconds since last heard)."""
+        now = self._clock()
+        lost = []
+        with self._lock:
+            for record in self._hosts.values():
+                if record.lost:
+                    continue
+                if record.conn is None:
+                    assert record.disconnected_at is not None
+                    if now - record.disconnected_at > _RECONNECT_GRACE_S:
+                        lost.append((record, "disconnected", now - record.last_seen))
+                elif now - record.last_seen > self._agent_timeout_s:
+                    lost.append((record, "silent", now - record.last_seen))
+            for record, _, _ in lost:
+                record.lost = True
+        for record, cause, silent_s in lost:
+            self._events.emit(
+                EventType.HOST_LOST,
+                host=record.name,
+                slice=record.slice,
+                cause=cause,
+                latency_s=round(silent_s, 4),
+            )
+        return lost
+
+    def records(self) -> list[HostRecord]:
+        with self._lock:
+            return list(self._hosts.values())
+
+    def hosts_for(self, slice_id: int) -> list[HostRecord]:
+        with self._lock:
+            return sorted(
+                (r for r in self._hosts.values() if r.slice == slice_id and r.admitted),
+                key=lambda r: r.name,
+            )
+
+    def ready_slices(self, processes_per_slice: int) -> set[int]:
+        """Slices whose admitted hosts have enough worker slots between them."""
+        slots: dict[int, int] = {}
+        with self._lock:
+            for record in self._hosts.values():
+                if record.admitted:
+                    slots[record.slice] = slots.get(record.slice, 0) + record.slots
+        return {s for s, n in slots.items() if n >= processes_per_slice}
+
+    def host_names(self, slice_id: int) -> list[str]:
+        with self._lock:
+            return sorted(r.name for r in self._hosts.values() if r.slice == slice_id)
+
+    def worker_pids(self) -> list[int]:
+        """Pids of every worker started through the registry that was not seen to exit."""
+        with self._lock:
+            workers = list(self._workers.values())
+        return [w.pid for w in workers if w.pid is not None and w.exit_code is None]
+
+    def start(
+        self, host: HostRecord, generation: int, process: int, command: dict[str, Any]
+    ) -> RemoteWorker:
+        worker = RemoteWorker(process, host.slice, generation, host.name, self._clock(), self)
+        with self._lock:
+            self._workers[(generation, process)] = worker
+        if not self.send(host.name, {**command, "type": ap.CMD_START}):
+            worker.start_error = f"host {host.name} is not connected"
+        return worker
+
+    def await_started(self, workers: Sequence[RemoteWorker]) -> None:
+        """Waits for every start's acknowledgement; raises OSError naming the first that failed."""
+        deadline = self._clock() + _START_ACK_TIMEOUT_S
+        while any(w.pid is None and w.start_error is None for w in workers):
+            if self._clock() > deadline:
+                missing = [w.process for w in workers if w.pid is None]
+                raise OSError(f"no agent confirmed the start of processes {missing}")
+            time.sleep(0.005)
+        for worker in workers:
+            if worker.start_error is not None:
+                raise OSError(f"host {worker.host}: {worker.start_error}")
+
+    def adopt(
+        self, generation: int, processes: Sequence[tuple[str, int, int]]
+    ) -> list[RemoteWorker]:
+        """RemoteWorkers for running workers a previous supervisor started: (host, process, pid)."""
+        adopted = []
+        with self._lock:
+            for host, process, pid in processes:
+                slice_id = self._hosts[host].slice
+                worker = RemoteWorker(process, slice_id, generation, host, self._clock(), self)
+                worker.pid = pid
+                self._workers[(generation, process)] = worker
+                adopted.append(worker)
+        return adopted
+
+    def running_reported(self) -> dict[int, list[tuple[str, int, int]]]:
+        """Running workers the agents registered, by generation: (host, process, pid)."""
+        out: dict[int, list[tuple[str, int, int]]] = {}
+        with self._lock:
+            for record in self._hosts.values():
+                if record.lost or record.conn is None:
+                    continue
+                for (g, p), (pid, code) in record.reported.items():
+                    if code is None:
+                        out.setdefault(g, []).append((record.name, p, pid))
+        return out
+
+    def set_standbys(self, command: dict[str, Any]) -> None:
+        """Sends the standby request to every agent now and to each that registers later."""
+        self._standbys = command
+        self.broadcast(command)
+
+    def broadcast(self, command: dict[str, Any]) -> None:
+        with self._lock:
+            names = [r.name for r in self._hosts.values() if not r.lost]
+        for name in names:
+            self.send(name, command)
