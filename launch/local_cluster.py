@@ -5,8 +5,11 @@
         [--chaos='lose_slice:slice=1,step=30,for=20s'] [--config.total_steps=100]
 
 Starts num_slices x processes_per_slice workers (`--worker`, by default `launch/train.py`), each
-with devices_per_process CPU devices, watches them and keeps the job training through failures
-(see `resilient_jax.control`). Worker output is merged here, each line prefixed with
+with devices_per_process CPU devices, through one host agent per slice (`--host_agents=local`,
+or agents started elsewhere with `--host_agents=external --listen=ADDR`), watches them and keeps
+the job training through failures (see `resilient_jax.control`). The run's token comes from
+RJ_RUN_TOKEN or RJ_RUN_TOKEN_FILE (mode 0600), else a fresh one is made for local agents. Worker
+output is merged here (and kept in DIR/logs/<host>/workers.log), each line prefixed with
 `[g<generation> s<slice> p<process>]`. Ctrl-C asks the workers to save and stop. Exits 0 only when
 training completed; otherwise non-zero with a one-line reason on stderr. Events: DIR/events.jsonl.
 """
@@ -40,6 +43,19 @@ _WORKER = flags.DEFINE_string(
     "Worker program and its own flags, run with this Python: a script path or -m module.",
 )
 _TIME_LIMIT = flags.DEFINE_float("time_limit_s", 0.0, "Stop (asking for a save) after; 0 = none.")
+_HOST_AGENTS = flags.DEFINE_enum(
+    "host_agents",
+    "local",
+    ["local", "external"],
+    "local: start one host agent per slice here; external: wait for agents started elsewhere "
+    "(python -m resilient_jax.control.agent) to register.",
+)
+_LISTEN = flags.DEFINE_string(
+    "listen",
+    None,
+    "host:port of the control channel (default: loopback, any port; after a restart the address "
+    "in WORKDIR/supervisor.json).",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -81,6 +97,8 @@ def main(argv: list[str]) -> None:
         cluster,
         worker_argv(_WORKER.value, config_path, workdir, config_overrides(sys.argv)),
         workdir,
+        host_agents=_HOST_AGENTS.value,
+        listen=_LISTEN.value,
     )
     result = supervisor.run(time_limit_s=_TIME_LIMIT.value or None)
     if result.exit_code:

@@ -214,9 +214,8 @@ class HostRegistry:
             record.probe_ok = ok
         kind = EventType.HOST_JOINED if ok else EventType.HOST_PROBE_FAILED
         self._events.emit(kind, host=record.name, slice=record.slice, probe=detail)
-        self._say(
-            f"host {record.name} (slice {record.slice}) {'joined' if ok else 'failed its probe'}: {detail}"
-        )
+        verdict = "joined" if ok else "failed its probe"
+        self._say(f"host {record.name} (slice {record.slice}) {verdict}: {detail}")
 
     # From the supervisor's loop.
 

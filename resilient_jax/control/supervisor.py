@@ -17,8 +17,6 @@ service misses the peer; a clean restart from a checkpoint is the one path that 
 from __future__ import annotations
 
 import dataclasses
-import os
-import secrets
 import sys
 import time
 from collections.abc import Sequence
@@ -29,9 +27,7 @@ import ml_collections
 from resilient_jax.contracts import exit_codes
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.contracts.faults import SupervisorFaultKind
-from resilient_jax.control import agent_protocol as ap
-from resilient_jax.control import attach, compile_cache, detector, processes, protocol
+from resilient_jax.control import attach, compile_cache, detector, processes
 from resilient_jax.control.cluster import ClusterSpec, fit_slices, plan_for
 from resilient_jax.control.fault_injection import FaultInjector, SupervisorAction
 from resilient_jax.control.generation import (
@@ -41,9 +37,8 @@ from resilient_jax.control.generation import (
     Watched,
     poll_exits,
 )
-from resilient_jax.control.hosts import HostRegistry
+from resilient_jax.control.host_plane import HostPlane
 from resilient_jax.control.launcher import WorkerLauncher
-from resilient_jax.control.local_hosts import LocalHosts
 from resilient_jax.control.outages import OutageReader
 from resilient_jax.control.policy import (
     ReshapeLedger,
@@ -52,7 +47,7 @@ from resilient_jax.control.policy import (
     scale_up_pays,
     straggler_eviction_pays,
 )
-from resilient_jax.control.server import HeartbeatServer, WorkerReport
+from resilient_jax.control.server import WorkerReport
 from resilient_jax.control.stop_requests import StopRequests
 from resilient_jax.control.stragglers import Straggler, StragglerWatch
 from resilient_jax.events import EventLog
@@ -91,8 +86,6 @@ class Supervisor:
         host_agents: str = "local",
         listen: str | None = None,
     ) -> None:
-        if host_agents not in ("local", "external"):
-            raise ValueError(f"host_agents={host_agents!r}; allowed: local, external")
         self._config = config
         self._c = config.coordinator
         self._cluster = cluster
@@ -105,23 +98,18 @@ class Supervisor:
         self._policy = RestartPolicy(self._c)
         self._sink = processes.OutputSink(out if out is not None else sys.stdout)
         self._events = EventLog(workdir, process="supervisor", source="supervisor")
-        self._token = ap.read_token(os.environ) or secrets.token_hex(16)
-        self._hosts = HostRegistry(
-            self._events, self._say, self._welcome(), float(self._c.agent_timeout_s)
+        self._plane = HostPlane(
+            config,
+            cluster,
+            workdir,
+            self._pool.all_slices,
+            host_agents,
+            listen,
+            self._events,
+            self._sink,
+            self._say,
         )
-        self._local = (
-            LocalHosts(
-                workdir,
-                self._pool.all_slices,
-                cluster.processes_per_slice,
-                cluster.devices_per_process,
-                self._token,
-                self._sink,
-            )
-            if host_agents == "local"
-            else None
-        )
-        self._listen = listen
+        self._hosts = self._plane.hosts
         self._faults = FaultInjector(
             actions,
             self._pool.all_slices,
@@ -130,7 +118,7 @@ class Supervisor:
             self._pool.announce_outage,
             self._events,
             self._say,
-            self._inject_host_fault,
+            self._plane.inject_fault,
         )
         # Workers started ahead of the next generation (imports done while the job trains).
         self._launcher = WorkerLauncher(
@@ -143,7 +131,6 @@ class Supervisor:
             cwd=cwd,
         )
         self._outages = OutageReader(workdir)
-        self._server: HeartbeatServer | None = None
         self._stop = StopRequests(poll_interval_s)
         self._gen = Generation()
         self._max_step: int | None = None  # highest step any worker reported, any generation
@@ -161,34 +148,19 @@ class Supervisor:
         self._start_time = time.monotonic()
         deadline = None if time_limit_s is None else self._start_time + time_limit_s
         restore_handlers = self._stop.install_handlers()
-        listen = self._listen or ap.read_supervisor_address(self._workdir) or "127.0.0.1:0"
         try:
-            host, port = protocol.split_address(listen)
-            self._server = HeartbeatServer(
-                self._token,
-                host,
-                port,
-                on_agent=self._hosts.on_message,
-                on_refused=self._refused,
-                on_disconnect=self._hosts.on_disconnect,
-            )
+            self._plane.open()
         except (OSError, ValueError) as e:
             restore_handlers()
-            return self._finish(ExitCode.BAD_INPUT, f"cannot listen on {listen}: {e}")
-        self._hosts.bind(self._server.send)
-        ap.write_supervisor_file(self._workdir, self._server.address, os.getpid())
+            return self._finish(ExitCode.BAD_INPUT, f"cannot listen: {e}")
         try:
-            if self._local is not None:
-                self._local.start(self._server.address)
             return self._supervise(deadline)
         except OSError as e:  # the worker command cannot start (missing file, permissions)
             return self._finish(ExitCode.BAD_INPUT, f"cannot start workers: {e}")
         finally:
             processes.stop(self._gen.workers, grace_s=0.0)
             self._launcher.close()
-            if self._local is not None:
-                self._local.close(self._hosts.worker_pids())
-            self._server.close()
+            self._plane.close()
             restore_handlers()
 
     # The loop over generations.
@@ -208,13 +180,13 @@ class Supervisor:
             float(self._c.startup_timeout_s),
             int(self._c.min_slices),
             self._stop.sleep,
-            self._tick,
+            self._plane.tick,
         )
         if reason:
             return self._finish(ExitCode.FAILED, reason)
         running = attach.adoptable(self._hosts, self._cluster.processes_per_slice)
         if running is not None:
-            self._adopt(running)
+            self._gen = self._plane.adopt(running)
         else:
             self._gen.number = history.last_generation  # the next one is numbered after it
             self._start_generation(self._fit(self._pool.choose([]))[0])
@@ -429,13 +401,12 @@ class Supervisor:
 
     def _fit(self, slices: list[int]) -> tuple[list[int], str | None]:
         """The slices of `slices` the next generation can run on: hosts admitted, mesh fits."""
-        ready = self._hosts.ready_slices(self._cluster.processes_per_slice)
+        ready = self._plane.ready_slices()
         return fit_slices(self._config, self._cluster, [s for s in slices if s in ready])
 
     def _awaiting_hosts(self) -> bool:
         """Whether a slice the pool holds healthy waits only for its host to (re-)join."""
-        self._tick()
-        ready = self._hosts.ready_slices(self._cluster.processes_per_slice)
+        ready = self._plane.ready_slices()
         return any(s not in ready for s in self._pool.healthy())
 
     # One generation.
@@ -447,12 +418,10 @@ class Supervisor:
         stopping_s: float | None = None,
         backoff_s: float | None = None,
     ) -> None:
-        assert self._server is not None
+        assert self._plane.server is not None
         number = self._gen.number + 1
-        self._server.forget_before(number)
-        self._hosts.generation = number
-        # Survivors of earlier generations on hosts that were cut off end now.
-        self._hosts.broadcast({"type": ap.CMD_FENCE, "below": number})
+        self._plane.server.forget_before(number)
+        self._plane.fence(number)
         pps = self._cluster.processes_per_slice
         num_processes = len(slices) * pps
         self._gen = Generation(
@@ -486,87 +455,10 @@ class Supervisor:
             observed_mtbf_s = (time.monotonic() - self._start_time) / self._policy.failures
         self._gen.workers = self._launcher.start_generation(number, slices, pps, observed_mtbf_s)
 
-    def _adopt(self, running: attach.Adoptable) -> None:
-        """Takes over a generation a previous supervisor started, its workers untouched."""
-        pps = self._cluster.processes_per_slice
-        self._gen = Generation(
-            number=running.generation,
-            slices=running.slices,
-            started=time.monotonic(),
-            stragglers=StragglerWatch(
-                float(self._config.health.straggler_factor),
-                int(self._config.health.straggler_window),
-                {p: running.slices[p // pps] for p in range(len(running.slices) * pps)},
-            ),
-        )
-        self._gen.workers = self._hosts.adopt(running.generation, running.processes)
-        self._hosts.generation = running.generation
-        self._hosts.broadcast({"type": ap.CMD_FENCE, "below": running.generation})
-        self._say(
-            f"adopted generation {running.generation} on slices {running.slices}: "
-            f"{len(running.processes)} workers train on"
-        )
-
-    def _welcome(self) -> dict[str, object]:
-        """What every registering agent is told: its settings and what its probe checks."""
-        return {
-            "type": ap.CMD_WELCOME,
-            "settings": {
-                "heartbeat_interval_s": float(self._c.heartbeat_interval_s),
-                "orphan_timeout_s": float(self._c.orphan_timeout_s),
-                "save_grace_s": float(self._c.save_grace_s),
-            },
-            "probe": {
-                "jax": bool(self._c.probe_jax),
-                "devices": self._cluster.devices_per_process,
-                "local_dir": str(self._config.checkpoint.local_dir),
-                "min_free_gb": float(self._c.probe_min_free_gb),
-                "cache_env": compile_cache.cache_env(self._c, self._workdir),
-            },
-        }
-
-    def _refused(self, peer: str, why: str) -> None:
-        self._events.emit(EventType.CONNECTION_REFUSED, peer=peer, why=why)
-        self._say(f"refused a connection from {peer}: {why}")
-
-    def _inject_host_fault(self, slice_id: int, kind: object, duration_s: float | None) -> None:
-        """Has the agents of the slice's hosts act out a host fault; on the local cluster a lost
-        host with a duration gets a fresh agent after it (a rebooted machine)."""
-        for name in self._hosts.host_names(slice_id):
-            self._hosts.send(name, {"type": ap.CMD_FAULT, "kind": kind, "duration_s": duration_s})
-        lost = kind == SupervisorFaultKind.LOSE_HOST
-        if lost and self._local is not None and duration_s is not None and duration_s >= 0:
-            self._local.reboot_after(slice_id, duration_s)
-
-    def _tick(self) -> None:
-        if self._local is not None:
-            self._local.poll()
-
-    def _host_lost(self, now: float) -> Watched | None:
-        """A failure when a lost host ran workers of this generation."""
-        for record, cause, silent_s in self._hosts.newly_lost():
-            self._say(
-                f"host {record.name} (slice {record.slice}) lost: {cause} for {silent_s:.2f}s"
-            )
-            ours = [w for w in self._gen.workers if getattr(w, "host", None) == record.name]
-            if not ours or record.slice not in self._gen.slices:
-                continue
-            process = min(w.process for w in ours)
-            since = min(self._gen.fault_times.get(w.process, now - silent_s) for w in ours)
-            return Watched(
-                Outcome.FAILURE,
-                detector.Failure(
-                    detector.FailureCause.HOST_LOST,
-                    process,
-                    f"host {record.name} of slice {record.slice} lost ({cause})",
-                    since=since,
-                ),
-            )
-        return None
-
     def _watch(self, deadline: float | None) -> Watched:
         """Polls the running generation until something needs a decision."""
-        assert self._server is not None
+        server = self._plane.server
+        assert server is not None
         gen = self._gen
         completed_at: float | None = None
         while True:
@@ -575,7 +467,7 @@ class Supervisor:
                 return Watched(Outcome.INTERRUPTED)
             if deadline is not None and now > deadline:
                 return Watched(Outcome.TIME_LIMIT)
-            reports = self._server.reports(gen.number)
+            reports = server.reports(gen.number)
             steps = [r.step for r in reports.values() if r.step is not None]
             if steps:
                 gen.max_step = max(steps)
@@ -588,8 +480,8 @@ class Supervisor:
             returned = self._pool.refresh(now)
             if returned:
                 self._say(f"slices {returned} are healthy again")
-            self._tick()
-            lost = self._host_lost(now)
+            self._plane.tick()
+            lost = self._plane.lost_outcome(gen, now)
             if lost is not None:
                 return lost
             running, finished, exited = poll_exits(gen.workers, now, self._poll_s)
@@ -683,7 +575,7 @@ class Supervisor:
 
     def _finish(self, exit_code: int, reason: str) -> SupervisorResult:
         self._stop_workers(0.0)
-        self._hosts.broadcast({"type": ap.CMD_END, "exit_code": 0, "reason": reason})
+        self._plane.end(reason)
         self._events.emit(
             EventType.STOP,
             reason=reason,

@@ -1,0 +1,185 @@
+"""The supervisor's side of its hosts: the control channel's listener, the registry of agents,
+the local agents of a one-machine cluster, host faults, lost hosts, and taking over a generation
+after a restart.
+
+The listener serves workers' heartbeats and agents' lines on one address, on loopback unless told
+otherwise; the address goes to `<workdir>/supervisor.json`, where agents (and a restarted
+supervisor, which listens there again so running workers' heartbeats reach it) find it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ml_collections
+
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.faults import SupervisorFaultKind
+from resilient_jax.control import agent_protocol as ap
+from resilient_jax.control import attach, compile_cache, detector, processes, protocol
+from resilient_jax.control.cluster import ClusterSpec
+from resilient_jax.control.generation import Generation, Outcome, Watched
+from resilient_jax.control.hosts import HostRegistry
+from resilient_jax.control.local_hosts import LocalHosts
+from resilient_jax.control.server import HeartbeatServer
+from resilient_jax.control.stragglers import StragglerWatch
+from resilient_jax.events import EventLog
+
+HOST_AGENTS = ("local", "external")
+
+
+class HostPlane:
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        cluster: ClusterSpec,
+        workdir: str,
+        all_slices: list[int],
+        host_agents: str,
+        listen: str | None,
+        events: EventLog,
+        sink: processes.OutputSink,
+        say: Callable[[str], None],
+    ) -> None:
+        if host_agents not in HOST_AGENTS:
+            raise ValueError(f"host_agents={host_agents!r}; allowed: {', '.join(HOST_AGENTS)}")
+        self._config = config
+        self._c = config.coordinator
+        self._cluster = cluster
+        self._workdir = workdir
+        self._listen = listen
+        self._events = events
+        self._say = say
+        self.token = ap.read_token(os.environ) or secrets.token_hex(16)
+        self.hosts = HostRegistry(events, say, self._welcome(), float(self._c.agent_timeout_s))
+        self._local = None
+        if host_agents == "local":
+            self._local = LocalHosts(
+                workdir,
+                all_slices,
+                cluster.processes_per_slice,
+                cluster.devices_per_process,
+                self.token,
+                sink,
+            )
+        self.server: HeartbeatServer | None = None
+
+    def open(self) -> None:
+        """Listens, says where in supervisor.json, starts local agents. Raises OSError or
+        ValueError (an address that is not host:port) when it cannot listen."""
+        listen = self._listen or ap.read_supervisor_address(self._workdir) or "127.0.0.1:0"
+        host, port = protocol.split_address(listen)
+        self.server = HeartbeatServer(
+            self.token,
+            host,
+            port,
+            on_agent=self.hosts.on_message,
+            on_refused=self._refused,
+            on_disconnect=self.hosts.on_disconnect,
+        )
+        self.hosts.bind(self.server.send)
+        ap.write_supervisor_file(self._workdir, self.server.address, os.getpid())
+        if self._local is not None:
+            self._local.start(self.server.address)
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close(self.hosts.worker_pids())
+        if self.server is not None:
+            self.server.close()
+
+    def tick(self) -> None:
+        """Starts local agents whose host's reboot is due."""
+        if self._local is not None:
+            self._local.poll()
+
+    def ready_slices(self) -> set[int]:
+        self.tick()
+        return self.hosts.ready_slices(self._cluster.processes_per_slice)
+
+    def fence(self, generation: int) -> None:
+        """From now on the supervisor runs `generation`: survivors of earlier ones on hosts that
+        were cut off end now, and those that come back later are ended on registration."""
+        self.hosts.generation = generation
+        self.hosts.broadcast({"type": ap.CMD_FENCE, "below": generation})
+
+    def end(self, reason: str) -> None:
+        """The run is over: agents stop their workers and leave."""
+        self.hosts.broadcast({"type": ap.CMD_END, "exit_code": 0, "reason": reason})
+
+    def inject_fault(self, slice_id: int, kind: Any, duration_s: float | None) -> None:
+        """Has the agents of the slice's hosts act out a host fault; on the local cluster a lost
+        host with a duration gets a fresh agent after it (a rebooted machine)."""
+        for name in self.hosts.host_names(slice_id):
+            self.hosts.send(name, {"type": ap.CMD_FAULT, "kind": kind, "duration_s": duration_s})
+        lost = kind == SupervisorFaultKind.LOSE_HOST
+        if lost and self._local is not None and duration_s is not None and duration_s >= 0:
+            self._local.reboot_after(slice_id, duration_s)
+
+    def lost_outcome(self, gen: Generation, now: float) -> Watched | None:
+        """A failure when a host found lost ran workers of `gen`."""
+        for record, cause, silent_s in self.hosts.newly_lost():
+            self._say(
+                f"host {record.name} (slice {record.slice}) lost: {cause} for {silent_s:.2f}s"
+            )
+            ours = [w for w in gen.workers if w.host == record.name]
+            if not ours or record.slice not in gen.slices:
+                continue
+            since = min(gen.fault_times.get(w.process, now - silent_s) for w in ours)
+            return Watched(
+                Outcome.FAILURE,
+                detector.Failure(
+                    detector.FailureCause.HOST_LOST,
+                    min(w.process for w in ours),
+                    f"host {record.name} of slice {record.slice} lost ({cause})",
+                    since=since,
+                ),
+            )
+        return None
+
+    def adopt(self, running: attach.Adoptable) -> Generation:
+        """Takes over a generation a previous supervisor started, its workers untouched."""
+        pps = self._cluster.processes_per_slice
+        gen = Generation(
+            number=running.generation,
+            slices=running.slices,
+            started=time.monotonic(),
+            stragglers=StragglerWatch(
+                float(self._config.health.straggler_factor),
+                int(self._config.health.straggler_window),
+                {p: running.slices[p // pps] for p in range(len(running.slices) * pps)},
+            ),
+        )
+        gen.workers = self.hosts.adopt(running.generation, running.processes)
+        self.fence(running.generation)
+        self._say(
+            f"adopted generation {running.generation} on slices {running.slices}: "
+            f"{len(running.processes)} workers train on"
+        )
+        return gen
+
+    def _welcome(self) -> dict[str, Any]:
+        """What every registering agent is told: its settings and what its probe checks."""
+        return {
+            "type": ap.CMD_WELCOME,
+            "settings": {
+                "heartbeat_interval_s": float(self._c.heartbeat_interval_s),
+                "orphan_timeout_s": float(self._c.orphan_timeout_s),
+                "save_grace_s": float(self._c.save_grace_s),
+            },
+            "probe": {
+                "jax": bool(self._c.probe_jax),
+                "devices": self._cluster.devices_per_process,
+                "local_dir": str(self._config.checkpoint.local_dir),
+                "min_free_gb": float(self._c.probe_min_free_gb),
+                "cache_env": compile_cache.cache_env(self._c, self._workdir),
+            },
+        }
+
+    def _refused(self, peer: str, why: str) -> None:
+        self._events.emit(EventType.CONNECTION_REFUSED, peer=peer, why=why)
+        self._say(f"refused a connection from {peer}: {why}")
