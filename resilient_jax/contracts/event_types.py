@@ -45,7 +45,7 @@ class EventType(Name):
     AGENT_START = "agent_start"  # pid, host, slice, devices, slots: a host agent is up
     HOST_JOINED = "host_joined"  # host, slice, agent_pid, probe: registered, health probe passed
     HOST_PROBE_FAILED = "host_probe_failed"  # host, slice, detail: not admitted
-    HOST_LOST = "host_lost"  # host, slice, cause (silent | disconnected), latency_s
+    HOST_LOST = "host_lost"  # host, slice, cause (silent | disconnected), silent_s
     SUPERVISOR_ATTACH = "supervisor_attach"  # host, slice, agent_pid, workers: an agent attached
     CONNECTION_REFUSED = "connection_refused"  # peer, why: a connection without the run's token
     AGENT_ORPHANED = "agent_orphaned"  # host, waited_s: no supervisor; workers asked to save

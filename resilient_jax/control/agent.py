@@ -100,6 +100,12 @@ class HostAgent:
         }
         self._partitioned_until = 0.0
         self._end: tuple[int, str] | None = None
+        self._terminated = False
+
+    def request_stop(self) -> None:
+        """SIGTERM to the agent (a scheduler ending the host): workers save and stop, the agent
+        leaves with ExitCode.PREEMPTED (safe from a signal handler)."""
+        self._terminated = True
 
     # The loop.
 
@@ -117,6 +123,11 @@ class HostAgent:
         next_beat = 0.0
         try:
             while self._end is None:
+                if self._terminated:
+                    with self._lock:
+                        running = [w for w in self._workers.values() if w.running]
+                    processes.stop(running, float(self._settings["save_grace_s"]))
+                    return ExitCode.PREEMPTED, "asked to stop (SIGTERM): workers saved and stopped"
                 now = time.monotonic()
                 interval = float(self._settings["heartbeat_interval_s"])
                 if self._conn is None:
@@ -459,8 +470,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(ExitCode.BAD_INPUT)
-    # SIGTERM to the agent (Slurm, Kubernetes) stops it like the end of the run.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(ExitCode.PREEMPTED))
+    signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())
     code, reason = agent.run()
     if code:
         print(f"error: {reason}", file=sys.stderr)

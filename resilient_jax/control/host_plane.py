@@ -91,6 +91,7 @@ class HostPlane:
             self._local.close(self.hosts.worker_pids())
         if self.server is not None:
             self.server.close()
+        self.hosts.close()
 
     def tick(self) -> None:
         """Starts local agents whose host's reboot is due."""
@@ -140,6 +141,10 @@ class HostPlane:
                 ),
             )
         return None
+
+    def lost_slices(self, gen: Generation) -> list[int]:
+        """Slices of `gen` with a host found lost (however the failure was first seen)."""
+        return sorted({w.slice for w in gen.workers if self.hosts.is_lost(w.host)})
 
     def adopt(self, running: attach.Adoptable) -> Generation:
         """Takes over a generation a previous supervisor started, its workers untouched."""

@@ -30,6 +30,7 @@ from resilient_jax.events import EventLog
 # reconnect after a hiccup, far below any heartbeat timeout.
 _RECONNECT_GRACE_S = 0.5
 _START_ACK_TIMEOUT_S = 10.0
+_LIVENESS_POLL_S = 0.05
 
 
 @dataclasses.dataclass
@@ -116,6 +117,12 @@ class HostRegistry:
         self._send: Callable[[socket.socket, dict[str, Any]], bool] | None = None
         self.generation: int | None = None  # the generation the supervisor runs (fences others)
         self._standbys: dict[str, Any] | None = None  # the standby request for every agent
+        self._lost_queue: list[tuple[HostRecord, str, float]] = []
+        self._closed = threading.Event()
+        self._liveness = threading.Thread(
+            target=self._watch_liveness, name="rj-host-liveness", daemon=True
+        )
+        self._liveness.start()
 
     def bind(self, send: Callable[[socket.socket, dict[str, Any]], bool]) -> None:
         self._send = send
@@ -234,29 +241,41 @@ class HostRegistry:
 
     def newly_lost(self) -> list[tuple[HostRecord, str, float]]:
         """Hosts found lost since the last call: (record, cause, seconds since last heard)."""
-        now = self._clock()
-        lost = []
         with self._lock:
-            for record in self._hosts.values():
-                if record.lost:
-                    continue
-                if record.conn is None:
-                    assert record.disconnected_at is not None
-                    if now - record.disconnected_at > _RECONNECT_GRACE_S:
-                        lost.append((record, "disconnected", now - record.last_seen))
-                elif now - record.last_seen > self._agent_timeout_s:
-                    lost.append((record, "silent", now - record.last_seen))
-            for record, _, _ in lost:
-                record.lost = True
-        for record, cause, silent_s in lost:
-            self._events.emit(
-                EventType.HOST_LOST,
-                host=record.name,
-                slice=record.slice,
-                cause=cause,
-                latency_s=round(silent_s, 4),
-            )
+            lost, self._lost_queue = self._lost_queue, []
         return lost
+
+    def _watch_liveness(self) -> None:
+        """Declares hosts lost as soon as they are (a thread): detection must not wait for the
+        supervisor's loop, which may be busy stopping a generation."""
+        while not self._closed.wait(_LIVENESS_POLL_S):
+            now = self._clock()
+            lost = []
+            with self._lock:
+                for record in self._hosts.values():
+                    if record.lost:
+                        continue
+                    if record.conn is None:
+                        assert record.disconnected_at is not None
+                        if now - record.disconnected_at > _RECONNECT_GRACE_S:
+                            lost.append((record, "disconnected", now - record.last_seen))
+                    elif now - record.last_seen > self._agent_timeout_s:
+                        lost.append((record, "silent", now - record.last_seen))
+                for record, _, _ in lost:
+                    record.lost = True
+                self._lost_queue.extend(lost)
+            for record, cause, silent_s in lost:
+                self._events.emit(
+                    EventType.HOST_LOST,
+                    host=record.name,
+                    slice=record.slice,
+                    cause=cause,
+                    silent_s=round(silent_s, 4),
+                )
+
+    def close(self) -> None:
+        self._closed.set()
+        self._liveness.join(timeout=1.0)
 
     def records(self) -> list[HostRecord]:
         with self._lock:

@@ -249,10 +249,14 @@ class Supervisor:
         stopping_s = self._stop_workers(float(self._c.kill_grace_s))
         # A process that exited with an error code ran and reported a software error: its
         # hardware is presumed fine and the slice is retried in place (a repeat is a crash loop).
-        # Killed by a signal, silent or stuck: the slice is lost and evicted whole.
+        # Killed by a signal, silent or stuck: the slice is lost and evicted whole. A host found
+        # lost meanwhile outranks a peer's error (the peer's collective failed with it).
         software_error = failure.cause == detector.FailureCause.ERROR or (
             failure.exit_code is not None and failure.exit_code > 0
         )
+        lost_slices = self._plane.lost_slices(gen)
+        if lost_slices and slice_id not in lost_slices:
+            slice_id, software_error = lost_slices[0], False
         lost_slice = slice_id is not None and not software_error
         self._policy.record_failure(gen.max_step, hardware=lost_slice)
         reason = self._policy.stop_reason()
