@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction
 from resilient_jax.events import read_events
 
@@ -78,10 +79,12 @@ def sim_argv(config_path: str, workdir: str, *flags: str) -> list[str]:
 
 
 def worker_pids(workdir) -> list[int]:
+    """Every worker and host agent the run started."""
     return [
         e["pid"]
         for e in read_events(str(workdir))
-        if e["type"] == "process_start" and e.get("source") == "supervisor"
+        if (e["type"] == "process_start" and e.get("source") == "supervisor")
+        or e["type"] == "agent_start"
     ]
 
 
@@ -423,3 +426,205 @@ def test_local_cluster_cli_ctrl_c_saves_and_stops(tmp_path):
     assert {e["process"] for e in saved} == {0, 1}  # both workers saved at the agreed step
     config_json = json.loads((workdir / "sim_state.json").read_text())
     assert config_json["step"] == saved[0]["step"]
+
+
+# Host faults: carried out by the host's agent, detected by the supervisor from the agent.
+
+AGENT_TIMEOUT_S = BASE["coordinator.agent_timeout_s"]
+READMIT_AT_ONCE = {"coordinator.readmit_after_s": 0.0}  # once its host has joined again
+
+
+def host_lost_after_fault(events, host: str) -> tuple[dict, float]:
+    (fault,) = of_type(events, "fault_injected")
+    (lost,) = [e for e in of_type(events, "host_lost") if e["host"] == host]
+    return lost, lost["time"] - fault["time"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_lost_host_is_evicted_and_probed_and_readmitted_when_it_reboots(cluster_dir):
+    lose = SupervisorAction("lose_host", slice=1, at_step=10, duration_s=1.0)
+    result, events, _, state = run(
+        cluster_dir, ClusterSpec(2, 1, 1), actions=[lose], total_steps=80, **READMIT_AT_ONCE
+    )
+    assert result.exit_code == 0, result.reason
+    lost, detected_after_s = host_lost_after_fault(events, "host1")
+    assert lost["cause"] == "disconnected" and detected_after_s <= AGENT_TIMEOUT_S + 1.0
+    assert of_type(events, "evict")[0]["slice"] == 1
+    restarts = of_type(events, "restart")
+    assert [(r["reason"], r["slices"]) for r in restarts] == [
+        ("failure", [0]),
+        ("scale_up", [0, 1]),
+    ]
+    # The rebooted host's new agent registered and passed its probe before it was re-admitted.
+    joined = [e for e in of_type(events, "host_joined") if e["host"] == "host1"]
+    assert len(joined) == 2 and joined[1]["time"] < of_type(events, "scale_up")[0]["time"]
+    agents = [e for e in read_events(str(cluster_dir)) if e["type"] == "agent_start"]
+    assert [a["host"] for a in agents].count("host1") == 2
+    assert state["value"] == pytest.approx(expected_value(80), rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_frozen_host_is_detected_by_its_silent_agent(cluster_dir):
+    freeze = SupervisorAction("freeze_host", slice=1, at_step=10)
+    result, events, _, state = run(cluster_dir, ClusterSpec(2, 1, 1), actions=[freeze])
+    assert result.exit_code == 0, result.reason
+    lost, detected_after_s = host_lost_after_fault(events, "host1")
+    assert lost["cause"] == "silent" and detected_after_s <= AGENT_TIMEOUT_S + 1.0
+    assert of_type(events, "evict")[0]["slice"] == 1
+    assert of_type(events, "restart")[0]["slices"] == [0]
+    assert state["value"] == pytest.approx(expected_value(), rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_partitioned_host_is_lost_then_fenced_and_readmitted(cluster_dir):
+    cut = SupervisorAction("partition_host", slice=1, at_step=10, duration_s=2.0)
+    result, events, _, state = run(
+        cluster_dir, ClusterSpec(2, 1, 1), actions=[cut], total_steps=80, **READMIT_AT_ONCE
+    )
+    assert result.exit_code == 0, result.reason
+    _, detected_after_s = host_lost_after_fault(events, "host1")
+    assert detected_after_s <= AGENT_TIMEOUT_S + 1.0
+    attach = [e for e in of_type(events, "supervisor_attach") if e["host"] == "host1"]
+    assert len(attach) == 2 and attach[1]["rejoined"]  # the same agent, back after the cut
+    assert [r["slices"] for r in of_type(events, "restart")] == [[0], [0, 1]]
+    assert state["value"] == pytest.approx(expected_value(80), rel=1e-12)
+
+
+# A supervisor that dies: agents keep the workers training.
+
+
+def start_supervisor(config_path: str, workdir, env: dict, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(REPO, "launch", "local_cluster.py"),
+            f"--config={config_path}",
+            f"--workdir={workdir}",
+            "--num_slices=2",
+            "--worker=-m resilient_jax.testing.sim_worker --sim_step_time_s=0.1",
+            "--host_agents=external",
+            *flags,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def start_agents(workdir, env: dict, count: int) -> list[subprocess.Popen]:
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "resilient_jax.control.agent",
+                f"--workdir={workdir}",
+                f"--host=h{s}",
+                f"--slice={s}",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for s in range(count)
+    ]
+
+
+def saved_step(workdir) -> int:
+    path = workdir / "sim_state.json"
+    return json.loads(path.read_text())["step"] if path.exists() else 0
+
+
+def wait_for_step(workdir, step: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while saved_step(workdir) < step:
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def external(tmp_path):
+    """A run directory, its config and the environment (token) for an external supervisor and
+    agents; afterwards every process started is ended and none may have been left behind."""
+    workdir = tmp_path / "run"
+    env = {**os.environ, "RJ_RUN_TOKEN": "test-token-0123", "PYTHONPATH": REPO}
+    started: list[subprocess.Popen] = []
+    yield workdir, env, started
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    survivors = [pid for pid in worker_pids(workdir) if alive(pid)]
+    for pid in survivors:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    assert not survivors, f"processes left behind: {survivors}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_supervisor_killed_and_restarted_adopts_the_running_workers(external):
+    workdir, env, started = external
+    config_path = write_config(workdir.parent / "config.py", {"total_steps": 60})
+    first = start_supervisor(config_path, workdir, env)
+    started.append(first)
+    agents = start_agents(workdir, env, 2)
+    started.extend(agents)
+    wait_for_step(workdir, 10)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait()
+    killed_at = time.time()
+    time.sleep(0.5)  # the workers train on alone
+    second = start_supervisor(config_path, workdir, env)
+    started.append(second)
+    assert second.wait(timeout=120) == 0, second.stderr.read() if second.stderr else ""
+    assert [a.wait(timeout=30) for a in agents] == [0, 0]
+    events = list(read_events(str(workdir)))
+    starts = [e for e in events if e["type"] == "process_start" and e.get("source") == "supervisor"]
+    assert [(e["process"], e["generation"]) for e in starts] == [(0, 0), (1, 0)]  # no restart
+    reattached = [e for e in events if e["type"] == "supervisor_attach" and e["time"] > killed_at]
+    assert sorted((e["host"], e["workers"]) for e in reattached) == [
+        ("h0", [[0, 0]]),
+        ("h1", [[0, 1]]),
+    ]
+    assert not [e for e in events if e["type"] in ("failure_detected", "restart")]
+    assert json.loads((workdir / "sim_state.json").read_text()) == {
+        "step": 60,
+        "value": pytest.approx(expected_value(60), rel=1e-12),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_without_a_supervisor_agents_have_their_workers_save_and_stop(external):
+    workdir, env, started = external
+    config_path = write_config(
+        workdir.parent / "config.py", {"total_steps": 1000, "coordinator.orphan_timeout_s": 2.0}
+    )
+    supervisor = start_supervisor(config_path, workdir, env)
+    started.append(supervisor)
+    agents = start_agents(workdir, env, 2)
+    started.extend(agents)
+    wait_for_step(workdir, 10)
+    os.killpg(supervisor.pid, signal.SIGKILL)
+    supervisor.wait()
+    committed = saved_step(workdir)
+    for agent in agents:
+        assert agent.wait(timeout=60) == ExitCode.SUPERVISOR_LOST
+        assert agent.stderr is not None
+        lines = agent.stderr.read().strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: no supervisor for"), lines
+    events = list(read_events(str(workdir)))
+    saved = [e for e in events if e["type"] == "stop" and e.get("reason") == "preempted"]
+    assert {e["process"] for e in saved} == {0, 1}  # both saved at the step they agreed on
+    assert saved_step(workdir) == saved[0]["step"] >= committed
+    assert len([e for e in events if e["type"] == "agent_orphaned"]) == 2

@@ -69,6 +69,7 @@ class RemoteWorker:
     pid: int | None = None
     exit_code: int | None = None  # Popen convention: -N = killed by signal N
     start_error: str | None = None
+    presumed_dead: bool = False  # its host was lost before the agent reported an exit
 
     @property
     def running(self) -> bool:
@@ -77,6 +78,7 @@ class RemoteWorker:
     def poll(self) -> int | None:
         if self.exit_code is None and self.registry.is_lost(self.host):
             self.exit_code = -signal.SIGKILL  # its host is gone, and it with it
+            self.presumed_dead = True
         return self.exit_code
 
     def signal(self, signum: int, group: bool = False) -> None:
@@ -302,10 +304,12 @@ class HostRegistry:
             return sorted(r.name for r in self._hosts.values() if r.slice == slice_id)
 
     def worker_pids(self) -> list[int]:
-        """Pids of every worker started through the registry that was not seen to exit."""
+        """Pids of every worker started through the registry that no agent saw exit."""
         with self._lock:
             workers = list(self._workers.values())
-        return [w.pid for w in workers if w.pid is not None and w.exit_code is None]
+        return [
+            w.pid for w in workers if w.pid is not None and (w.exit_code is None or w.presumed_dead)
+        ]
 
     def start(
         self, host: HostRecord, generation: int, process: int, command: dict[str, Any]

@@ -23,6 +23,16 @@ from resilient_jax.control import processes
 _EXIT_WAIT_S = 5.0  # after the run's end, an agent gets this long to stop its workers and exit
 
 
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def host_name(slice_id: int) -> str:
     return f"host{slice_id}"
 
@@ -78,6 +88,10 @@ class LocalHosts:
         for popen in self._all:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(timeout=5.0)
+        # A worker killed here was a dead agent's child: it is gone once init has reaped it.
+        gone_by = time.monotonic() + _EXIT_WAIT_S
+        while any(_exists(pid) for pid in worker_pids) and time.monotonic() < gone_by:
+            time.sleep(0.02)
         for _, reader in self._agents.values():
             reader.join(timeout=1.0)
 
