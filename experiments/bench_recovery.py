@@ -1,6 +1,6 @@
 """Recovery after a lost slice: time from the fault to the first productive step, by phase.
 
-    python experiments/bench_recovery.py [--total_steps=60] [--fault_step=33]
+    python experiments/bench_recovery.py [--total_steps=60] [--fault_step=33] [--scenarios=a,b]
 
 Runs the real trainer (`launch/train.py`, configs/tiny_cpu.py made smaller, as in the tests)
 under the supervisor as 2 slices x 1 process x 2 CPU devices, SIGKILLs the slice-1 worker at
@@ -30,7 +30,14 @@ stopped), restart (back-off and spawning), process start (Python and imports unt
 begins), jax_init, restore, compile, first step (compile done -> first step logged, including
 the data loader). "to progress" is the first step past the last one logged before the fault.
 Steps lost = last step logged before the fault - restored step.
-Writes experiments/results/bench_recovery.json and .png and prints a table.
+
+Host-level scenarios (`host_scenarios.py`), with the `ram` settings: `host_lost` (the agent of
+slice 1 and its worker SIGKILLed), `host_frozen` (both SIGSTOPped), each with its time to detect;
+`supervisor_restart` (the supervisor SIGKILLed at the fault step and started again: the agents
+keep the workers training and re-attach; no worker restart, no step lost).
+
+Writes experiments/results/bench_recovery.json and .png and prints a table. `--scenarios` runs a
+subset and merges its results into an existing JSON (each scenario records when it ran).
 """
 
 from __future__ import annotations
@@ -53,9 +60,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from cluster_runs import load_config, trainer_argv  # noqa: E402
+from host_scenarios import host_detection, supervisor_restart  # noqa: E402
 
 from resilient_jax.contracts import env_vars  # noqa: E402
-from resilient_jax.contracts.faults import FaultKind  # noqa: E402
+from resilient_jax.contracts.faults import HOST_FAULT_KINDS, FaultKind  # noqa: E402
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
 from resilient_jax.control.worker_env import free_port  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
@@ -66,6 +74,8 @@ _LOCAL_EVERY = flags.DEFINE_integer("local_every", 5, "RAM-tier save interval (s
 _PERSISTENT_EVERY = flags.DEFINE_integer("persistent_every", 20, "Persistent save interval.")
 _JAX_TIMEOUTS = flags.DEFINE_list("jax_timeouts", ["3", "6", "10"], "For the baseline model.")
 _WORKER = flags.DEFINE_string("worker", "launch/train.py", "The worker program.")
+_SCENARIOS = flags.DEFINE_list("scenarios", [], "Run only these (default: all).")
+_DOWNTIME = flags.DEFINE_float("supervisor_downtime_s", 1.0, "supervisor_restart: time it is gone.")
 _OUT = flags.DEFINE_string(
     "out", os.path.join(REPO, "experiments", "results", "bench_recovery.json"), "Result file."
 )
@@ -103,12 +113,16 @@ BASE_OVERRIDES = {
 
 
 def run_scenario(
-    name: str, overrides: dict[str, Any], cluster: ClusterSpec, log_dir: str
+    name: str,
+    overrides: dict[str, Any],
+    cluster: ClusterSpec,
+    log_dir: str,
+    fault: FaultKind = FaultKind.KILL,
 ) -> dict[str, Any]:
     overrides = {**BASE_OVERRIDES, "total_steps": _TOTAL.value, **overrides}
     workdir = tempfile.mkdtemp(prefix=f"rj_bench_{name}_")
     argv = trainer_argv(_WORKER.value, CONFIG_FILE, workdir, overrides)
-    kill = SupervisorAction(FaultKind.KILL, slice=1, at_step=_FAULT.value)
+    kill = SupervisorAction(fault, slice=1, at_step=_FAULT.value)
     with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
         supervisor = Supervisor(
             load_config(CONFIG_FILE, overrides),
@@ -127,6 +141,8 @@ def run_scenario(
         shutil.rmtree(local_dir, ignore_errors=True)
     if result.exit_code:
         raise RuntimeError(f"scenario {name} failed: {result.reason} (see {log_dir}/{name}.log)")
+    if fault in HOST_FAULT_KINDS:
+        return {**host_detection(events), **breakdown(events)}
     return breakdown(events)
 
 
@@ -263,7 +279,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results["scenarios"])
+    names = [n for n, r in results["scenarios"].items() if "phases_s" in r]  # with a restart
     fig, ax = plt.subplots(figsize=(10, 1.4 + 0.5 * len(names)))
     for i, name in enumerate(names):
         left = 0.0
@@ -290,6 +306,7 @@ class Scenario:
     standby: bool = True  # workers started ahead of the restart (coordinator.standby_workers)
     modelled_detection: bool = False  # detection by JAX's default heartbeat, modelled
     what: str = ""
+    fault: FaultKind = FaultKind.KILL  # what hits slice 1 at the fault step
 
 
 SCENARIOS = (
@@ -324,7 +341,22 @@ SCENARIOS = (
         what="common practice: persistent checkpoints only, no compilation cache, survivors "
         "aborted by JAX's default 100 s heartbeat (modelled), all restart on a replacement",
     ),
+    Scenario(
+        "host_lost",
+        "ram",
+        "warm",
+        fault=FaultKind.LOSE_HOST,
+        what="as ram, the whole host lost: its agent and worker SIGKILLed",
+    ),
+    Scenario(
+        "host_frozen",
+        "ram",
+        "warm",
+        fault=FaultKind.FREEZE_HOST,
+        what="as ram, the whole host frozen: its agent and worker SIGSTOPped",
+    ),
 )
+SUPERVISOR_RESTART = "supervisor_restart"
 
 
 def scenario_overrides(scenario: Scenario, shm: str, cache_dir: str) -> dict[str, Any]:
@@ -359,11 +391,18 @@ def with_modelled_detection(measured: dict[str, Any], model: dict[str, Any]) -> 
 
 def print_table(scenarios: dict[str, dict[str, Any]]) -> None:
     columns = ("detection", "stopping", "process_start", "restore", "compile")
-    header = f"{'scenario':<16}" + "".join(f"{c:>14}" for c in columns)
+    header = f"{'scenario':<18}" + "".join(f"{c:>14}" for c in columns)
     header += f"{'to 1st step':>13}{'to progress':>13}{'lost':>6}  tier"
     print(header)
     for name, r in scenarios.items():
-        row = f"{name:<16}" + "".join(f"{r['phases_s'][c]:>14.2f}" for c in columns)
+        if "phases_s" not in r:  # the supervisor restart: nothing restarts
+            print(
+                f"{name:<18}{'reattach ' + format(r['time_to_reattach_s'], '.2f'):>28}"
+                f"{'':>42}{r['fault_to_first_step_s']:>13.2f}{'':>13}{r['steps_lost']:>6}  "
+                f"({r['worker_restarts']} worker restarts)"
+            )
+            continue
+        row = f"{name:<18}" + "".join(f"{r['phases_s'][c]:>14.2f}" for c in columns)
         row += f"{r['fault_to_first_step_s']:>13.2f}{r['fault_to_regained_progress_s']:>13.2f}"
         print(row + f"{r['steps_lost']:>6}  {r['restore_tier']}")
 
@@ -374,8 +413,15 @@ def main(argv: list[str]) -> None:
     shm = f"/dev/shm/rj_bench_{os.getpid()}"
     cache_dir = tempfile.mkdtemp(prefix="rj_bench_jax_cache_")
     scenarios: dict[str, dict[str, Any]] = {}
+    wanted = set(_SCENARIOS.value) or {s.name for s in SCENARIOS} | {SUPERVISOR_RESTART}
+    known = {s.name for s in SCENARIOS} | {SUPERVISOR_RESTART}
+    if wanted - known:
+        raise app.UsageError(f"--scenarios={sorted(wanted - known)}; allowed: {sorted(known)}")
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     try:
         for scenario in SCENARIOS:
+            if scenario.name not in wanted:
+                continue
             cluster = ClusterSpec(
                 num_slices=2,
                 processes_per_slice=1,
@@ -383,10 +429,28 @@ def main(argv: list[str]) -> None:
                 spare_slices=1 if scenario.spare else 0,
             )
             overrides = scenario_overrides(scenario, shm, cache_dir)
-            measured = run_scenario(scenario.name, overrides, cluster, log_dir)
+            measured = run_scenario(scenario.name, overrides, cluster, log_dir, scenario.fault)
             if scenario.modelled_detection:
                 measured = with_modelled_detection(measured, baseline_detection_model())
-            scenarios[scenario.name] = {"what": scenario.what, "cache": scenario.cache, **measured}
+            scenarios[scenario.name] = {
+                "what": scenario.what,
+                "cache": scenario.cache,
+                "ran": when,
+                **measured,
+            }
+        if SUPERVISOR_RESTART in wanted:
+            ram = next(s for s in SCENARIOS if s.name == "ram")
+            overrides = {
+                **BASE_OVERRIDES,
+                "total_steps": _TOTAL.value,
+                **scenario_overrides(ram, shm, cache_dir),
+            }
+            scenarios[SUPERVISOR_RESTART] = {
+                "ran": when,
+                **supervisor_restart(
+                    CONFIG_FILE, overrides, _FAULT.value, _DOWNTIME.value, log_dir
+                ),
+            }
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
@@ -413,6 +477,10 @@ def main(argv: list[str]) -> None:
         "scenarios": scenarios,
         "logs": log_dir,
     }
+    if _SCENARIOS.value and os.path.exists(_OUT.value):  # a subset: merged into the last results
+        with open(_OUT.value) as f:
+            previous = json.load(f)
+        results["scenarios"] = {**previous.get("scenarios", {}), **scenarios}
     os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
     with open(_OUT.value, "w") as f:
         json.dump(results, f, indent=2)

@@ -3,6 +3,7 @@
     python launch/local_cluster.py --config=configs/tiny_cpu.py --workdir=/tmp/run \
         --num_slices=2 --processes_per_slice=1 --devices_per_process=2 [--spare_slices=1] \
         [--chaos='lose_slice:slice=1,step=30,for=20s'] [--config.total_steps=100]
+        [--chaos='lose_host:slice=1,step=30,for=20s'] [--host_agents=external --listen=IP:PORT]
 
 Starts num_slices x processes_per_slice workers (`--worker`, by default `launch/train.py`), each
 with devices_per_process CPU devices, through one host agent per slice (`--host_agents=local`,
@@ -26,7 +27,7 @@ from ml_collections import config_flags
 from resilient_jax import config as config_lib
 from resilient_jax.chaos import spec as chaos_spec
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.control import ClusterSpec, Supervisor
+from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py).", lock_config=True
@@ -86,6 +87,17 @@ def main(argv: list[str]) -> None:
         if _CHAOS.value:
             chaos_spec.supervisor_actions(_CHAOS.value, _NUM_SLICES.value)  # reject a bad spec now
         cluster = ClusterSpec(_NUM_SLICES.value, _PROCESSES.value, _DEVICES.value, _SPARES.value)
+        # Host faults are the supervisor's to carry out, through the hosts' agents.
+        actions = [
+            SupervisorAction(
+                f.kind,
+                f.target_slice(cluster.num_slices + cluster.spare_slices) or 0,
+                at_step=f.step,
+                at_s=f.at_s if f.step is None else None,
+                duration_s=f.for_s,
+            )
+            for f in chaos_spec.host_faults(_CHAOS.value)
+        ]
     except ValueError as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         sys.exit(ExitCode.BAD_INPUT)
@@ -97,6 +109,7 @@ def main(argv: list[str]) -> None:
         cluster,
         worker_argv(_WORKER.value, config_path, workdir, config_overrides(sys.argv)),
         workdir,
+        actions=actions,
         host_agents=_HOST_AGENTS.value,
         listen=_LISTEN.value,
     )

@@ -40,7 +40,7 @@ from resilient_jax.chaos import corrupt
 from resilient_jax.chaos.record import FiredRecord, is_spent
 from resilient_jax.chaos.spec import Fault, parse
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.contracts.faults import LOSS_KINDS, FaultKind
+from resilient_jax.contracts.faults import HOST_FAULT_KINDS, LOSS_KINDS, FaultKind
 from resilient_jax.train.hooks import Hook, StepInfo
 
 if TYPE_CHECKING:
@@ -122,6 +122,8 @@ class ChaosHook(Hook):
         scale = 1.0
         for fault in self.faults:
             if (fault.kind in LOSS_KINDS) != loss or fault.key in self._done:
+                continue
+            if fault.kind in HOST_FAULT_KINDS:  # the supervisor has the host's agent act it out
                 continue
             if not self._due(fault, ctx, step, record):
                 continue

@@ -32,7 +32,13 @@ import random
 from typing import Any
 
 from resilient_jax.config import BadInput
-from resilient_jax.contracts.faults import HANG_MODES, KEYS, SPIKE_FACTOR, FaultKind
+from resilient_jax.contracts.faults import (
+    HANG_MODES,
+    HOST_FAULT_KINDS,
+    KEYS,
+    SPIKE_FACTOR,
+    FaultKind,
+)
 
 RANDOM_DEFAULT_KINDS = (
     FaultKind.NAN,
@@ -241,3 +247,9 @@ def supervisor_actions(spec: str, num_slices: int = 1) -> list[SliceOutage]:
         for f in parse(spec)
         if f.kind == FaultKind.LOSE_SLICE
     ]
+
+
+def host_faults(spec: str) -> list[Fault]:
+    """The host faults of a spec (`lose_host`, `freeze_host`, `partition_host`): the supervisor
+    carries them out through the agents; workers skip them."""
+    return [f for f in parse(spec) if f.kind in HOST_FAULT_KINDS]

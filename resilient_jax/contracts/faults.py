@@ -17,6 +17,13 @@ class FaultKind(Name):
     KILL = "kill"  # process P SIGKILLs itself at step K
     LOSE_SLICE = "lose_slice"  # every process of slice S dies at step K; the slice stays out T
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # flip bytes in the newest committed checkpoint
+    # Whole hosts: the supervisor has the agent of each host of slice S act them out at step K
+    # (workers ignore them), so they work across machines.
+    LOSE_HOST = "lose_host"  # agent and workers SIGKILLed; the host boots again after T
+    FREEZE_HOST = "freeze_host"  # agent and workers SIGSTOPped, for good
+    # Without network namespaces: the agent closes its link to the supervisor and ignores it for
+    # T (its workers run on); the namespace test bed cuts the host's link instead.
+    PARTITION_HOST = "partition_host"
     RANDOM = "random"  # a seeded schedule of the kinds above
 
 
@@ -32,7 +39,13 @@ KEYS: dict[FaultKind, tuple[tuple[str, ...], dict[str, Any]]] = {
     FaultKind.KILL: (("process", "step"), {}),
     FaultKind.LOSE_SLICE: (("slice", "step", "for"), {}),
     FaultKind.CORRUPT_CHECKPOINT: (("step",), {}),
+    FaultKind.LOSE_HOST: (("slice", "step", "for"), {}),
+    FaultKind.FREEZE_HOST: (("slice", "step"), {}),
+    FaultKind.PARTITION_HOST: (("slice", "step", "for"), {}),
 }
+
+# Kinds the supervisor carries out through the hosts' agents; a worker's chaos hook skips them.
+HOST_FAULT_KINDS = (FaultKind.LOSE_HOST, FaultKind.FREEZE_HOST, FaultKind.PARTITION_HOST)
 
 # Kinds that change the loss: every process must apply them at the same step, or replicated
 # values would diverge.
@@ -45,16 +58,3 @@ class SupervisorFaultKind(Name):
     `FaultKind`s."""
 
     PREEMPT = "preempt"  # SIGTERM to a worker, as a cloud preemption notice: it saves and stops
-    # Whole hosts, carried out by the host's agent (so they work across machines):
-    LOSE_HOST = "lose_host"  # the agent SIGKILLs its workers' process groups, then itself
-    FREEZE_HOST = "freeze_host"  # the agent SIGSTOPs its workers' process groups, then itself
-    # Without network namespaces: the agent closes its link to the supervisor and ignores it for
-    # the outage (its workers run on); the namespace test bed cuts the host's link instead.
-    PARTITION_HOST = "partition_host"
-
-
-HOST_FAULT_KINDS = (
-    SupervisorFaultKind.LOSE_HOST,
-    SupervisorFaultKind.FREEZE_HOST,
-    SupervisorFaultKind.PARTITION_HOST,
-)

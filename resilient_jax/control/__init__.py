@@ -2,7 +2,11 @@
 
     supervisor       the supervision loop over generations: watch, decide, restart
     cluster          the job's shape (`ClusterSpec`) and the mesh plan for a number of slices
-    launcher         the start of a generation's workers, and warm standbys
+    launcher         the start of a generation's workers (through the agents), and warm standbys
+    agent            the host agent (`python -m resilient_jax.control.agent`), its `probe`, and
+                     `agent_protocol`: what agent and supervisor say, the run token
+    host_plane       the supervisor's side of its hosts: listener, `hosts` registry, lost hosts,
+                     `local_hosts` (one agent per slice on this machine), `attach` (after a restart)
     worker_env       the environment each worker starts with
     processes        worker processes: spawn, signal, stop within a bound
     server, protocol the heartbeat server and what workers send it
@@ -10,7 +14,7 @@
     stragglers       which process the others keep waiting for
     policy           slices in and out, restart budget and back-off, whether a reshape pays
     outages          slice outages the chaos hook announces in the event log
-    fault_injection  faults the supervisor injects (kill, hang, lose_slice, preempt)
+    fault_injection  faults the supervisor injects (kill, hang, lose_slice, preempt, host faults)
     stop_requests    SIGINT/SIGTERM to the supervisor itself
     compile_cache    JAX's persistent compilation cache for the workers
 

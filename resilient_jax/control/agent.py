@@ -32,7 +32,7 @@ from typing import IO, Any
 
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.contracts.faults import SupervisorFaultKind
+from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import processes, protocol, worker_env
 from resilient_jax.control.probe import probe_host
@@ -138,7 +138,8 @@ class HostAgent:
                         continue
                     next_beat = 0.0
                 if now >= next_beat:
-                    self._send({"type": ap.MSG_AGENT_HEARTBEAT})
+                    standbys = [sb.popen.pid for sb in self._standbys if sb.alive]
+                    self._send({"type": ap.MSG_AGENT_HEARTBEAT, "standbys": standbys})
                     next_beat = now + interval
                 self._read_commands(max(0.0, min(next_beat - time.monotonic(), interval)))
                 self._refill_standbys()
@@ -361,11 +362,11 @@ class HostAgent:
     def _fault(self, command: dict[str, Any]) -> None:
         kind = command["kind"]
         self._say(f"host fault {kind}")
-        if kind == SupervisorFaultKind.PARTITION_HOST:
+        if kind == FaultKind.PARTITION_HOST:
             self._partitioned_until = time.monotonic() + float(command.get("duration_s") or 0.0)
             self._close_conn()
             return
-        signum = signal.SIGKILL if kind == SupervisorFaultKind.LOSE_HOST else signal.SIGSTOP
+        signum = signal.SIGKILL if kind == FaultKind.LOSE_HOST else signal.SIGSTOP
         with self._lock:
             pids = [w.pid for w in self._workers.values() if w.running]
         pids += [s.popen.pid for s in self._standbys if s.alive]

@@ -143,7 +143,7 @@ class FaultInjector:
                     self._announce_outage(action.slice, now + duration)
             if action.kind in HOST_FAULT_KINDS:
                 assert self._host_fault is not None, "host faults need the hosts' agents"
-                if action.kind == SupervisorFaultKind.LOSE_HOST and action.duration_s is not None:
+                if action.kind == FaultKind.LOSE_HOST and action.duration_s is not None:
                     self._announce_outage(action.slice, now + action.duration_s)
                 self._host_fault(action.slice, action.kind, action.duration_s)
                 targets = [w for w in workers if w.slice == action.slice and w.running]

@@ -18,7 +18,7 @@ from typing import Any
 import ml_collections
 
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.contracts.faults import SupervisorFaultKind
+from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import attach, compile_cache, detector, processes, protocol
 from resilient_jax.control.cluster import ClusterSpec
@@ -117,7 +117,7 @@ class HostPlane:
         host with a duration gets a fresh agent after it (a rebooted machine)."""
         for name in self.hosts.host_names(slice_id):
             self.hosts.send(name, {"type": ap.CMD_FAULT, "kind": kind, "duration_s": duration_s})
-        lost = kind == SupervisorFaultKind.LOSE_HOST
+        lost = kind == FaultKind.LOSE_HOST
         if lost and self._local is not None and duration_s is not None and duration_s >= 0:
             self._local.reboot_after(slice_id, duration_s)
 

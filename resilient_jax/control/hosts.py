@@ -45,6 +45,7 @@ class HostRecord:
     last_seen: float
     disconnected_at: float | None = None
     probe_ok: bool | None = None  # None: its probe has not answered yet
+    standby_pids: list[int] = dataclasses.field(default_factory=list)  # as last heard
     lost: bool = False
     # (generation, process) -> (pid, exit code or None) as the agent registered them
     reported: dict[tuple[int, int], tuple[int, int | None]] = dataclasses.field(
@@ -143,6 +144,8 @@ class HostRegistry:
             if record is None or record.conn is not conn:
                 return  # a line from a connection the host has since replaced
             record.last_seen = now
+            if kind == ap.MSG_AGENT_HEARTBEAT and isinstance(message.get("standbys"), list):
+                record.standby_pids = [p for p in message["standbys"] if isinstance(p, int)]
             key = (message.get("generation"), message.get("process"))
             worker = self._workers.get(key)  # type: ignore[arg-type]
         if kind == ap.MSG_STARTED and worker is not None:
@@ -304,10 +307,12 @@ class HostRegistry:
             return sorted(r.name for r in self._hosts.values() if r.slice == slice_id)
 
     def worker_pids(self) -> list[int]:
-        """Pids of every worker started through the registry that no agent saw exit."""
+        """Pids of every worker started through the registry that no agent saw exit, and of the
+        standbys of lost hosts (a frozen agent never ends its own)."""
         with self._lock:
             workers = list(self._workers.values())
-        return [
+            standbys = [pid for r in self._hosts.values() if r.lost for pid in r.standby_pids]
+        return standbys + [
             w.pid for w in workers if w.pid is not None and (w.exit_code is None or w.presumed_dead)
         ]
 

@@ -51,6 +51,11 @@ _LANE_MARKS = {
     EventType.CHAOS: ("*", "black"),
     EventType.ANOMALY: ("v", "#ff7f0e"),
     EventType.STOP: ("s", "#7f7f7f"),
+    # Hosts: an agent up, attached to a supervisor (again after a restart), admitted, lost.
+    EventType.AGENT_START: ("^", "#1f77b4"),
+    EventType.SUPERVISOR_ATTACH: ("o", "#9467bd"),
+    EventType.HOST_JOINED: ("P", "#2ca02c"),
+    EventType.HOST_LOST: ("x", "#d62728"),
 }
 # Events that concern the whole job: a dashed line across every lane.
 _VERTICAL = {

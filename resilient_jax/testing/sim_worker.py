@@ -27,7 +27,7 @@ from ml_collections import config_flags
 from resilient_jax.chaos import spec as chaos_spec
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.contracts.faults import FaultKind
+from resilient_jax.contracts.faults import HOST_FAULT_KINDS, FaultKind
 from resilient_jax.control import protocol
 from resilient_jax.events import EventLog
 from resilient_jax.worker.client import SupervisorClient
@@ -75,7 +75,8 @@ def _save(workdir: str, state: dict) -> None:
 
 def _slow_faults(spec: str) -> list[chaos_spec.Fault]:
     faults = chaos_spec.parse(spec)
-    other = sorted({f.kind.value for f in faults if f.kind != FaultKind.SLOW})
+    acted = (FaultKind.SLOW, *HOST_FAULT_KINDS)  # host faults are the supervisor's
+    other = sorted({f.kind.value for f in faults if f.kind not in acted})
     if other:
         raise app.UsageError(f"the stand-in worker acts out only `slow` faults, not {other}")
     return faults
