@@ -405,3 +405,16 @@ def test_hang_stops_progress_without_exiting(tmp_path, mode):
     assert "took 1" in out and "took 2" not in out
     (event,) = chaos_events(tmp_path)
     assert (event["kind"], event["mode"], event["step"]) == ("hang", mode, 2)
+
+
+def test_host_faults_parse_and_are_the_supervisors():
+    spec = "lose_host:slice=1,step=10,for=5s; freeze_host:slice=0,step=12; kill:process=0,step=3"
+    spec += "; partition_host:slice=1,step=20,for=2s"
+    hosts = chaos_spec.host_faults(spec)
+    assert [(f.kind, f.slice, f.step, f.for_s) for f in hosts] == [
+        ("lose_host", 1, 10, 5.0),
+        ("freeze_host", 0, 12, 0.0),
+        ("partition_host", 1, 20, 2.0),
+    ]
+    with pytest.raises(chaos_spec.FaultSpecError, match="partition_host needs for="):
+        chaos_spec.parse("partition_host:slice=1,step=2")

@@ -32,6 +32,7 @@ OVERRIDES = {
     "log.progress_bar": False,
     "log.tensorboard": False,
     "coordinator.heartbeat_timeout_s": 2.0,
+    "coordinator.agent_timeout_s": 2.0,
     "coordinator.jax_heartbeat_timeout_s": 5,
     "coordinator.startup_timeout_s": 120.0,
     "coordinator.kill_grace_s": 0.5,
@@ -106,6 +107,24 @@ def test_killed_slice_reshapes_and_matches_the_undisturbed_loss(tmp_path, clean)
     restore = [e for e in events if e["type"] == "restore" and e["time"] > restart["time"]]
     assert restore and restore[0]["step"] in (10, 15)
 
+    assert final_loss(events) == pytest.approx(final_loss(clean[1]), rel=1e-5)
+
+
+@pytest.mark.timeout(900)
+def test_lost_host_reshapes_and_matches_the_undisturbed_loss(tmp_path, clean):
+    # The agent of slice 1 and its worker SIGKILLed: the host, not only the process, is gone.
+    lose = SupervisorAction("lose_host", slice=1, at_step=15)
+    code, events = run_trainer(tmp_path / "host_lost", actions=[lose])
+    assert code == 0
+    sup = [e for e in events if e.get("source") == "supervisor"]
+    (fault,) = [e for e in sup if e["type"] == "fault_injected"]
+    (lost,) = [e for e in sup if e["type"] == "host_lost"]
+    assert (
+        lost["host"] == "host1"
+        and lost["time"] - fault["time"] <= OVERRIDES["coordinator.agent_timeout_s"] + 1.0
+    )
+    (restart,) = [e for e in sup if e["type"] == "restart"]
+    assert restart["slices"] == [0]
     assert final_loss(events) == pytest.approx(final_loss(clean[1]), rel=1e-5)
 
 
