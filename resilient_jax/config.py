@@ -21,6 +21,7 @@ import ml_collections
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("text", "arrayrecord", "synthetic")
+REHEARSAL_MODES = ("", "replay", "synthetic")
 
 
 class BadInput(Exception):
@@ -214,6 +215,31 @@ def default_config() -> ml_collections.ConfigDict:
     # The last fraction of the data source's examples is the validation split; training never
     # sees them (whether evaluation is on or off, so the training data does not change with it).
     c.eval.fraction = 0.05
+    # More datasets to evaluate on, "NAME=PATH,NAME=PATH" (data.source's kind; PATH "" = the
+    # bundled corpus): the held-out part of each (its last eval.fraction) is evaluated with the
+    # training data's and logged as eval_loss/NAME, e.g. the old and the new domain of a
+    # continual-pretraining run. "" = none.
+    c.eval.datasets = ""
+
+    # Continual pretraining (resilient_jax.rehearsal): a run that starts from another model
+    # (checkpoint.init_from or init_from_hf) on new data forgets the old domain less when a share
+    # of its examples rehearses it (interleaved as in data.mixture, the rest from the new data).
+    c.rehearsal = ml_collections.ConfigDict()
+    # "" = off; "replay" = a seeded sample of the old data (rehearsal.old_data, when it is
+    # still at hand); "synthetic" = text the base model writes before training starts (seeded,
+    # committed in chunks under <workdir>/rehearsal: an interrupted run resumes generating and
+    # gets the same tokens), when the old data is gone.
+    c.rehearsal.mode = ""
+    c.rehearsal.ratio = 0.25  # share of the training examples drawn from the rehearsal set
+    c.rehearsal.sequences = 256  # size of the rehearsal set, in sequences of data.seq_len tokens
+    # replay: the old data, of data.source's kind ("" = the bundled corpus); the sample comes
+    # from its training part only (its last eval.fraction stays held out, as for evaluation)
+    c.rehearsal.old_data = ""
+    c.rehearsal.prompt = "\n"  # synthetic: the text every generated sequence starts from
+    c.rehearsal.temperature = 1.0  # synthetic: how the base model samples (resilient_jax.decode)
+    c.rehearsal.top_k = 0  # synthetic: 0 = all tokens
+    c.rehearsal.top_p = 1.0  # synthetic: 1 = all tokens
+    c.rehearsal.chunk_sequences = 32  # synthetic: sequences generated (and committed) together
 
     # A jax.profiler trace of some steps into <workdir>/profile/ (resilient_jax.train.profile).
     c.profile = ml_collections.ConfigDict()
@@ -234,6 +260,8 @@ def fingerprint(config: ml_collections.ConfigDict) -> str:
     data_keys = ("source", "path", "seq_len", "tokenizer", "mixture")
     keep["data"] = {k: d["data"].get(k) for k in data_keys}
     keep["eval_fraction"] = d["eval"]["fraction"]  # the held-out share is not trained on
+    if d["rehearsal"]["mode"]:  # what the run rehearses is part of its data (absent when off)
+        keep["rehearsal"] = d["rehearsal"]
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -315,7 +343,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _validate_health(config.health)
     _validate_checkpoint(config.checkpoint)
     _validate_coordinator(config.coordinator)
-    _validate_eval(config.eval)
+    _validate_eval(config.eval, config.data.source)
+    _validate_rehearsal(config)
     profile_steps(config.profile.steps)
 
 
@@ -422,7 +451,30 @@ def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
         _fail("coordinator.backoff_max_s", c.backoff_max_s, f"must be >= backoff_s={c.backoff_s}")
 
 
-def _validate_eval(e: ml_collections.ConfigDict) -> None:
+def parse_eval_datasets(spec: str) -> tuple[tuple[str, str], ...]:
+    """`eval.datasets` as (name, path) pairs; a malformed entry or a repeated name is a
+    ConfigError."""
+    if not spec:
+        return ()
+    entries = []
+    for entry in spec.split(","):
+        name, eq, path = entry.strip().partition("=")
+        if not eq or not name.isidentifier():
+            _fail("eval.datasets", spec, f"entry {entry.strip()!r} is not NAME=PATH (NAME a word)")
+        if name in (n for n, _ in entries):
+            _fail("eval.datasets", spec, f"the name {name!r} is given twice")
+        entries.append((name, path.strip()))
+    return tuple(entries)
+
+
+def _validate_eval(e: ml_collections.ConfigDict, source: str) -> None:
+    for _, path in parse_eval_datasets(e.datasets):
+        if source == "synthetic":
+            _fail("eval.datasets", e.datasets, "data.source='synthetic' takes no datasets")
+        if source == "arrayrecord" and not path:
+            _fail("eval.datasets", e.datasets, "data.source='arrayrecord' needs a path each")
+        if path:
+            _check_data_path("eval.datasets", path)
     if e.every_steps < 0:
         _fail("eval.every_steps", e.every_steps, "must be >= 0 (0 = off)")
     if e.steps < 1:
@@ -431,6 +483,41 @@ def _validate_eval(e: ml_collections.ConfigDict) -> None:
         _fail("eval.fraction", e.fraction, "must be in [0, 1)")
     if e.every_steps and not e.fraction > 0:
         _fail("eval.fraction", e.fraction, "must be > 0 when eval.every_steps > 0 (held-out data)")
+
+
+def _validate_rehearsal(config: ml_collections.ConfigDict) -> None:
+    r = config.rehearsal
+    if r.mode not in REHEARSAL_MODES:
+        _fail("rehearsal.mode", r.mode, "allowed: '' (off), replay, synthetic")
+    if not r.mode:
+        return
+    if config.data.source == "synthetic":
+        _fail("rehearsal.mode", r.mode, "data.source='synthetic' has no old domain to rehearse")
+    if not 0.0 < r.ratio < 1.0:
+        _fail("rehearsal.ratio", r.ratio, "must be in (0, 1): a share of the training examples")
+    _check_positive(config, "rehearsal.sequences", "rehearsal.chunk_sequences")
+    if r.mode == "replay":
+        if config.data.source == "arrayrecord" and not r.old_data:
+            _fail("rehearsal.old_data", "", "data.source='arrayrecord' needs a file or glob")
+        if r.old_data:
+            _check_data_path("rehearsal.old_data", r.old_data)
+        return
+    c = config.checkpoint
+    if not (c.init_from or c.init_from_hf):
+        _fail(
+            "rehearsal.mode",
+            r.mode,
+            "'synthetic' needs the base model that writes the text: set checkpoint.init_from or "
+            "checkpoint.init_from_hf",
+        )
+    if not r.prompt:
+        _fail("rehearsal.prompt", r.prompt, "must be a non-empty text")
+    if not r.temperature >= 0:
+        _fail("rehearsal.temperature", r.temperature, "must be >= 0 (0: greedy)")
+    if r.top_k < 0:
+        _fail("rehearsal.top_k", r.top_k, "must be >= 0 (0: off)")
+    if not 0 < r.top_p <= 1:
+        _fail("rehearsal.top_p", r.top_p, "must be in (0, 1] (1: off)")
 
 
 def profile_steps(value: str) -> range | None:
@@ -487,6 +574,6 @@ def _validate_tokenizer_and_mixture(d: ml_collections.ConfigDict) -> None:
         _fail("data.mixture", d.mixture, f"give data.path={d.path!r} or a mixture, not both")
     for path, _ in parse_mixture(d.mixture):
         if d.source == "arrayrecord" and not path:
-            _fail("data.mixture", d.mixture, "data.source='arrayrecord' needs a file or glob each")
+            _fail("data.mixture", d.mixture, "data.source='arrayrecord' needs a path each")
         if path:
             _check_data_path("data.mixture", path)

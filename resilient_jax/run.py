@@ -30,6 +30,7 @@ import ml_collections
 
 from resilient_jax import config as config_lib
 from resilient_jax import mesh as mesh_lib
+from resilient_jax import rehearsal
 from resilient_jax import topology as topology_lib
 from resilient_jax.chaos.hook import ChaosHook
 from resilient_jax.chaos.step import wrap_step
@@ -40,6 +41,7 @@ from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control.protocol import PHASE_COMPILE, PHASE_RESTORE
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.data.position import DataPosition
+from resilient_jax.data.sources import make_dataset
 from resilient_jax.data.split import holdout
 from resilient_jax.events import EventLog
 from resilient_jax.goodput import accounting as goodput
@@ -109,6 +111,7 @@ def build_hooks(
     chaos: ChaosHook | None = None,
     held_out: Any = None,
     eval_step: EvalStepFn | None = None,
+    eval_datasets: dict[str, Any] | None = None,
 ) -> list[Hook]:
     """The hooks of a run, in the order the loop calls them at every step:
 
@@ -117,8 +120,9 @@ def build_hooks(
     2. `HealthMonitor`: skip, roll back or stop on the step's anomaly verdict;
     3. `SupervisorClient` (supervised runs): the step reaches the supervisor's heartbeats;
     4. `Watchdog`: the step counts as progress;
-    5. `Evaluator` (with `eval_step`): the held-out loss of the state, into the step's metrics
-       row; before the checkpointer, so a run stopped after a save at step s has evaluated s;
+    5. `Evaluator` (with `eval_step`): the held-out loss of the state (and of `eval_datasets`),
+       into the step's metrics row; before the checkpointer, so a run stopped after a save at
+       step s has evaluated s;
     6. `Checkpointer`: saves by policy the state the hooks above have let through;
     7. `Profiler` (with `profile.steps`): starts and stops the trace between steps;
     8. `ChaosHook` (with `--chaos`), last, so that a fault due at step K strikes after every other
@@ -134,7 +138,7 @@ def build_hooks(
         hooks.append(client)
     hooks.append(watchdog)
     if eval_step is not None:
-        hooks.append(Evaluator(ctx, held_out, eval_step, metrics))
+        hooks.append(Evaluator(ctx, held_out, eval_step, metrics, eval_datasets))
     hooks.append(checkpointer)
     profiler = Profiler.from_config(ctx.config)
     if profiler is not None:
@@ -142,6 +146,16 @@ def build_hooks(
     if chaos is not None:
         hooks.append(chaos)
     return hooks
+
+
+def _eval_datasets(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The held-out part of each `eval.datasets` entry, by name (none with evaluation off)."""
+    if not config.eval.every_steps:
+        return {}
+    return {
+        name: holdout(make_dataset(config, path, "eval.datasets"), config.eval.fraction)[1]
+        for name, path in config_lib.parse_eval_datasets(config.eval.datasets)
+    }
 
 
 def _checked(fn: Callable[[], _T]) -> _T:
@@ -200,6 +214,8 @@ def _train(
     ctx = prepare(config, workdir, events, generation)
     # The validation split is held out of training whether or not evaluation runs.
     source, held_out = holdout(make_source(config), config.eval.fraction)
+    eval_datasets = _eval_datasets(config)
+    replay = rehearsal.open_replay(config)  # unusable old data is refused here, before writing
     # checkpoint.init_from_hf: refused here if unusable, before anything is written.
     hf_source = HFSource.from_config(config)
     checkpointer = _checked(lambda: Checkpointer(ctx))
@@ -229,6 +245,11 @@ def _train(
         )
     else:
         state, position = restored
+    # Continual pretraining: the rehearsal share joins the data (a synthetic set is generated
+    # from the starting parameters first, if it is not complete yet).
+    source = rehearsal.training_source(
+        config, workdir, source, replay, state.params, int(state.step), events
+    )
     loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
     with phase(PHASE_COMPILE):
         compiled = compile_step(ctx)
@@ -242,6 +263,7 @@ def _train(
         chaos=faults,
         held_out=held_out,
         eval_step=eval_step,
+        eval_datasets=eval_datasets,
     )
     opened[:] = hooks
     try:

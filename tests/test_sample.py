@@ -17,8 +17,9 @@ from conftest import run_python, tiny_config
 from resilient_jax.chaos.corrupt import corrupt_step
 from resilient_jax.config import BadInput
 from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.decode import Decoder, Sampling, choose
 from resilient_jax.model import KVCache, ModelConfig, Transformer
-from resilient_jax.sample import Decoder, Sampling, choose, sample
+from resilient_jax.sample import sample
 
 GREEDY = Sampling(temperature=0.0)
 TRAINED_STEPS = 10

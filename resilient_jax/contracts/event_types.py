@@ -53,5 +53,10 @@ class EventType(Name):
     CHAOS = "chaos"  # kind, fault, step: written by the process a fault hits, before it acts
     FAULT_INJECTED = "fault_injected"  # action, slice, process: faults the supervisor carries out
     # Evaluation and profiling.
-    EVAL = "eval"  # step, duration_s, batches, eval_loss, eval_perplexity: training paused for it
+    # step, duration_s, batches, eval_loss, eval_perplexity, eval_loss/NAME (eval.datasets):
+    # training paused for it
+    EVAL = "eval"
+    # Continual pretraining: the base model wrote chunk `chunk` (`sequences` of them, in
+    # duration_s) of the synthetic rehearsal set; `complete` once the set is whole.
+    REHEARSAL = "rehearsal"
     PROFILE = "profile"  # action (start | stop), duration_s; at stop: first_step, last_step, path

@@ -141,6 +141,13 @@ def make_source(config: ml_collections.ConfigDict) -> Any:
     )
 
 
+def make_dataset(config: ml_collections.ConfigDict, path: str, key: str) -> Any:
+    """One dataset at `path` of `data.source`'s kind, tokenized as the training data is;
+    `key` names the setting for the one-line error on unusable input."""
+    d = config.data
+    return _dataset(d.source, path, d.seq_len, tokenizer_lib.from_config(config), key)
+
+
 def _dataset(kind: str, path: str, seq_len: int, tokenizer: Tokenizer, key: str) -> Any:
     if kind == "arrayrecord":
         return ArrayRecordSource(path, seq_len, tokenizer, key)

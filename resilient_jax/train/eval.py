@@ -1,7 +1,8 @@
 """Held-out evaluation: the loss of the current parameters on the validation split.
 
 Every `eval.every_steps` training steps, and after the last step, `eval.steps` global batches of the
-validation split (`data.split.holdout`) go through a jitted loss-only step (no gradients, no
+validation split (`data.split.holdout`), and of each `eval.datasets` entry's held-out part, go
+through a jitted loss-only step (no gradients, no
 update) on the training mesh. Evaluation `k` of a run reads batches `0 .. eval.steps - 1` of the
 split's seeded shuffle every time, so its examples are a pure function of (dataset, seed, global
 batch) and the eval loss of step s is the same whether or not the run was restarted in between
@@ -90,26 +91,35 @@ class Evaluator(Hook):
         held_out: Any,
         eval_step: EvalStepFn,
         metrics: MetricsLogger,
+        datasets: dict[str, Any] | None = None,
     ) -> None:
+        """`held_out`: the training data's validation split (`eval_loss`); `datasets`: more
+        held-out sources by name (`eval_loss/NAME`)."""
         self._batches = ctx.config.eval.steps
         self._eval_step = eval_step
         self._metrics = metrics
-        # Positioned at the split's first batch, so the first evaluation's batches are loaded
-        # while training runs; after each evaluation it goes back there.
-        self._loader = BatchLoader(ctx.config, ctx.mesh, ctx.plan, held_out)
+        # Each positioned at its split's first batch, so the first evaluation's batches are
+        # loaded while training runs; after each evaluation it goes back there.
+        sets = {"eval_loss": held_out}
+        sets.update({f"eval_loss/{name}": source for name, source in (datasets or {}).items()})
+        self._loaders = {
+            key: BatchLoader(ctx.config, ctx.mesh, ctx.plan, source) for key, source in sets.items()
+        }
 
     def after_step(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
         if not due(ctx.config, info.step):
             return
         jax.block_until_ready(state.params)  # the evaluation's time starts after the step's
         start = time.perf_counter()
-        batches = (self._loader.next()[1] for _ in range(self._batches))
-        losses = [self._eval_step(state.params, batch) for batch in batches]
-        # Every batch has the same number of tokens: the mean of the means is the token mean.
-        loss = sum(float(x) for x in jax.device_get(losses)) / self._batches
+        values = {}
+        for key, loader in self._loaders.items():
+            batches = (loader.next()[1] for _ in range(self._batches))
+            losses = [self._eval_step(state.params, batch) for batch in batches]
+            # Every batch has the same number of tokens: the mean of the means is the token mean.
+            values[key] = sum(float(x) for x in jax.device_get(losses)) / self._batches
+            loader.seek(DataPosition())
         duration_s = time.perf_counter() - start
-        self._loader.seek(DataPosition())
-        values = {"eval_loss": loss, "eval_perplexity": perplexity(loss)}
+        values["eval_perplexity"] = perplexity(values["eval_loss"])
         ctx.events.emit(
             EventType.EVAL,
             step=info.step,
@@ -120,4 +130,5 @@ class Evaluator(Hook):
         self._metrics.record_eval(info.step, values, duration_s)
 
     def close(self) -> None:
-        self._loader.close()
+        for loader in self._loaders.values():
+            loader.close()
