@@ -11,6 +11,8 @@ chunk to a temporary file, renames it into place, and then records its checksum 
 does not name, and the set it ends with is byte for byte the set an uninterrupted run writes (same
 devices and backend). Every process computes the chunks (the decode step is one program over the
 run's mesh); the others then wait for process 0's complete manifest and read the files.
+Generation happens before the first step, so its time counts against the start-up budgets
+(`health.watchdog_startup_timeout_s`, `coordinator.startup_timeout_s`): raise them for large sets.
 
 `rehearsal.mode = "replay"` mixes in a seeded sample of the old data instead
 (`data.rehearsal.replay_sample`); nothing is generated.
