@@ -1,0 +1,116 @@
+"""The Kubernetes manifests are valid JobSets that run the supervisor and one agent per host, with
+commands that exist: every program or module they start is in this tree and knows every flag it
+is given, and the config file it names exists."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO
+
+MANIFESTS = sorted(glob.glob(os.path.join(REPO, "launch", "k8s", "*.yaml")))
+
+
+def jobsets() -> list[tuple[str, dict]]:
+    out = []
+    for path in MANIFESTS:
+        with open(path) as f:
+            for doc in yaml.safe_load_all(f):
+                if doc:
+                    out.append((os.path.basename(path), doc))
+    return out
+
+
+def containers(jobset: dict) -> dict[str, dict]:
+    """replicatedJob name -> its (only) container."""
+    out = {}
+    for replicated in jobset["spec"]["replicatedJobs"]:
+        pod = replicated["template"]["spec"]["template"]["spec"]
+        assert len(pod["containers"]) == 1, replicated["name"]
+        out[replicated["name"]] = pod["containers"][0]
+    return out
+
+
+@functools.cache
+def program_help(target: tuple[str, ...]) -> str:
+    """`python TARGET --help` (a script path or `-m module`), run from the repo root."""
+    proc = subprocess.run(
+        [sys.executable, *target, "--help"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, f"{' '.join(target)} --help failed: {proc.stderr[-2000:]}"
+    return proc.stdout + proc.stderr
+
+
+def check_command(command: list[str]) -> None:
+    """A `python PROGRAM FLAGS...` command: PROGRAM exists and accepts every flag."""
+    assert command[0] == "python", command
+    if command[1] == "-m":
+        module = command[2]
+        assert importlib.util.find_spec(module) is not None, f"no module {module}"
+        target, flags = ("-m", module), command[3:]
+    else:
+        assert os.path.isfile(os.path.join(REPO, command[1])), f"no program {command[1]}"
+        target, flags = (command[1],), command[2:]
+    help_text = program_help(target)
+    for flag in flags:
+        match = re.fullmatch(r"--([a-z_]+)(\.[\w.]+)?=(.+)", flag)
+        assert match, f"not a --flag=value: {flag!r}"
+        name, dotted, value = match.groups()
+        assert re.search(rf"--(\[no\])?{name}\b", help_text), f"{target} has no flag --{name}"
+        if name == "config" and not dotted:
+            assert os.path.isfile(os.path.join(REPO, value.split(":")[0])), value
+
+
+@pytest.mark.parametrize("manifest", [os.path.basename(p) for p in MANIFESTS])
+def test_jobset_runs_a_supervisor_and_one_agent_per_host(manifest):
+    (jobset,) = [doc for name, doc in jobsets() if name == manifest]
+    assert jobset["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and jobset["kind"] == "JobSet"
+    spec = jobset["spec"]
+    by_name = {r["name"]: r for r in spec["replicatedJobs"]}
+    supervisor = by_name.pop("supervisor")
+    assert supervisor["replicas"] == 1
+    assert supervisor["template"]["spec"]["parallelism"] == 1
+    # The run is done when the supervisor is; a pod failure is never a restart of every pod.
+    assert spec["successPolicy"] == {"operator": "All", "targetReplicatedJobs": ["supervisor"]}
+    assert spec["failurePolicy"]["maxRestarts"] == 0
+    assert all(rule["action"] == "FailJobSet" for rule in spec["failurePolicy"].get("rules", []))
+    assert by_name, "no replicatedJob of host agents"
+    for replicated in by_name.values():
+        job = replicated["template"]["spec"]
+        assert job["backoffLimit"] > 0, "a lost host's pod must be replaced, not fail the run"
+        assert job["template"]["spec"]["restartPolicy"] == "Never"
+    commands = {name: c["command"] for name, c in containers(jobset).items()}
+    assert commands.pop("supervisor")[:2] == ["python", "launch/local_cluster.py"]
+    assert "--host_agents=external" in containers(jobset)["supervisor"]["command"]
+    for name, command in commands.items():
+        assert command[:3] == ["python", "-m", "resilient_jax.control.agent"], name
+    # Agents find the supervisor by its pod's stable DNS name, on the port it listens on.
+    supervisor_dns = f"{jobset['metadata']['name']}-supervisor-0-0.{jobset['metadata']['name']}"
+    port = next(
+        f.rsplit(":", 1)[1]
+        for f in containers(jobset)["supervisor"]["command"]
+        if f.startswith("--listen=")
+    )
+    for command in commands.values():
+        assert f"--supervisor={supervisor_dns}:{port}" in command
+    assert spec["network"]["enableDNSHostnames"] is True
+
+
+@pytest.mark.parametrize("manifest", [os.path.basename(p) for p in MANIFESTS])
+def test_jobset_commands_exist_with_their_flags(manifest):
+    (jobset,) = [doc for name, doc in jobsets() if name == manifest]
+    for container in containers(jobset).values():
+        check_command(container["command"])
