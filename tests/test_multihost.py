@@ -259,10 +259,22 @@ def test_slurm_job_survives_a_node_crash(slurm_cluster, tmp_path, reference_loss
         "REPROBE_S": "10",
     }
     submit = subprocess.run(
-        ["sbatch", "--parsable", f"--nodes={len(testbed.hosts)}", f"--output={out}",
-         "--time=10", f"--chdir={REPO}", "launch/slurm/train.sbatch", *FLAGS],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            f"--nodes={len(testbed.hosts)}",
+            f"--output={out}",
+            "--time=10",
+            f"--chdir={REPO}",
+            "launch/slurm/train.sbatch",
+            *FLAGS,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip()
 
