@@ -36,6 +36,7 @@ OVERRIDES = {
     "log.every_steps": 1,
     "coordinator.heartbeat_interval_s": 0.25,
     "coordinator.heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+    "coordinator.agent_timeout_s": HEARTBEAT_TIMEOUT_S,  # a silent host agent: its host is lost
     "coordinator.jax_heartbeat_timeout_s": 5,
     "coordinator.hang_floor_s": 5.0,
     "coordinator.first_step_timeout_s": 30.0,
