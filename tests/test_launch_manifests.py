@@ -114,3 +114,31 @@ def test_jobset_commands_exist_with_their_flags(manifest):
     (jobset,) = [doc for name, doc in jobsets() if name == manifest]
     for container in containers(jobset).values():
         check_command(container["command"])
+
+
+def test_tpu_workers_derive_the_multislice_variables_from_their_place():
+    from resilient_jax.contracts import env_vars
+    from resilient_jax.worker.distributed import megascale_env, read_env
+
+    def place(process: int, num_processes: int, num_slices: int) -> dict[str, str]:
+        env = read_env(
+            {
+                env_vars.COORDINATOR_ADDRESS: "10.0.0.7:8476",
+                env_vars.NUM_PROCESSES: str(num_processes),
+                env_vars.PROCESS_ID: str(process),
+                env_vars.NUM_SLICES: str(num_slices),
+            }
+        )
+        return megascale_env(env, "8081")
+
+    # 3 slices of 4 hosts: process 9 is on the generation's slice 2; slice 0's host coordinates.
+    assert place(9, 12, 3) == {
+        "MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.7:8081",
+        "MEGASCALE_NUM_SLICES": "3",
+        "MEGASCALE_SLICE_ID": "2",
+        "MEGASCALE_PORT": "8081",
+    }
+    # After an eviction the same host may sit in another slice position of fewer slices.
+    assert place(5, 8, 2)["MEGASCALE_SLICE_ID"] == "1"
+    assert place(5, 8, 2)["MEGASCALE_NUM_SLICES"] == "2"
+    assert place(2, 4, 1) == {}  # one slice: no cross-slice transfers

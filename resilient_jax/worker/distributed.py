@@ -22,6 +22,13 @@ from resilient_jax.contracts.event_types import EventType
 from resilient_jax.control import protocol
 from resilient_jax.events import EventLog
 
+_MEGASCALE_NAMES = (
+    env_vars.MEGASCALE_COORDINATOR_ADDRESS,
+    env_vars.MEGASCALE_NUM_SLICES,
+    env_vars.MEGASCALE_SLICE_ID,
+    env_vars.MEGASCALE_PORT,
+)
+
 
 class WorkerEnvError(BadInput, ValueError):
     """The environment a launcher gave this worker does not add up: fatal, a restart would get the
@@ -79,6 +86,21 @@ def read_env(environ: Mapping[str, str] = os.environ) -> WorkerEnv | None:
     )
 
 
+def megascale_env(env: WorkerEnv, port: str) -> dict[str, str]:
+    """The MEGASCALE_* variables of Cloud TPU multislice for this process's place: the generation's
+    slices numbered as the supervisor numbered them, slice 0's first host (JAX process 0's host)
+    coordinating the cross-slice transfers on `port`. One slice needs none."""
+    if env.num_slices == 1:
+        return {}
+    host, _ = protocol.split_address(env.coordinator_address or "")
+    return {
+        env_vars.MEGASCALE_COORDINATOR_ADDRESS: f"{host}:{port}",
+        env_vars.MEGASCALE_NUM_SLICES: str(env.num_slices),
+        env_vars.MEGASCALE_SLICE_ID: str(env.slice_index),
+        env_vars.MEGASCALE_PORT: port,
+    }
+
+
 def initialize_from_env(
     coordinator_config: ml_collections.ConfigDict,
     events: EventLog | None = None,
@@ -102,6 +124,11 @@ def initialize_from_env(
     )
     start = time.monotonic()
     if env is not None:
+        megascale_port = environ.get(env_vars.MEGASCALE_PORT_FOR_WORKERS)
+        if megascale_port:  # libtpu reads them from this process's environment at start-up
+            for name in _MEGASCALE_NAMES:
+                os.environ.pop(name, None)
+            os.environ.update(megascale_env(env, megascale_port))
         # CPU collectives across processes need gloo; the option is ignored by GPU and TPU backends.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         host, port = protocol.split_address(env.coordinator_address or "")
