@@ -258,6 +258,7 @@ def test_slurm_job_survives_a_node_crash(slurm_cluster, tmp_path, reference_loss
         "WORKDIR": str(workdir),
         "DEVICES_PER_WORKER": str(DEVICES),
         "REPROBE_S": "10",
+        "TMPDIR": str(tmp_path),  # the agents' per-node lock files
     }
     submit = subprocess.run(
         [
