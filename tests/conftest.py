@@ -381,6 +381,7 @@ def netns_testbed(request):
     slot = _claim_testbed_slot()
     testbed = Testbed(slot, getattr(request, "param", 3))
     try:
+        testbed.script("netns", "down")  # whatever a killed earlier run left in this slot
         testbed.script("netns", "up", str(len(testbed.hosts)))
         yield testbed
     finally:
@@ -403,6 +404,7 @@ def slurm_cluster(request):
     slot = _claim_testbed_slot()
     testbed = Testbed(slot, getattr(request, "param", 3))
     try:
+        testbed.script("slurm", "down")  # whatever a killed earlier run left in this slot
         proc = subprocess.run(
             [os.path.join(TESTBED_DIR, "slurm.sh"), "up", str(len(testbed.hosts))],
             env=testbed.env,
