@@ -144,3 +144,19 @@ def test_tpu_workers_derive_the_multislice_variables_from_their_place():
     assert place(5, 8, 2)["MEGASCALE_SLICE_ID"] == "1"
     assert place(5, 8, 2)["MEGASCALE_NUM_SLICES"] == "2"
     assert place(2, 4, 1) == {}  # one slice: no cross-slice transfers
+
+
+def test_slurm_script_gives_the_supervisor_and_agents_only_flags_they_know():
+    """Every `--name=` in launch/slurm/train.sbatch is Slurm's own or a flag of the supervisor
+    (launch/local_cluster.py) or the host agent it starts."""
+    with open(os.path.join(REPO, "launch", "slurm", "train.sbatch")) as f:
+        script = f.read()
+    assert "launch/local_cluster.py" in script and "-m resilient_jax.control.agent" in script
+    slurm_flags = {"nodes", "ntasks", "nodelist", "time", "signal", "output"}
+    known = program_help(("launch/local_cluster.py",)) + program_help(
+        ("-m", "resilient_jax.control.agent")
+    )
+    used = set(re.findall(r"--([a-z_]+)=", script)) - slurm_flags
+    assert {"listen", "host_agents", "supervisor", "slice", "host"} <= used
+    for name in sorted(used):
+        assert re.search(rf"--{name}\b", known), f"train.sbatch passes --{name}, known to neither"
