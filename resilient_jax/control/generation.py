@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from collections.abc import Sequence
 
 from resilient_jax.contracts import exit_codes
@@ -19,6 +20,9 @@ from resilient_jax.control import detector
 from resilient_jax.control.hosts import RemoteWorker
 from resilient_jax.control.processes import describe_exit
 from resilient_jax.control.stragglers import Straggler, StragglerWatch
+
+# How long a software error waits for news of a peer's death that caused it (see `blame`).
+SETTLE_S = 0.2
 
 
 class Outcome(enum.Enum):
@@ -81,8 +85,10 @@ def poll_exits(
     # dies between two looks must not pass for the first to fail.
     codes = [(worker, worker.poll()) for worker in workers]
     # A worker that stops the run on purpose outranks its peers, which may fail a moment later in
-    # a collective with it: look at fatal exits first.
-    for worker, code in sorted(codes, key=lambda wc: wc[1] not in exit_codes.FATAL):
+    # a collective with it: look at fatal exits first, then deaths by a signal (the peers' errors
+    # follow from them).
+    order = sorted(codes, key=lambda wc: (wc[1] not in exit_codes.FATAL, _alive(wc[1])))
+    for worker, code in order:
         if code is None:
             running[worker.process] = worker.started_at
         elif code == ExitCode.FINISHED:
@@ -100,3 +106,33 @@ def poll_exits(
             outcome = Outcome.FATAL if code in exit_codes.FATAL else Outcome.FAILURE
             return running, finished, Watched(outcome, failure)
     return running, finished, None
+
+
+def _alive(code: int | None) -> bool:
+    """False for a worker killed by a signal (not a preemption's SIGTERM)."""
+    return code is None or code >= 0 or code in exit_codes.PREEMPTED_STATUSES
+
+
+def blame(workers: Sequence[RemoteWorker], watched: Watched, poll_s: float) -> Watched:
+    """The failure to act on. A peer's death reaches the supervisor through its host's agent, and
+    the survivors' errors in a collective with it (an error report, an exit code) may arrive a
+    moment earlier: before blaming such a software error, wait `SETTLE_S` for a death by a signal,
+    which is the cause."""
+    failure = watched.failure
+    if failure is None or not (
+        failure.cause == detector.FailureCause.ERROR or (failure.exit_code or 0) > 0
+    ):
+        return watched
+    deadline = time.monotonic() + SETTLE_S
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        for worker in workers:
+            code = worker.poll()
+            if not _alive(code):
+                assert code is not None
+                detail = f"process {worker.process} {describe_exit(code)}"
+                died = detector.Failure(
+                    detector.FailureCause.EXIT, worker.process, detail, failure.since, code
+                )
+                return Watched(Outcome.FAILURE, died)
+    return watched

@@ -35,6 +35,7 @@ from resilient_jax.control.generation import (
     Outcome,
     RestartReason,
     Watched,
+    blame,
     poll_exits,
 )
 from resilient_jax.control.host_plane import HostPlane
@@ -490,7 +491,7 @@ class Supervisor:
                 return lost
             running, finished, exited = poll_exits(gen.workers, now, self._poll_s)
             if exited is not None:
-                return exited
+                return blame(gen.workers, exited, self._poll_s)
             if finished and completed_at is None:
                 completed_at = now
             if not running:
@@ -509,7 +510,7 @@ class Supervisor:
                 )
             failure = detector.check(now, running, reports, self._thresholds)
             if failure is not None:
-                return Watched(Outcome.FAILURE, failure)
+                return blame(gen.workers, Watched(Outcome.FAILURE, failure), self._poll_s)
             if completed_at is None:
                 straggling = self._straggler_outcome(reports)
                 if straggling is not None:
