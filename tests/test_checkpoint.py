@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import (
+    assert_bitwise,
     checkpoint_config,
     data_position,
     events_of,
@@ -52,11 +53,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def assert_bitwise(restored, expected) -> None:
-    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), restored, expected)
-    assert all(jax.tree.leaves(same))
 
 
 @pytest.fixture(scope="module")

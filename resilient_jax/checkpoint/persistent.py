@@ -272,7 +272,7 @@ class PersistentTier:
             target_root.mkdir(parents=True, exist_ok=True)
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for s in newer:
-                self.step_dir(s).rename(target_root / f"{_NAME_FORMAT.build_name(s)}-{stamp}")
+                _move_dir(self.step_dir(s), target_root / f"{_NAME_FORMAT.build_name(s)}-{stamp}")
         return newer
 
     def reload(self) -> None:
@@ -282,6 +282,25 @@ class PersistentTier:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _move_dir(source: epath.Path, target: epath.Path) -> None:
+    """Renames a directory. An object store (gs://) has no directories and no rename: each object
+    is read and written under the new name, then the old ones are deleted (a quarantine is rare;
+    the server-side copy gcsfs would use is not served by the emulator the tests run against)."""
+    if "://" not in os.fspath(source):
+        source.rename(target)
+        return
+    _copy_objects(source, target)
+    source.rmtree()
+
+
+def _copy_objects(source: epath.Path, target: epath.Path) -> None:
+    for path in source.iterdir():
+        if path.is_dir():
+            _copy_objects(path, target / path.name)
+        else:
+            (target / path.name).write_bytes(path.read_bytes())
 
 
 def _one_line(e: BaseException) -> str:

@@ -61,6 +61,8 @@ class Locations:
 
 def locate(path: str, local_dir: str | None = None) -> Locations:
     """Finds the tiers from a run directory (with config.json/checkpoints) or a checkpoint dir."""
+    if "://" in path:  # a gs:// persistent directory: run directories are local paths
+        return Locations(path.rstrip("/"), None, None)
     workdir = None
     config = config_lib.default_config()
     if os.path.exists(os.path.join(path, "config.json")):
