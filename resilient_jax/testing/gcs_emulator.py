@@ -108,14 +108,19 @@ class GcsEmulator:
                 err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
                 self._proc = None
                 raise RuntimeError(f"fake-gcs-server exited at start: {err[-500:]}")
-            with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
-                with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1) as r:
-                    names = [b["name"] for b in json.load(r).get("items", [])]
-                    if self.bucket in names:
-                        return
+            if self.bucket in self._buckets():
+                return
             time.sleep(0.05)
         self.kill()
         raise RuntimeError(f"fake-gcs-server did not serve within {_START_TIMEOUT_S:.0f}s")
+
+    def _buckets(self) -> list[str]:
+        """The buckets it serves ([] while it does not answer)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/storage/v1/b", timeout=1) as response:
+                return [b["name"] for b in json.load(response).get("items", [])]
+        except (urllib.error.URLError, OSError, ValueError):
+            return []
 
     def kill(self) -> None:
         """SIGKILL (an outage, not a shutdown); what it had committed stays on disk."""
