@@ -131,6 +131,13 @@ def default_config() -> ml_collections.ConfigDict:
     # section); restarts resume from the run's own checkpoints. Excludes init_from.
     c.checkpoint.init_from_hf = ""
     c.checkpoint.sync_timeout_s = 300.0  # bound on waiting for peers to agree (restore, saves)
+    # An object-store outage (resilient_jax.checkpoint.outage): a persistent save not committed
+    # this long after it began, or a store not answering within it, counts as failed; training
+    # goes on with the local tier and the next persistent save is tried on schedule.
+    c.checkpoint.persistent_timeout_s = 30.0
+    # Persistent tier unreachable for longer than this (checked at each scheduled persistent save):
+    # a final local save, then exit ExitCode.STORAGE_UNREACHABLE.
+    c.checkpoint.persistent_outage_limit_s = 1800.0
 
     # In-band anomaly detection and self-healing (resilient_jax.health).
     c.health = ml_collections.ConfigDict()
@@ -383,8 +390,9 @@ def _validate_checkpoint(c: ml_collections.ConfigDict) -> None:
             _fail(f"checkpoint.{key}", c[key], "must be >= 1")
     if not c.mtbf_s > 0:
         _fail("checkpoint.mtbf_s", c.mtbf_s, "must be > 0 seconds")
-    if not c.sync_timeout_s > 0:
-        _fail("checkpoint.sync_timeout_s", c.sync_timeout_s, "must be > 0 seconds")
+    for key in ("sync_timeout_s", "persistent_timeout_s", "persistent_outage_limit_s"):
+        if not c[key] > 0:
+            _fail(f"checkpoint.{key}", c[key], "must be > 0 seconds")
     if c.init_from and c.init_from_hf:
         _fail("checkpoint.init_from_hf", c.init_from_hf, "excludes checkpoint.init_from (pick one)")
 

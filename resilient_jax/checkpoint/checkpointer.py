@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,13 @@ from resilient_jax import executables
 from resilient_jax.checkpoint import checksum, manifest
 from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.local import LocalTier, run_dir
+from resilient_jax.checkpoint.outage import (
+    PROBE_WAIT_S,
+    Outage,
+    StoreProbe,
+    cache_run_id,
+    read_cached_run_id,
+)
 from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier, persistent_dir
 from resilient_jax.checkpoint.policy import Decision, SavePolicy, SaveReason, local_interval_steps
 from resilient_jax.checkpoint.preemption import PreemptionNotice
@@ -43,6 +51,9 @@ _CLOCK_LAG = 2
 _STEP_TIMES_KEPT = 64  # step times behind the local interval (only the first ones are used)
 # Published decisions older than this many steps are deleted from the key-value store.
 _CLOCK_KEY_RETENTION = 1000
+
+# Waiting for the previous persistent save: this many times the longest commit seen so far.
+_COMMIT_WAIT_FACTOR = 4
 
 _instance_counter = itertools.count()
 
@@ -77,18 +88,27 @@ class Checkpointer(Hook):
             c.sync_timeout_s,
         )
         self.persistent_dir = persistent_dir(ctx.config, ctx.workdir)
-        accept_other_config = _same_dir(c.init_from, self.persistent_dir)
-        self._persistent = PersistentTier(self.persistent_dir, c.keep, c.keep_period)
-        check_persistent_dir(
-            self._persistent,
-            self._fingerprint,
-            manifest.leaf_specs(ctx.abstract_state),
-            self.persistent_dir,
-            accept_other_config,
-        )
-        is_primary = jax.process_index() == 0
-        run_id = self._persistent.run_id(create=True) if is_primary else None
-        self._run_id: str = self._sync.all_gather("run_id", run_id)[0]
+        self._accept_other_config = _same_dir(c.init_from, self.persistent_dir)
+        self._outage = Outage(self._events, self.persistent_dir)
+        self._probe = StoreProbe(self.persistent_dir)
+        # None while the persistent tier has been unreachable since the start (then restore uses
+        # the local tier, and the tier is opened at the first scheduled save that reaches it).
+        self._persistent: PersistentTier | None = None
+        unreachable = self._agreed_cause(self._probe.unreachable(c.persistent_timeout_s))
+        if unreachable is None:
+            self._persistent = self._open_persistent(ctx)
+            run_id = self._persistent.run_id(create=True) if self._sync.process_index == 0 else None
+        else:
+            self._outage.begin(None, unreachable)
+            run_id = read_cached_run_id(ctx.workdir) if self._sync.process_index == 0 else None
+        self._run_id: str | None = self._sync.all_gather("run_id", run_id)[0]
+        if unreachable is None and self._sync.process_index == 0:
+            cache_run_id(ctx.workdir, self._run_id)
+        elif unreachable is not None and (self._run_id is None or not c.local_dir):
+            raise CheckpointError(
+                f"persistent tier {self.persistent_dir} unreachable at start ({unreachable}) and "
+                "no local tier of this run to resume from: not starting over what it may hold"
+            )
         self._local: LocalTier | None = None
         if c.local_dir and c.local_every_steps > 0:
             self._local = LocalTier(
@@ -100,6 +120,8 @@ class Checkpointer(Hook):
         self._policy = SavePolicy(c, ctx.config.total_steps, clock, self._local is not None)
         self._preemption = PreemptionNotice(handle_sigterm)
         self._deferred_error: CheckpointError | None = None
+        self._last_local_step: int | None = None
+        self._longest_commit_s: float | None = None  # of a persistent save, from its start
         self._last_persistent_step: int | None = None  # saved by this checkpointer (maybe pending)
         self._start_step = 0
         self._epoch = 0  # restores so far; keys wall-clock decisions to the current timeline
@@ -112,6 +134,8 @@ class Checkpointer(Hook):
         self._local_saves = 0
         self._last_local_commit_s: float | None = None
         self._step_times: list[float] = []
+        self._timeout_s = c.persistent_timeout_s
+        self._outage_limit_s = c.persistent_outage_limit_s
         self._restorer = Restorer(
             persistent=self._persistent,
             persistent_dir=self.persistent_dir,
@@ -119,8 +143,8 @@ class Checkpointer(Hook):
             sync=self._sync,
             events=self._events,
             fingerprint=self._fingerprint,
-            run_id=self._run_id,
-            accept_other_config=accept_other_config,
+            run_id=self._run_id or "",
+            accept_other_config=self._accept_other_config,
             on_new_timeline=self._start_timeline,
         )
 
@@ -154,6 +178,11 @@ class Checkpointer(Hook):
         if info is not None and info.step != self._last_persistent_step:
             self._save(ctx, state, info, Decision(persistent=True, reason=SaveReason.FINAL))
         self.wait_until_finished()
+        if info is not None and info.step != self._last_persistent_step:
+            raise CheckpointError(
+                f"final step {info.step} is not on the persistent tier {self.persistent_dir} "
+                "(unreachable; the local tier holds it): restart to save it"
+            )
         if self._local is not None and info is not None and info.step >= ctx.config.total_steps:
             # Finished and committed: the RAM-disk copies can only cost memory from here on.
             self._local.release(ctx.topology.num_processes)
@@ -172,7 +201,8 @@ class Checkpointer(Hook):
             if self._warmup is not None:
                 self._warmup.join()
                 self._warmup = None
-            self._persistent.close()
+            if self._persistent is not None and not self._persistent.save_in_progress():
+                self._persistent.close()  # Orbax's close waits for a save still retrying
             self._preemption.close()
 
     # ------------------------------------------------------------------------------ public API
@@ -185,7 +215,7 @@ class Checkpointer(Hook):
         """
         steps = list(self._committed_persistent_steps())
         if self._local is not None:
-            steps += list(self._local.scan(self._fingerprint, self._run_id)[0])
+            steps += list(self._local.scan(self._fingerprint, self._run_id or "")[0])
         steps = [s for s in steps if max_step is None or s <= max_step]
         return max(steps) if steps else None
 
@@ -201,14 +231,17 @@ class Checkpointer(Hook):
             except CheckpointError as e:
                 self._report_failure(Tier.LOCAL, e)
                 errors.append(e)
-        pending = self._persistent.pending
-        try:
-            done = self._persistent.finish()
-        except CheckpointError as e:
-            self._report_failure(Tier.PERSISTENT, e, pending.step if pending else None)
-            errors.append(e)
-        else:
-            self._report_commit(done)
+        if self._persistent is not None:
+            pending = self._persistent.pending
+            try:
+                # Bounded: a store that stopped answering keeps Orbax waiting for many minutes.
+                done = self._persistent.finish(self._timeout_s)
+            except CheckpointError as e:
+                self._report_failure(Tier.PERSISTENT, e, pending.step if pending else None)
+                self._outage.begin(pending.step if pending else None, str(e))
+                errors.append(e)
+            else:
+                self._report_commit(done)
         if errors:
             raise errors[0]
 
@@ -235,7 +268,19 @@ class Checkpointer(Hook):
             self.wait_until_finished()
         except CheckpointError as e:
             self._deferred_error = e  # reported already; the next save raises it
-        return self._restorer.restore(ctx, started, max_step=max_step, exact=exact)
+        restored = self._restorer.restore(ctx, started, max_step=max_step, exact=exact)
+        if self._persistent is None and max_step is None:
+            if restored is None:
+                raise CheckpointError(
+                    f"persistent tier {self.persistent_dir} unreachable and no valid local-tier "
+                    "step of this run: not starting over what it may hold"
+                )
+            logging.warning(
+                "resumed step %d from the local tier: persistent tier %s unreachable",
+                restored.step,
+                self.persistent_dir,
+            )
+        return restored
 
     def _start_timeline(self, step: int | None, timeline: str) -> None:
         """Saves from here on continue the timeline restored at `step` (None: a fresh start)."""
@@ -243,7 +288,8 @@ class Checkpointer(Hook):
         self._epoch += 1
         self._start_step = step or 0
         self._clock_pending_until = -1
-        self._last_persistent_step = step if step in self._persistent.steps() else None
+        persistent_steps = self._persistent.steps() if self._persistent is not None else []
+        self._last_persistent_step = step if step in persistent_steps else None
         self._policy.restart_clock()
 
     # --------------------------------------------------------------------------------- saving
@@ -282,6 +328,7 @@ class Checkpointer(Hook):
         except CheckpointError as e:
             self._report_failure(Tier.LOCAL, e)
             raise
+        self._last_local_step = step
         self._events.emit(
             EventType.SAVE, tier=Tier.LOCAL, step=step, duration_s=blocking, reason=SaveReason.LOCAL
         )
@@ -324,12 +371,16 @@ class Checkpointer(Hook):
         self, ctx: RunContext, state: TrainState, step: int, position: dict[str, Any], d: Decision
     ) -> None:
         started = time.perf_counter()  # real cost, whatever clock the policies run on
-        pending = self._persistent.pending
-        try:
-            self._report_commit(self._persistent.finish())
-        except CheckpointError as e:
-            self._report_failure(Tier.PERSISTENT, e, pending.step if pending else None)
-            raise
+        views = self._sync.all_gather(
+            "persistent_ready", [self._persistent_blocker(step), self._outage.duration_s()]
+        )
+        blocked = next((cause for cause, _ in views if cause), None)
+        if blocked is None and self._persistent is None:
+            blocked = self._reconnect(ctx)  # every process reaches this together
+        if blocked is not None:
+            self._skip_persistent(ctx, state, step, position, blocked, max(t for _, t in views))
+            return
+        assert self._persistent is not None
         if self._warmup is not None:
             self._warmup.join()
             self._warmup = None
@@ -339,9 +390,10 @@ class Checkpointer(Hook):
         )
         try:
             started_save = self._persistent.save(step, state, position, meta, d.temporary)
-        except CheckpointError as e:
+        except CheckpointError as e:  # the store went away since the probe: an outage too
             self._report_failure(Tier.PERSISTENT, e, step)
-            raise
+            self._skip_persistent(ctx, state, step, position, str(e), self._outage.duration_s())
+            return
         self._last_persistent_step = step
         if started_save is None:
             return  # this step is already committed
@@ -357,6 +409,106 @@ class Checkpointer(Hook):
             temporary=d.temporary or None,
             interval_s=interval,
         )
+
+    def _persistent_blocker(self, step: int) -> str | None:
+        """Why this process cannot start a persistent save now (None: it can). The previous
+        save is waited for as long as a save normally takes to commit (a few times the longest
+        seen, at least 5 s: a loaded machine is slow, not an outage; never past
+        `checkpoint.persistent_timeout_s` from its start; not at all during an outage), the
+        store for at most a probe."""
+        wait_s = min(PROBE_WAIT_S, self._timeout_s)
+        if self._persistent is None:
+            return self._probe.unreachable(wait_s)
+        pending = self._persistent.pending
+        if pending is not None:
+            budget = self._timeout_s - (time.monotonic() - pending.started)
+            if self._longest_commit_s is not None:
+                budget = min(budget, max(_COMMIT_WAIT_FACTOR * self._longest_commit_s, 5.0))
+            if self._outage.since is not None:
+                budget = 0.0
+            try:
+                self._report_commit(self._persistent.finish(max(0.0, budget)))
+            except CheckpointError as e:
+                if self._persistent.save_in_progress():
+                    age = time.monotonic() - pending.started
+                    return f"the save of step {pending.step} is still in flight after {age:.0f}s"
+                self._report_failure(Tier.PERSISTENT, e, pending.step)
+                self._outage.begin(step, str(e))  # a new save may still work: probe
+        return self._probe.unreachable(wait_s)
+
+    def _skip_persistent(
+        self,
+        ctx: RunContext,
+        state: TrainState,
+        step: int,
+        position: dict[str, Any],
+        cause: str,
+        outage_s: float,
+    ) -> None:
+        """A persistent save the store cannot take: the step goes to the local tier instead, and
+        an outage past its limit stops the run (the same step on every process: `outage_s` is
+        the longest any of them has seen)."""
+        self._outage.begin(step, cause)
+        self._events.emit(
+            EventType.SAVE_FAILED, tier=Tier.PERSISTENT, step=step, cause=f"skipped: {cause}"
+        )
+        if self._local is not None and self._last_local_step != step:
+            self._save_local(ctx, state, step, position)
+        if outage_s > self._outage_limit_s:
+            if self._local is not None:
+                self._local.finish()
+            raise StopTraining(
+                f"persistent tier {self.persistent_dir} unreachable for {outage_s:.0f}s "
+                f"(checkpoint.persistent_outage_limit_s={self._outage_limit_s:g}): {cause}; "
+                f"step {step} is on the local tier",
+                ExitCode.STORAGE_UNREACHABLE,
+            )
+
+    def _open_persistent(self, ctx: RunContext) -> PersistentTier:
+        c = ctx.config.checkpoint
+        persistent = PersistentTier(self.persistent_dir, c.keep, c.keep_period)
+        check_persistent_dir(
+            persistent,
+            self._fingerprint,
+            manifest.leaf_specs(ctx.abstract_state),
+            self.persistent_dir,
+            self._accept_other_config,
+        )
+        return persistent
+
+    def _reconnect(self, ctx: RunContext) -> str | None:
+        """Opens the persistent tier that was unreachable at the start; None once it is open.
+
+        Its steps newer than the one this timeline started from were left by the timeline the
+        run abandoned when it resumed from the local tier: they move into quarantine, as a
+        restore would have moved them."""
+        try:
+            persistent = self._open_persistent(ctx)
+        except CheckpointError as e:
+            return str(e)
+        their_run = persistent.run_id(create=False)
+        if their_run is not None and self._run_id is not None and their_run != self._run_id:
+            raise CheckpointError(
+                f"persistent tier {self.persistent_dir} now holds run {their_run}, not this "
+                f"run's {self._run_id} that the local tier resumed"
+            )
+        moved = persistent.quarantine_after(self._start_step)
+        self._sync.all_gather("reconnected", None)  # process 0 has moved them
+        persistent.reload()
+        if moved:
+            self._events.emit(
+                EventType.CHECKPOINT_QUARANTINED,
+                tier=Tier.PERSISTENT,
+                step=self._start_step,
+                steps=moved,
+                cause=f"newer than step {self._start_step}, resumed from the local tier",
+            )
+        self._persistent = self._restorer.persistent = persistent
+        return None
+
+    def _agreed_cause(self, cause: str | None) -> str | None:
+        """The first process's cause, if any process has one (the same answer everywhere)."""
+        return next((c for c in self._sync.all_gather("cause", cause) if c), None)
 
     def _stop_for_preemption(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
         self._events.emit(EventType.PREEMPTION, step=info.step)
@@ -390,20 +542,38 @@ class Checkpointer(Hook):
         return None if decided is None else SaveReason(decided)
 
     def _poll_commit(self) -> None:
-        pending = self._persistent.pending
+        """Reports a persistent save that finished since the last step, without waiting. A
+        failed one, or one running past `checkpoint.persistent_timeout_s`, is an outage: the
+        run goes on with the local tier and tries the next save on schedule."""
+        pending = self._persistent.pending if self._persistent is not None else None
+        if pending is None:
+            return
+        assert self._persistent is not None
+        if self._persistent.save_in_progress():
+            age = time.monotonic() - pending.started
+            if age > self._timeout_s:
+                self._outage.begin(
+                    pending.step,
+                    f"the save of step {pending.step} is not committed after "
+                    f"{age:.0f}s (checkpoint.persistent_timeout_s={self._timeout_s:g})",
+                )
+            return
         try:
             self._report_commit(self._persistent.poll())
         except CheckpointError as e:
-            self._report_failure(Tier.PERSISTENT, e, pending.step if pending else None)
-            self._deferred_error = e  # raised at the next save, as every save failure is
+            self._report_failure(Tier.PERSISTENT, e, pending.step)
+            self._outage.begin(pending.step, str(e))
 
     def _report_commit(self, pending: PendingSave | None) -> None:
         if pending is not None:
+            commit_s = time.monotonic() - pending.started
+            self._longest_commit_s = max(self._longest_commit_s or 0.0, commit_s)
+            self._outage.end(pending.step)
             self._events.emit(
                 EventType.SAVE_COMMITTED,
                 tier=Tier.PERSISTENT,
                 step=pending.step,
-                commit_s=time.monotonic() - pending.started,
+                commit_s=commit_s,
             )
 
     def _on_local_commit(self, step: int, commit_s: float, nbytes: int) -> None:
@@ -416,6 +586,8 @@ class Checkpointer(Hook):
         self._events.emit(EventType.SAVE_FAILED, tier=tier, step=step, cause=str(error))
 
     def _committed_persistent_steps(self) -> list[int]:
+        if self._persistent is None:
+            return []
         pending = self._persistent.pending
         return [s for s in self._persistent.steps() if pending is None or s != pending.step]
 

@@ -228,12 +228,28 @@ class PersistentTier:
 
     def poll(self) -> PendingSave | None:
         """The pending save if it has finished since the last call (without waiting)."""
-        if self.pending is None or self._manager.is_saving_in_progress():
+        if self.pending is None or self.save_in_progress():
             return None
         return self.finish()
 
-    def finish(self) -> PendingSave | None:
-        """Waits for the pending save; returns it once committed, raises if it failed."""
+    def save_in_progress(self) -> bool:
+        return self.pending is not None and self._manager.is_saving_in_progress()
+
+    def finish(self, timeout_s: float | None = None) -> PendingSave | None:
+        """Waits for the pending save; returns it once committed, raises if it failed.
+
+        With `timeout_s`, a save still running after it raises and stays pending (an object
+        store that stopped answering holds Orbax's wait for as long as its retries last).
+        """
+        if timeout_s is not None and self.pending is not None:
+            deadline = time.monotonic() + timeout_s
+            while self._manager.is_saving_in_progress():
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"persistent save of step {self.pending.step} to {self.directory} did "
+                        f"not commit within {timeout_s:g}s"
+                    )
+                time.sleep(0.05)
         pending, self.pending = self.pending, None
         error: BaseException | None = None
         try:

@@ -21,7 +21,7 @@ from resilient_jax.events import EventLog
 
 def retire_after(
     step: int | None,
-    persistent: PersistentTier,
+    persistent: PersistentTier | None,
     local: LocalTier | None,
     sync: ProcessSync,
     events: EventLog,
@@ -30,12 +30,14 @@ def retire_after(
     None: every local copy; persistent steps stay, since restore refused to pass them by).
 
     Every process must call it at the same point; returns the new timeline's id, the same on
-    every process.
+    every process. With `persistent` None (unreachable since the start) only local copies are
+    dropped; the checkpointer quarantines its newer steps once it reaches it again.
     """
-    moved = persistent.quarantine_after(step) if step is not None else []
+    moved = persistent.quarantine_after(step) if persistent and step is not None else []
     # Also the barrier after which every process sees the moves of process 0.
     tokens = sync.all_gather("timeline", uuid.uuid4().hex[:12])
-    persistent.reload()
+    if persistent is not None:
+        persistent.reload()
     if moved:
         events.emit(
             EventType.CHECKPOINT_QUARANTINED,

@@ -98,7 +98,7 @@ class Restorer:
     the steps after `step` (None: nothing restored), before the `restore` event.
     """
 
-    persistent: PersistentTier
+    persistent: PersistentTier | None  # None: unreachable since the start (local tier only)
     persistent_dir: str  # as the user gave it, for messages
     local: LocalTier | None
     sync: ProcessSync
@@ -125,7 +125,8 @@ class Restorer:
             return max_step is None or (step == max_step if exact else step <= max_step)
 
         local_copies = self._local_candidates(ctx, wanted, fits)
-        persistent_steps = [s for s in self.persistent.steps() if fits(s)]
+        listed = self.persistent.steps() if self.persistent is not None else []
+        persistent_steps = [s for s in listed if fits(s)]
         mine = [*local_copies, *(_persistent_key(s) for s in persistent_steps)]
         views = self.sync.all_gather("restore_candidates", mine)
         agreed = set(views[0]).intersection(*views[1:])
@@ -225,6 +226,7 @@ class Restorer:
         return Restored(state, position, int(first["step"]), Tier.LOCAL), None
 
     def _load_persistent(self, ctx: RunContext, step: int, wanted: LeafSpecs) -> _Loaded:
+        assert self.persistent is not None
         meta = self.persistent.read_meta(step)
         manifest.check_compatible(
             meta,

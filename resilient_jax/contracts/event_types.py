@@ -28,6 +28,10 @@ class EventType(Name):
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # tier, every_steps, cost_s, mtbf_s
     CHECKPOINT_INVALID = "checkpoint_invalid"  # step, tier, cause: skipped on restore
     CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # step, path, cause
+    # The persistent tier stopped answering (a save failed or hung, a probe got no answer, or it
+    # was unreachable at start): training goes on with the local tier.
+    PERSISTENT_OUTAGE = "persistent_outage"  # step, cause
+    PERSISTENT_RECOVERED = "persistent_recovered"  # step (the first committed since), outage_s
     PREEMPTION = "preemption"  # step: a SIGTERM was agreed on; save and stop
     # In-band health.
     ANOMALY = "anomaly"  # step, cause, loss, grad_norm, z

@@ -19,6 +19,9 @@ class ExitCode(enum.IntEnum):
     HUNG = 4  # the watchdog saw no progress for too long: restartable
     CHECKPOINT = 5  # nothing valid to restore, or a save that never committed: restartable
     SUPERVISOR_LOST = 6  # a host agent saw no supervisor for coordinator.orphan_timeout_s
+    # The persistent tier was unreachable for longer than checkpoint.persistent_outage_limit_s
+    # (after a final local save): restartable; a restart resumes from the local tier.
+    STORAGE_UNREACHABLE = 7
     PREEMPTED = 42  # asked to stop (SIGTERM, scale-up): saved and left; restart freely
     TIME_LIMIT = 124  # the supervisor's time limit ran out (as `timeout` reports it)
     INTERRUPTED = 130  # SIGINT/SIGTERM to the supervisor itself (128 + SIGINT)

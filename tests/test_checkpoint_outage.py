@@ -1,0 +1,301 @@
+"""Object-store outages: the GCS emulator killed under a training run's checkpointer (mid-save, at
+the start, for longer than the limit). Training never waits on the store for longer than a
+normal save plus one bounded probe, the local tier keeps every step, and once the store returns
+the next persistent save commits and restores bitwise. Also a gs:// run through the launcher and
+a local cluster, resumed after SIGKILL, against undisturbed runs. All slow: each outage waits for
+timeouts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+from conftest import (
+    REPO,
+    SMALL,
+    as_flags,
+    assert_bitwise,
+    checkpoint_config,
+    events_of,
+    run_context,
+    step_through,
+)
+from etils import epath
+
+from resilient_jax.checkpoint import Checkpointer, CheckpointError, Tier
+from resilient_jax.checkpoint.outage import PROBE_WAIT_S
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.train.hooks import StopTraining
+from resilient_jax.train.state import init_state
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 1.0  # checkpoint.persistent_timeout_s in these tests
+
+
+@pytest.fixture(scope="module")
+def state0(tmp_path_factory):
+    ctx = run_context(checkpoint_config(), str(tmp_path_factory.mktemp("init")))
+    return init_state(ctx.config, ctx.mesh)
+
+
+def _config(local_root: str, gcs, **overrides):
+    return checkpoint_config(
+        local_root,
+        **{
+            "checkpoint.dir": gcs.gs_url(uuid.uuid4().hex[:12], "checkpoints"),
+            "checkpoint.every_steps": 4,
+            "checkpoint.local_every_steps": 1,
+            "checkpoint.local_auto_interval": False,
+            "checkpoint.persistent_timeout_s": TIMEOUT_S,
+            **overrides,
+        },
+    )
+
+
+def _timed_steps(ck, ctx, state, first: int, last: int) -> tuple:
+    """`step_through` one step at a time; returns (state, host copies, seconds per step)."""
+    host, blocked = {}, {}
+    for step in range(first, last + 1):
+        started = time.perf_counter()
+        state, copies = step_through(ck, ctx, state, step, step)
+        blocked[step] = time.perf_counter() - started
+        host.update(copies)
+    return state, host, blocked
+
+
+def test_emulator_killed_mid_save_training_goes_on_and_the_next_save_commits(
+    tmp_path, local_root, gcs, state0
+):
+    workdir = str(tmp_path / "run")
+    config = _config(local_root, gcs)
+    ctx = run_context(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    assert ck.restore_latest(ctx) is None
+    ck.on_start(ctx, state0)
+    state, host, normal = _timed_steps(ck, ctx, state0, 1, 8)  # persistent saves at 4 and 8
+    gcs.kill()  # the save of step 8 is in flight: Orbax writes it in the background
+    killed = time.monotonic()
+    state, more, blocked = _timed_steps(ck, ctx, state, 9, 16)
+    host.update(more)
+
+    # Training kept stepping; a step waited at most a normal save plus one bounded probe (and
+    # scheduling noise on a loaded 2-core machine).
+    bound = max(normal.values()) + min(PROBE_WAIT_S, TIMEOUT_S) + 1.0
+    assert max(blocked.values()) < bound, (blocked, normal)
+    (outage,) = events_of(workdir, EventType.PERSISTENT_OUTAGE)
+    assert outage["step"] in (8, 12) and outage["cause"]
+    local_saves = {e["step"] for e in events_of(workdir, EventType.SAVE) if e["tier"] == "local"}
+    assert set(range(9, 17)) <= local_saves
+    skipped = [e for e in events_of(workdir, EventType.SAVE_FAILED) if e["tier"] == "persistent"]
+    assert any(e["step"] in (12, 16) for e in skipped)
+
+    gcs.start()  # the store returns; the stuck save finishes or fails within TensorStore's backoff
+    step, recovered = 16, []
+    deadline = time.monotonic() + 120
+    while not recovered and time.monotonic() < deadline:
+        state, more = step_through(ck, ctx, state, step + 1, step + 4)
+        host.update(more)
+        step += 4
+        recovered = events_of(workdir, EventType.PERSISTENT_RECOVERED)
+        time.sleep(0.5)
+    assert recovered, f"no persistent save committed {time.monotonic() - killed:.0f}s after"
+    ck.wait_until_finished()
+    ck.close()
+    committed = recovered[0]["step"]
+    assert committed > 8 or committed == 8  # 8 itself if its retries outlived the outage
+
+    restore_config = config.copy_and_resolve_references()
+    restore_config.checkpoint.local_dir = ""  # the persistent tier alone
+    ctx = run_context(restore_config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx, max_step=committed)
+    ck.close()
+    assert (restored.tier, restored.step) == (Tier.PERSISTENT, committed)
+    assert_bitwise(restored.state, host[committed])
+
+
+def test_bucket_unreachable_at_start_resumes_from_the_local_tier(tmp_path, local_root, gcs, state0):
+    workdir = str(tmp_path / "run")
+    config = _config(local_root, gcs)
+    ctx = run_context(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.restore_latest(ctx)
+    ck.on_start(ctx, state0)
+    state, host = step_through(ck, ctx, state0, 1, 6)  # persistent 4, local 5 and 6
+    ck.wait_until_finished()
+    ck.close()
+
+    gcs.kill()
+    ctx = run_context(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    assert (restored.tier, restored.step) == (Tier.LOCAL, 6)
+    assert_bitwise(restored.state, host[6])
+    outage = events_of(workdir, EventType.PERSISTENT_OUTAGE)
+    assert outage and outage[-1]["step"] is None and "unreachable" in outage[-1]["cause"]
+
+    # The store returns: the first scheduled save reaches it again and commits.
+    gcs.start()
+    ck.on_start(ctx, restored.state)
+    state, more = step_through(ck, ctx, restored.state, 7, 8)
+    ck.wait_until_finished()
+    ck.close()
+    assert events_of(workdir, EventType.PERSISTENT_RECOVERED)[-1]["step"] == 8
+    steps = sorted(
+        int(p.name) for p in epath.Path(config.checkpoint.dir).iterdir() if p.name.isdigit()
+    )
+    assert steps == [4, 8]
+
+    # No local copy of the run (another machine's RAM disk) and no store: a clear refusal.
+    gcs.kill()
+    elsewhere = config.copy_and_resolve_references()
+    elsewhere.checkpoint.local_dir = str(tmp_path / "empty-shm")
+    ctx = run_context(elsewhere, str(tmp_path / "run"))
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    with pytest.raises(CheckpointError, match="unreachable and no valid local-tier step"):
+        ck.restore_latest(ctx)
+    ck.close()
+    with pytest.raises(CheckpointError, match="unreachable at start"):
+        Checkpointer(run_context(elsewhere, str(tmp_path / "new")), handle_sigterm=False)
+
+
+def test_outage_past_its_limit_stops_after_a_local_save(tmp_path, local_root, gcs, state0):
+    workdir = str(tmp_path / "run")
+    config = _config(
+        local_root,
+        gcs,
+        **{"checkpoint.every_steps": 2, "checkpoint.persistent_outage_limit_s": 2.0},
+    )
+    ctx = run_context(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.restore_latest(ctx)
+    ck.on_start(ctx, state0)
+    state, _ = step_through(ck, ctx, state0, 1, 2)
+    ck.wait_until_finished()
+    gcs.kill()
+    step = 2
+    deadline = time.monotonic() + 60
+    with pytest.raises(StopTraining) as stop:
+        while time.monotonic() < deadline:
+            state, _ = step_through(ck, ctx, state, step + 1, step + 1)
+            step += 1
+            time.sleep(0.2)
+    ck.close()
+    assert stop.value.exit_code == ExitCode.STORAGE_UNREACHABLE
+    assert "persistent_outage_limit_s" in stop.value.reason
+    assert ck.latest_step() == step  # the final step is on the local tier
+
+
+# ------------------------------------------------------------------- whole runs on gs://
+
+
+def _train(workdir, ckpt_dir: str, devices: int = 4) -> subprocess.Popen:
+    flags = as_flags(
+        {
+            **SMALL,
+            "total_steps": 30,
+            "checkpoint.every_steps": 10,
+            "checkpoint.local_every_steps": 3,
+            "checkpoint.dir": ckpt_dir,
+        }
+    )
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "launch/train.py",
+            "--config=configs/tiny_cpu.py",
+            f"--workdir={workdir}",
+            f"--config.checkpoint.local_dir={workdir}-shm",
+            *flags,
+        ],
+        cwd=REPO,
+        env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _plain_state(ckpt_dir: str, step: int) -> dict:
+    import jax
+    import orbax.checkpoint as ocp
+
+    path = f"{ckpt_dir}/{step}/state"
+    checkpointer = ocp.PyTreeCheckpointer()
+    meta = checkpointer.metadata(path).item_metadata.tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    flat = jax.tree_util.tree_flatten_with_path(checkpointer.restore(path, restore_args=args))[0]
+    return {jax.tree_util.keystr(p): v for p, v in flat}
+
+
+def test_gs_run_killed_and_resumed_is_bitwise_equal_to_an_undisturbed_one(tmp_path, gcs, launcher):
+    undisturbed = gcs.gs_url(uuid.uuid4().hex[:12])
+    proc = _train(tmp_path / "a", undisturbed)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    resumed = gcs.gs_url(uuid.uuid4().hex[:12])
+    proc = _train(tmp_path / "b", resumed)
+    launcher.wait_for_step(tmp_path / "b", 14, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc = _train(tmp_path / "b", resumed)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert events_of(str(tmp_path / "b"), EventType.RESTORE)
+    expected, got = _plain_state(undisturbed, 30), _plain_state(resumed, 30)
+    assert expected.keys() == got.keys()
+    for key, value in expected.items():
+        assert np.array_equal(value, got[key]), key
+
+
+def test_local_cluster_with_a_gs_persistent_tier(tmp_path, gcs):
+    """Two JAX processes (two slices) under the supervisor; every persistent save goes to gs://,
+    and a slice lost mid-run comes back through a restore from it."""
+    ckpt_dir = gcs.gs_url(uuid.uuid4().hex[:12])
+    workdir = tmp_path / "cluster"
+    argv = [
+        sys.executable,
+        "launch/local_cluster.py",
+        "--config=configs/tiny_cpu.py",
+        f"--workdir={workdir}",
+        "--num_slices=2",
+        "--devices_per_process=2",
+        "--chaos=kill:process=1,step=12",
+        *as_flags(
+            {
+                **SMALL,
+                "total_steps": 24,
+                "checkpoint.every_steps": 5,
+                "checkpoint.local_every_steps": 0,
+                "checkpoint.dir": ckpt_dir,
+                "coordinator.standby_workers": False,
+            }
+        ),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"local cluster did not finish:\n{out[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    restores = events_of(str(workdir), EventType.RESTORE)
+    assert any(e["tier"] == "persistent" and e["step"] == 10 for e in restores), restores
+    steps = sorted(int(p.name) for p in epath.Path(ckpt_dir).iterdir() if p.name.isdigit())
+    assert steps[-1] == 24
