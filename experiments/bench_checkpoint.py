@@ -16,6 +16,13 @@ devices when running on CPU. Three measurements:
 2. Throughput: blocks of training steps with a local save after every step against blocks with
    no saves, alternating; a save block includes waiting for its last write.
 3. Restore time per tier onto the same mesh and onto half the devices.
+
+With `--backends` it measures instead the persistent tier on a local directory against gs:// on
+a local GCS emulator (fake-gcs-server, `pip install -e '.[dev]'`), the same state, interleaved:
+save (blocking and commit) and restore; then an outage: the emulator is killed while a persistent
+save is in flight, and the steps that follow are timed (the local tier saving every step), until
+it is started again and a persistent save commits.
+-> experiments/results/bench_checkpoint_gcs.json
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ _BLOCKS = flags.DEFINE_integer("blocks", 3, "Throughput blocks per side.")
 _STEPS = flags.DEFINE_integer("steps", 6, "Steps per throughput block.")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 8, "Simulated devices when on CPU.")
 _OUT = flags.DEFINE_string("out", "experiments/results/bench_checkpoint.json", "Result file.")
+_BACKENDS = flags.DEFINE_bool("backends", False, "Local directory against gs:// (emulator).")
+_BACKENDS_OUT = flags.DEFINE_string(
+    "backends_out", "experiments/results/bench_checkpoint_gcs.json", "Result file of --backends."
+)
 
 
 def main(argv: list[str]) -> None:
@@ -49,6 +60,9 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault(
         "XLA_FLAGS", f"--xla_force_host_platform_device_count={_CPU_DEVICES.value}"
     )
+    if _BACKENDS.value:
+        compare_backends()
+        return
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
@@ -261,6 +275,199 @@ def main(argv: list[str]) -> None:
     with open(_OUT.value, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {_OUT.value}")
+
+
+def compare_backends() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from resilient_jax.checkpoint import Checkpointer
+    from resilient_jax.data import BatchLoader, make_source
+    from resilient_jax.data.position import DataPosition
+    from resilient_jax.events import EventLog, read_events
+    from resilient_jax.run import compile_step, prepare
+    from resilient_jax.testing.gcs_emulator import GcsEmulator
+    from resilient_jax.train.hooks import StepInfo
+    from resilient_jax.train.state import init_state
+
+    base = _CONFIG.value
+    base.total_steps = 10**9
+    base.log.progress_bar = False
+    base.log.tensorboard = False
+    base.checkpoint.local_dir = ""
+    base.checkpoint.every_steps = 1
+    root = tempfile.mkdtemp(prefix="bench_gcs_")
+    local_root = f"/dev/shm/bench_gcs_{uuid.uuid4().hex[:8]}"
+    emulator = GcsEmulator()
+    emulator.start()
+    os.environ.update(emulator.environ())
+    med = statistics.median
+    step = 0
+
+    def events(workdir: str, kind: str) -> list[dict]:
+        return [e for e in read_events(workdir) if e["type"] == kind]
+
+    try:
+        dirs = {"dir": os.path.join(root, "store"), "gs": emulator.gs_url("bench")}
+
+        def context(backend: str, **overrides):
+            config = base.copy_and_resolve_references()
+            config.checkpoint.dir = dirs[backend]
+            config.update_from_flattened_dict(overrides)
+            workdir = os.path.join(root, f"{backend}-{uuid.uuid4().hex[:6]}")
+            return prepare(config, workdir, EventLog(workdir))
+
+        ctxs = {backend: context(backend) for backend in dirs}
+        step_fn = compile_step(ctxs["dir"])
+        loader = BatchLoader(base, ctxs["dir"].mesh, ctxs["dir"].plan, make_source(base))
+        _, batch = loader.next()
+        one = jnp.float32(1.0)
+        state = init_state(base, ctxs["dir"].mesh)
+        state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+
+        def train_step(state):
+            nonlocal step
+            state, _ = step_fn(state, batch, one)
+            step += 1
+            return jax.block_until_ready(state)
+
+        def info() -> StepInfo:
+            return StepInfo(step, step - 1, DataPosition(next_batch=step), 0.0)
+
+        # Save: blocking time and commit, interleaved round by round (round 0 warms up).
+        checkpointers = {b: Checkpointer(ctx, handle_sigterm=False) for b, ctx in ctxs.items()}
+        for backend, ck in checkpointers.items():
+            ck.on_start(ctxs[backend], state)
+        save_s: dict[str, list[float]] = {b: [] for b in dirs}
+        saved_steps: dict[str, list[int]] = {b: [] for b in dirs}
+        for r in range(_ROUNDS.value + 1):
+            for backend in list(dirs)[r % 2 :] + list(dirs)[: r % 2]:
+                state = train_step(state)
+                start = time.perf_counter()
+                checkpointers[backend].after_step(ctxs[backend], state, info())
+                elapsed = time.perf_counter() - start
+                checkpointers[backend].wait_until_finished()
+                if r > 0:
+                    save_s[backend].append(elapsed)
+                    saved_steps[backend].append(step)
+        commit_s = {}
+        for backend, ck in checkpointers.items():
+            ck.close()
+            committed = {
+                e["step"]: e["commit_s"] for e in events(ctxs[backend].workdir, "save_committed")
+            }
+            commit_s[backend] = [committed[s] for s in saved_steps[backend]]
+
+        # Restore the newest step, alternating backends.
+        restore_s: dict[str, list[float]] = {b: [] for b in dirs}
+        for _ in range(3):
+            for backend in dirs:
+                ctx = context(backend)
+                ck = Checkpointer(ctx, handle_sigterm=False)
+                start = time.perf_counter()
+                restored = ck.restore_latest(ctx)
+                jax.block_until_ready(restored.state)
+                restore_s[backend].append(time.perf_counter() - start)
+                ck.close()
+
+        # An outage in the middle of an async persistent save (persistent every 4 steps, local
+        # every step); the outage is declared after persistent_timeout_s.
+        timeout_s = 2.0
+        dirs["gs"] = emulator.gs_url("outage")
+        ctx = context(
+            "gs",
+            **{
+                "checkpoint.every_steps": 4,
+                "checkpoint.local_dir": local_root,
+                "checkpoint.local_every_steps": 1,
+                "checkpoint.local_auto_interval": False,
+                "checkpoint.persistent_timeout_s": timeout_s,
+            },
+        )
+        ck = Checkpointer(ctx, handle_sigterm=False)
+        ck.on_start(ctx, state)
+        healthy_s = []
+        while step % 4 != 3 or len(healthy_s) < 8:
+            state = train_step(state)
+            start = time.perf_counter()
+            ck.after_step(ctx, state, info())
+            healthy_s.append(time.perf_counter() - start)
+        state = train_step(state)
+        ck.after_step(ctx, state, info())  # a persistent save starts: killed in flight
+        emulator.kill()
+        killed = time.perf_counter()
+        outage_steps_s, first_step_after_s = [], None
+        while time.perf_counter() - killed < 4 * timeout_s + 4:
+            state = train_step(state)
+            start = time.perf_counter()
+            ck.after_step(ctx, state, info())
+            outage_steps_s.append(time.perf_counter() - start)
+            if first_step_after_s is None:
+                first_step_after_s = time.perf_counter() - killed
+        detected = events(ctx.workdir, "persistent_outage")
+        emulator.start()
+        back = time.perf_counter()
+        recovered_s = None
+        while recovered_s is None and time.perf_counter() - back < 180:
+            state = train_step(state)
+            ck.after_step(ctx, state, info())
+            if events(ctx.workdir, "persistent_recovered"):
+                recovered_s = time.perf_counter() - back
+        ck.close()
+        local_saves = [e["step"] for e in events(ctx.workdir, "save") if e["tier"] == "local"]
+    finally:
+        emulator.close()
+        shutil.rmtree(local_root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+    result = {
+        "config": base.model.to_dict()
+        | {"global_batch_size": base.global_batch_size, "seq_len": base.data.seq_len},
+        "device": jax.devices()[0].device_kind,
+        "num_devices": jax.device_count(),
+        "host": platform.node(),
+        "state_mb": state_bytes / 1e6,
+        "rounds": _ROUNDS.value,
+        "emulator": "fake-gcs-server on 127.0.0.1",
+        "save_hook_s": save_s,
+        "save_commit_s": commit_s,
+        "restore_s": restore_s,
+        "gs_over_dir": {
+            "save_hook": med(save_s["gs"]) / med(save_s["dir"]),
+            "save_commit": med(commit_s["gs"]) / med(commit_s["dir"]),
+            "restore": med(restore_s["gs"]) / med(restore_s["dir"]),
+        },
+        "outage": {
+            "persistent_timeout_s": timeout_s,
+            "healthy_step_hook_s": healthy_s,
+            "outage_step_hook_s": outage_steps_s,
+            "kill_to_next_step_done_s": first_step_after_s,
+            "outage_event": detected[0] if detected else None,
+            "restart_to_persistent_commit_s": recovered_s,
+            "local_saves_during_outage": len(outage_steps_s),
+            "local_saves": len(local_saves),
+        },
+    }
+    print(f"state {state_bytes / 1e6:.1f} MB on {jax.device_count()} x {result['device']}")
+    print(f"{'median of ' + str(_ROUNDS.value):24}{'dir':>10}{'gs://':>10}{'ratio':>8}")
+    for name, table in (("save blocks s", save_s), ("save commit s", commit_s)):
+        ratio = med(table["gs"]) / med(table["dir"])
+        print(f"{name:24}{med(table['dir']):>10.3f}{med(table['gs']):>10.3f}{ratio:>8.2f}")
+    ratio = result["gs_over_dir"]["restore"]
+    print(
+        f"{'restore s':24}{med(restore_s['dir']):>10.3f}{med(restore_s['gs']):>10.3f}{ratio:>8.2f}"
+    )
+    o = result["outage"]
+    print(
+        f"outage: next step done {o['kill_to_next_step_done_s']:.3f} s after the kill; longest "
+        f"step hook during it {max(outage_steps_s):.3f} s (healthy {max(healthy_s):.3f} s); "
+        f"outage event {'yes' if detected else 'no'}; persistent commit "
+        f"{recovered_s if recovered_s is None else round(recovered_s, 1)} s after the restart"
+    )
+    os.makedirs(os.path.dirname(_BACKENDS_OUT.value), exist_ok=True)
+    with open(_BACKENDS_OUT.value, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {_BACKENDS_OUT.value}")
 
 
 if __name__ == "__main__":
