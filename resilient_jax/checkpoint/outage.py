@@ -46,12 +46,12 @@ class StoreProbe:
 
     def __init__(self, directory: str) -> None:
         self._directory = epath.Path(directory)
-        self._asking: threading.Thread | None = None
 
     def unreachable(self, wait_s: float) -> str | None:
-        """None if the directory answered within `wait_s` (existing or not), else why not."""
-        if self._asking is not None and self._asking.is_alive():
-            return f"{self._directory} has not answered a probe sent earlier"
+        """None if the directory answered within `wait_s` (existing or not), else why not.
+
+        Each call asks anew: an earlier probe may still sit in gcsfs's retries (about 33 s)
+        after the store came back, and must not hide that it answers now."""
         outcome: list[str | None] = []
 
         def ask() -> None:
@@ -61,9 +61,9 @@ class StoreProbe:
             except Exception as e:
                 outcome.append(f"{self._directory} unreachable: {one_line(e)}")
 
-        self._asking = threading.Thread(target=ask, name="store-probe", daemon=True)
-        self._asking.start()
-        self._asking.join(wait_s)
+        asking = threading.Thread(target=ask, name="store-probe", daemon=True)
+        asking.start()
+        asking.join(wait_s)
         if not outcome:
             return f"{self._directory} did not answer within {wait_s:g}s"
         return outcome[0]
