@@ -145,7 +145,7 @@ def test_bucket_unreachable_at_start_resumes_from_the_local_tier(tmp_path, local
     # The store returns: the first scheduled save reaches it again and commits.
     gcs.start()
     ck.on_start(ctx, restored.state)
-    state, more = step_through(ck, ctx, restored.state, 7, 8)
+    step_through(ck, ctx, restored.state, 7, 8)
     ck.wait_until_finished()
     ck.close()
     assert events_of(workdir, EventType.PERSISTENT_RECOVERED)[-1]["step"] == 8
