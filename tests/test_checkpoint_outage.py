@@ -129,7 +129,7 @@ def test_bucket_unreachable_at_start_resumes_from_the_local_tier(tmp_path, local
     ck = Checkpointer(ctx, handle_sigterm=False)
     ck.restore_latest(ctx)
     ck.on_start(ctx, state0)
-    state, host = step_through(ck, ctx, state0, 1, 6)  # persistent 4, local 5 and 6
+    _, host = step_through(ck, ctx, state0, 1, 6)  # persistent 4, local 5 and 6
     ck.wait_until_finished()
     ck.close()
 
