@@ -576,3 +576,22 @@ def test_digests_compiled_ahead_come_from_the_executable_cache(tmp_path, state0)
     checksum.compile_digests(abstract, str(tmp_path))  # loaded from the file this time
     assert len(list(tmp_path.iterdir())) == 1
     assert checksum.tree_digests(state0) == expected
+
+
+def test_host_digest_shares_add_up_to_the_device_digests(state0):
+    """What saves and restores compute (each process's share on the host, added up) equals the
+    device pass, on any sharding, with replicas counted once and 64-bit leaves included."""
+    expected = checksum.tree_digests(state0)
+    assert checksum.combine_sums([checksum.process_partial_sums(state0)]) == expected
+    mesh = state0.step.sharding.mesh
+    spec = jax.sharding.PartitionSpec
+    replicated = jax.device_put(state0, jax.sharding.NamedSharding(mesh, spec()))
+    assert checksum.combine_sums([checksum.process_partial_sums(replicated)]) == expected
+    # Two processes' shares (here: halves of one array) add up modulo 2**32.
+    wide = np.arange(24, dtype=np.int64).reshape(4, 6) * 7919
+    halves = [
+        checksum.host_partial_sums(wide[:2], (0, 0), wide.shape),
+        checksum.host_partial_sums(wide[2:], (2, 0), wide.shape),
+    ]
+    combined = checksum.combine_sums([{"x": halves[0]}, {"x": halves[1]}])
+    assert combined == {"x": checksum.host_digest(wide)}

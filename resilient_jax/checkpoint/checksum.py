@@ -7,8 +7,11 @@ written at save time on 8 devices verifies the array restored onto 4. Any single
 changes the first sum (its weight is odd, so no non-zero difference vanishes modulo 2**32).
 
 The same function exists twice: on device (`tree_digests`, one jitted pass over the state, the
-result replicated on every process) and on host in numpy (`host_digest`, for the `inspect` tool
-and for readers without devices). The two agree bit for bit.
+result replicated on every process) and on host in numpy (`host_digest` for one whole array, for
+the `inspect` tool and readers without devices; `process_partial_sums` for the blocks a process
+holds, whose shares `combine_sums` adds up across processes). They agree bit for bit. Restore
+verifies with the host version: no digest program is compiled on the recovery path, and its
+cross-process step is a key-value exchange, not a device collective.
 """
 
 from __future__ import annotations
@@ -151,11 +154,57 @@ def _host_bits_u32(x: np.ndarray) -> np.ndarray:
 
 def host_digest(x: np.ndarray) -> str:
     """The digest of one whole array held on the host; equal to the device digest."""
-    bits = _host_bits_u32(np.asarray(x)).reshape(-1)
-    index = np.arange(bits.size, dtype=np.uint64).astype(np.uint32)
+    x = np.asarray(x)
+    return format_digest(*host_partial_sums(x, (0,) * x.ndim, x.shape))
+
+
+def host_partial_sums(x: np.ndarray, start: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
+    """The two sums of the digest restricted to the elements `x` holds of a global array of
+    `shape`, `x` being its block starting at index `start`. Sums of disjoint blocks add up
+    (modulo 2**32, `combine_sums`) to the sums of the whole array."""
+    bits = _host_bits_u32(np.asarray(x))
+    if bits.ndim > len(shape):  # 64-bit elements: a trailing axis of two words
+        start, shape = (*start, 0), (*shape, 2)
+    index = np.zeros(bits.shape, np.uint32)
+    stride = 1
     with np.errstate(over="ignore"):
+        for axis in reversed(range(bits.ndim)):
+            positions = np.arange(start[axis], start[axis] + bits.shape[axis], dtype=np.uint64)
+            along = [1] * bits.ndim
+            along[axis] = bits.shape[axis]
+            index += (positions.astype(np.uint32) * np.uint32(stride & 0xFFFFFFFF)).reshape(along)
+            stride *= shape[axis]
         w1 = (index * np.uint32(_W1_MUL) + np.uint32(_W1_ADD)) | np.uint32(1)
         h1 = np.sum(bits * w1, dtype=np.uint32)
         mixed = (bits ^ (bits >> np.uint32(15))) * np.uint32(_MIX_MUL)
         h2 = np.sum(mixed ^ (index * np.uint32(_W2_MUL)), dtype=np.uint32)
-    return format_digest(h1, h2)
+    return [int(h1), int(h2)]
+
+
+def process_partial_sums(tree: Any) -> dict[str, list[int]]:
+    """This process's share of every leaf's digest sums, by leaf path, computed on the host.
+
+    Each distinct block of a leaf counts once across all processes: the one copy with replica id
+    0, wherever it lives. Gathering every process's result and adding them (`combine_sums`)
+    gives `tree_digests(tree)`, without a device pass or a device collective."""
+    out: dict[str, list[int]] = {}
+    for path, leaf in zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True):
+        total = [0, 0]
+        for shard in leaf.addressable_shards:
+            if shard.replica_id != 0:
+                continue
+            start = tuple(s.indices(n)[0] for s, n in zip(shard.index, leaf.shape, strict=True))
+            sums = host_partial_sums(np.asarray(shard.data), start, leaf.shape)
+            total = [(a + b) & 0xFFFFFFFF for a, b in zip(total, sums, strict=True)]
+        out[path] = total
+    return out
+
+
+def combine_sums(shares: list[dict[str, list[int]]]) -> dict[str, str]:
+    """The digests of a tree from every process's `process_partial_sums`."""
+    out: dict[str, str] = {}
+    for path in shares[0]:
+        h1 = sum(share[path][0] for share in shares) & 0xFFFFFFFF
+        h2 = sum(share[path][1] for share in shares) & 0xFFFFFFFF
+        out[path] = format_digest(h1, h2)
+    return out
