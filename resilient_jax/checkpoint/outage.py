@@ -25,6 +25,7 @@ import os
 import threading
 import time
 
+import fsspec
 from etils import epath
 
 from resilient_jax.checkpoint.persistent import RUN_ID_FILE
@@ -56,7 +57,7 @@ class StoreProbe:
 
         def ask() -> None:
             try:
-                self._directory.exists()
+                _ask_store(os.fspath(self._directory))
                 outcome.append(None)
             except Exception as e:
                 outcome.append(f"{self._directory} unreachable: {one_line(e)}")
@@ -67,6 +68,17 @@ class StoreProbe:
         if not outcome:
             return f"{self._directory} did not answer within {wait_s:g}s"
         return outcome[0]
+
+
+def _ask_store(path: str) -> None:
+    """One request to the store holding `path`; raises if it does not answer. A missing path is
+    an answer. gcsfs answers from its listing cache when it can, so that is dropped first."""
+    fs, stripped = fsspec.core.url_to_fs(path)
+    fs.invalidate_cache(stripped)
+    try:
+        fs.info(stripped)
+    except FileNotFoundError:
+        pass
 
 
 class Outage:
