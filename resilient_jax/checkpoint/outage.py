@@ -20,6 +20,7 @@ them. The checkpointer never waits on the store for longer than `checkpoint.pers
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -75,10 +76,8 @@ def _ask_store(path: str) -> None:
     an answer. gcsfs answers from its listing cache when it can, so that is dropped first."""
     fs, stripped = fsspec.core.url_to_fs(path)
     fs.invalidate_cache(stripped)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         fs.info(stripped)
-    except FileNotFoundError:
-        pass
 
 
 class Outage:
