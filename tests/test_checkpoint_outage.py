@@ -297,6 +297,7 @@ def test_local_cluster_with_a_gs_persistent_tier(tmp_path, gcs):
         pytest.fail(f"local cluster did not finish:\n{out[-3000:]}")
     assert proc.returncode == 0, out[-3000:]
     restores = events_of(str(workdir), EventType.RESTORE)
-    assert any(e["tier"] == "persistent" and e["step"] == 10 for e in restores), restores
+    # Step 10's save may still be committing when process 1 dies at step 12: then step 5.
+    assert any(e["tier"] == "persistent" and e["step"] in (5, 10) for e in restores), restores
     steps = sorted(int(p.name) for p in epath.Path(ckpt_dir).iterdir() if p.name.isdigit())
     assert steps[-1] == 24
