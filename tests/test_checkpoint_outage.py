@@ -37,7 +37,9 @@ from resilient_jax.train.state import init_state
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT_S = 1.0  # checkpoint.persistent_timeout_s in these tests
+# checkpoint.persistent_timeout_s in these tests: above a commit's time on a loaded 2-core machine
+# (up to ~1.7 s here), so a healthy save is never taken for an outage.
+TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -82,15 +84,17 @@ def test_emulator_killed_mid_save_training_goes_on_and_the_next_save_commits(
     ck.on_start(ctx, state0)
     state, host, normal = _timed_steps(ck, ctx, state0, 1, 8)  # persistent saves at 4 and 8
     gcs.kill()  # the save of step 8 is in flight: Orbax writes it in the background
-    killed = time.monotonic()
+    killed, killed_at = time.monotonic(), time.time()
     state, more, blocked = _timed_steps(ck, ctx, state, 9, 16)
     host.update(more)
 
-    # Training kept stepping; a step waited at most a normal save plus one bounded probe (and
-    # scheduling noise on a loaded 2-core machine).
-    bound = max(normal.values()) + min(PROBE_WAIT_S, TIMEOUT_S) + 1.0
+    # Training kept stepping; a step waited at most a normal save plus what is left of the
+    # in-flight save's timeout, or one bounded probe (and scheduling noise on 2 loaded cores).
+    bound = max(normal.values()) + max(PROBE_WAIT_S, TIMEOUT_S) + 1.0
     assert max(blocked.values()) < bound, (blocked, normal)
-    (outage,) = events_of(workdir, EventType.PERSISTENT_OUTAGE)
+    (outage,) = [
+        e for e in events_of(workdir, EventType.PERSISTENT_OUTAGE) if e["time"] > killed_at
+    ]
     assert outage["step"] in (8, 12) and outage["cause"]
     local_saves = {e["step"] for e in events_of(workdir, EventType.SAVE) if e["tier"] == "local"}
     assert set(range(9, 17)) <= local_saves
@@ -104,13 +108,15 @@ def test_emulator_killed_mid_save_training_goes_on_and_the_next_save_commits(
         state, more = step_through(ck, ctx, state, step + 1, step + 4)
         host.update(more)
         step += 4
-        recovered = events_of(workdir, EventType.PERSISTENT_RECOVERED)
+        recovered = [
+            e for e in events_of(workdir, EventType.PERSISTENT_RECOVERED) if e["time"] > killed_at
+        ]
         time.sleep(0.5)
     assert recovered, f"no persistent save committed {time.monotonic() - killed:.0f}s after"
     ck.wait_until_finished()
     ck.close()
     committed = recovered[0]["step"]
-    assert committed > 8 or committed == 8  # 8 itself if its retries outlived the outage
+    assert committed >= 8  # 8 itself if its retries outlived the outage
 
     restore_config = config.copy_and_resolve_references()
     restore_config.checkpoint.local_dir = ""  # the persistent tier alone
