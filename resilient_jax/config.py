@@ -62,6 +62,19 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.remat = False  # recompute each block in the backward pass: less memory, more compute
     c.model.compute_dtype = "float32"  # activations' dtype; parameters stay float32
     c.model.tie_embeddings = True  # the output projection reuses the input embedding
+    # Mixture of experts (resilient_jax.model.moe): the MLP of every `every`-th layer becomes
+    # num_experts gated MLPs, each token routed to its top_k of them; the experts live on the
+    # `expert` mesh axis (mesh.expert).
+    c.model.moe = ml_collections.ConfigDict()
+    c.model.moe.num_experts = 0  # 0 = dense: no layer has experts
+    c.model.moe.every = 1  # layers every-1, 2*every-1, ... are MoE layers (1 = all of them)
+    c.model.moe.top_k = 2  # experts per token: 1 (Switch) or 2 (GShard)
+    # An expert takes at most capacity_factor x top_k x seq_len / num_experts tokens of a
+    # sequence; assignments beyond it are dropped (metrics: moe_dropped_fraction).
+    c.model.moe.capacity_factor = 1.25
+    c.model.moe.d_ff = 0  # hidden width of one expert; 0 = model.d_ff
+    c.model.moe.balance_weight = 0.01  # weight of the load-balancing loss in the total loss
+    c.model.moe.z_weight = 0.001  # weight of the router z-loss in the total loss
 
     # The training data (resilient_jax.data): batch s is a pure function of (data, seed, s).
     c.data = ml_collections.ConfigDict()
@@ -107,6 +120,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.replica = -1  # -1: one per slice
     c.mesh.fsdp = -1  # -1: the devices of a slice left after tensor
     c.mesh.tensor = 1  # tensor-parallel ways; divides num_heads and num_kv_heads
+    # Expert-parallel ways, inside a slice, outside fsdp and tensor: divides model.moe.num_experts.
+    # Data-parallel too: sequences split over replica x expert x fsdp.
+    c.mesh.expert = 1
 
     # Checkpoint tiers and policies (resilient_jax.checkpoint).
     c.checkpoint = ml_collections.ConfigDict()
@@ -339,6 +355,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if o.grad_clip_norm < 0:
         _fail("optimizer.grad_clip_norm", o.grad_clip_norm, "must be >= 0 (0 = no clipping)")
     _validate_galore(config)
+    _validate_moe(config)
     for axis in ("replica", "fsdp", "tensor"):
         value = config.mesh[axis]
         if value == 0 or value < -1:
@@ -376,6 +393,46 @@ def _validate_galore(config: ml_collections.ConfigDict) -> None:
             "optimizer.galore.rank",
             g.rank,
             f"must be <= {min(projected)}, the smaller side of the smallest projected matrix",
+        )
+
+
+def _validate_moe(config: ml_collections.ConfigDict) -> None:
+    moe, experts = config.model.moe, config.model.moe.num_experts
+    for key in ("num_experts", "d_ff"):
+        if not isinstance(moe[key], int) or isinstance(moe[key], bool) or moe[key] < 0:
+            _fail(f"model.moe.{key}", moe[key], "must be an integer >= 0")
+    expert_axis = config.mesh.expert
+    if not isinstance(expert_axis, int) or isinstance(expert_axis, bool) or expert_axis < 1:
+        _fail("mesh.expert", expert_axis, "must be a positive integer (never automatic)")
+    if not experts:
+        if expert_axis != 1:
+            _fail(
+                "mesh.expert", expert_axis, "must be 1 for a dense model (model.moe.num_experts=0)"
+            )
+        return
+    _check_positive(config, "model.moe.every")
+    if moe.top_k not in (1, 2):
+        _fail("model.moe.top_k", moe.top_k, "allowed: 1, 2")
+    if moe.top_k > experts:
+        _fail("model.moe.top_k", moe.top_k, f"must be <= model.moe.num_experts={experts}")
+    if moe.every > config.model.num_layers:
+        _fail(
+            "model.moe.every",
+            moe.every,
+            f"must be <= model.num_layers={config.model.num_layers} (else no layer has experts)",
+        )
+    if not moe.capacity_factor > 0:
+        _fail("model.moe.capacity_factor", moe.capacity_factor, "must be > 0")
+    for key in ("balance_weight", "z_weight"):
+        if not moe[key] >= 0:
+            _fail(f"model.moe.{key}", moe[key], "must be >= 0")
+    if experts % expert_axis:
+        _fail("mesh.expert", expert_axis, f"must divide model.moe.num_experts={experts}")
+    if config.checkpoint.init_from_hf:
+        _fail(
+            "checkpoint.init_from_hf",
+            config.checkpoint.init_from_hf,
+            "a mixture of experts (model.moe.num_experts > 0) has no Llama weights to import",
         )
 
 

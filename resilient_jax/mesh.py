@@ -1,10 +1,12 @@
 """The device mesh and the logical-axis rules, built from the devices JAX reports and the plan
 `resilient_jax.topology.plan_mesh` made for them.
 
-Axes: `replica` (pure data parallelism, the only axis that crosses slices), `fsdp` (data parallel
-with parameters and optimizer state sharded, inside a slice) and `tensor` (model parallel inside a
-slice). The global batch never changes with the mesh: on fewer devices, more gradient-accumulation
-microbatches make up the difference, so a run keeps the same training semantics after a reshape.
+Axes: `replica` (pure data parallelism, the only axis that crosses slices), `expert` (the experts of
+a mixture-of-experts layer, and data parallel everywhere else, inside a slice), `fsdp` (data
+parallel with parameters and optimizer state sharded, inside a slice) and `tensor` (model parallel
+inside a slice). A dense model has `expert` = 1. The global batch never changes with the mesh: on
+fewer devices, more gradient-accumulation microbatches make up the difference, so a run keeps the
+same training semantics after a reshape.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from resilient_jax.contracts import env_vars
 from resilient_jax.topology import MeshPlan, Topology
 
-MESH_AXES = ("replica", "fsdp", "tensor")
-DATA_AXES = ("replica", "fsdp")
+MESH_AXES = ("replica", "expert", "fsdp", "tensor")
+DATA_AXES = ("replica", "expert", "fsdp")
 
 # Model (logical) axis -> mesh axes. The whole sharding strategy of the model is this table.
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -33,13 +35,18 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),
     ("seq", None),
     ("layers", None),
+    # Mixture of experts: expert weights [expert, embed, mlp] over expert x fsdp x tensor; the
+    # tokens inside the experts [expert_batch, expert, ...] keep sequences on the data axes but
+    # `expert`, which holds the experts instead.
+    ("expert", "expert"),
+    ("expert_batch", ("replica", "fsdp")),
 )
 
 
 def make_mesh(plan: MeshPlan, topology: Topology) -> Mesh:
     """Devices in slice order, so each `replica` group lies within one slice when it can."""
     devices = np.asarray(topology.devices, dtype=object).reshape(
-        plan.replica, plan.fsdp, plan.tensor
+        plan.replica, plan.expert, plan.fsdp, plan.tensor
     )
     return Mesh(devices, MESH_AXES)
 

@@ -54,14 +54,15 @@ class MeshPlan:
     tensor: int
     microbatches: int  # gradient-accumulation steps per optimizer step
     global_batch_size: int
+    expert: int = 1  # expert-parallel ways (also data-parallel outside the MoE layers)
 
     @property
     def data_parallel(self) -> int:
-        return self.replica * self.fsdp
+        return self.replica * self.expert * self.fsdp
 
     @property
     def num_devices(self) -> int:
-        return self.replica * self.fsdp * self.tensor
+        return self.replica * self.expert * self.fsdp * self.tensor
 
     @property
     def rows_per_device(self) -> int:
@@ -71,6 +72,7 @@ class MeshPlan:
     def describe(self) -> dict[str, int]:
         return {
             "replica": self.replica,
+            "expert": self.expert,
             "fsdp": self.fsdp,
             "tensor": self.tensor,
             "microbatches": self.microbatches,
@@ -86,38 +88,45 @@ def plan_mesh(
     `strict` (a fresh start) takes the config literally: explicit axis sizes must multiply to the
     device count and `per_device_batch_size` must divide each device's share of the batch. After a
     reshape (`strict=False`, used by the coordinator) explicit data axes give way to the devices
-    that are left and the microbatch size shrinks to the largest divisor that fits.
+    that are left and the microbatch size shrinks to the largest divisor that fits. The `expert`
+    and `tensor` axes never change: they stay inside a slice, so the experts are re-placed on the
+    slices left, and the model's expert count is untouched.
     """
     n = len(topology.devices)
-    tensor = config.mesh.tensor
-    if n % tensor:
-        raise ConfigError(f"config.mesh.tensor={tensor} is invalid: must divide the {n} devices")
-    if topology.devices_per_slice % tensor:
+    tensor, expert = config.mesh.tensor, config.mesh.expert
+    for key, ways in (("tensor", tensor), ("expert", expert)):
+        if n % ways:
+            raise ConfigError(f"config.mesh.{key}={ways} is invalid: must divide the {n} devices")
+    inner = expert * tensor  # the devices one data-parallel group of the slice spans
+    if topology.devices_per_slice % inner:
         raise ConfigError(
-            f"config.mesh.tensor={tensor} is invalid: must divide the "
+            f"config.mesh.expert={expert} is invalid: expert x tensor={inner} must divide the "
+            f"{topology.devices_per_slice} devices of a slice (both stay in a slice)"
+            if expert > 1
+            else f"config.mesh.tensor={tensor} is invalid: must divide the "
             f"{topology.devices_per_slice} devices of a slice (tensor parallelism stays in a slice)"
         )
     replica, fsdp = config.mesh.replica, config.mesh.fsdp
-    if not strict and replica * fsdp * tensor != n:
+    if not strict and replica * fsdp * inner != n:
         replica, fsdp = -1, -1
     if replica == -1 and fsdp == -1:
         replica = topology.num_slices
     if replica == -1:
-        replica = n // (fsdp * tensor) if n % (fsdp * tensor) == 0 else 0
+        replica = n // (fsdp * inner) if n % (fsdp * inner) == 0 else 0
     if fsdp == -1:
-        fsdp = n // (replica * tensor) if n % (replica * tensor) == 0 else 0
-    if replica <= 0 or fsdp <= 0 or replica * fsdp * tensor != n:
+        fsdp = n // (replica * inner) if n % (replica * inner) == 0 else 0
+    if replica <= 0 or fsdp <= 0 or replica * fsdp * inner != n:
         raise ConfigError(
-            f"config.mesh=(replica={config.mesh.replica}, fsdp={config.mesh.fsdp}, "
-            f"tensor={tensor}) is invalid: the axes must multiply to the {n} devices "
-            "(use -1 for an automatic axis)"
+            f"config.mesh=(replica={config.mesh.replica}, expert={expert}, "
+            f"fsdp={config.mesh.fsdp}, tensor={tensor}) is invalid: the axes must multiply to "
+            f"the {n} devices (use -1 for an automatic axis)"
         )
     batch = config.global_batch_size
-    dp = replica * fsdp
+    dp = replica * expert * fsdp
     if batch % dp:
         raise ConfigError(
             f"config.global_batch_size={batch} is invalid: must be a multiple of the {dp} "
-            f"data-parallel devices (replica={replica} x fsdp={fsdp})"
+            f"data-parallel devices (replica={replica} x expert={expert} x fsdp={fsdp})"
         )
     per_device = batch // dp
     limit = config.per_device_batch_size or per_device
@@ -127,4 +136,4 @@ def plan_mesh(
             f"each of the {dp} data-parallel devices gets of global_batch_size={batch}"
         )
     rows = max(r for r in range(1, min(limit, per_device) + 1) if per_device % r == 0)
-    return MeshPlan(replica, fsdp, tensor, per_device // rows, batch)
+    return MeshPlan(replica, fsdp, tensor, per_device // rows, batch, expert)

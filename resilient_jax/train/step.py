@@ -20,6 +20,7 @@ import optax
 from jax.sharding import Mesh
 
 from resilient_jax import mesh as mesh_lib
+from resilient_jax.model import moe as moe_lib
 from resilient_jax.train import in_band
 from resilient_jax.train.state import (
     TrainState,
@@ -45,20 +46,45 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStep
     model, optimizer = make_model(config), make_optimizer(config)
     schedule = learning_rate_schedule(config)
 
+    moe = model.cfg.moe
+    num_moe_layers = moe.num_moe_layers(model.cfg.num_layers)
+    seq_len = config.data.seq_len
+    Router = tuple[jax.Array, moe_lib.RouterSums]  # token-loss sum without the router's terms
+
+    def loss_fn(p, tokens_BL: jax.Array) -> tuple[jax.Array, Router | None]:
+        """The microbatch's token-loss sum (with the router's loss terms, if it has experts)."""
+        if not num_moe_layers:
+            logits = model.apply({"params": p}, tokens_BL[:, :-1])
+            return token_loss_sum(logits, tokens_BL[:, 1:]), None
+        logits, sown = model.apply({"params": p}, tokens_BL[:, :-1], mutable=["intermediates"])
+        router = moe_lib.router_sums(sown["intermediates"], moe, num_moe_layers)
+        lm_loss = token_loss_sum(logits, tokens_BL[:, 1:])
+        terms = moe_lib.loss_terms(router, moe, seq_len, num_moe_layers)
+        return lm_loss + terms, (lm_loss, router)
+
     def loss_and_grads(params, batch_MBL: jax.Array):
         def microbatch(carry, tokens_BL):
-            def loss_fn(p):
-                logits = model.apply({"params": p}, tokens_BL[:, :-1])
-                return token_loss_sum(logits, tokens_BL[:, 1:])
+            (loss_sum, router), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_BL)
+            total_loss, total_grads, total_router = carry
+            total_grads = jax.tree.map(jnp.add, total_grads, grads)
+            if router is not None:
+                total_router = (total_router[0] + router[0], total_router[1] + router[1])
+            return (total_loss + loss_sum, total_grads, total_router), None
 
-            loss_sum, grads = jax.value_and_grad(loss_fn)(params)
-            total_loss, total_grads = carry
-            return (total_loss + loss_sum, jax.tree.map(jnp.add, total_grads, grads)), None
-
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss_sum, grad_sum), _ = jax.lax.scan(microbatch, zeros, batch_MBL)
+        zero = jnp.zeros((), jnp.float32)
+        router_zeros = (zero, moe_lib.RouterSums.zeros(num_moe_layers, moe.num_experts))
+        router_zeros = router_zeros if num_moe_layers else None
+        zeros = (zero, jax.tree.map(jnp.zeros_like, params), router_zeros)
+        (loss_sum, grad_sum, router), _ = jax.lax.scan(microbatch, zeros, batch_MBL)
         num_tokens = batch_MBL.shape[0] * batch_MBL.shape[1] * (batch_MBL.shape[2] - 1)
-        return loss_sum / num_tokens, jax.tree.map(lambda g: g / num_tokens, grad_sum)
+        router_metrics = {}
+        if num_moe_layers:  # the loss without the router's terms, and the router's health
+            router_metrics = {
+                "lm_loss": router[0] / num_tokens,
+                **moe_lib.router_metrics(router[1], moe, num_tokens, seq_len, num_moe_layers),
+            }
+        grads = jax.tree.map(lambda g: g / num_tokens, grad_sum)
+        return loss_sum / num_tokens, grads, router_metrics
 
     def step(state: TrainState, batch: jax.Array, fault_scale: jax.Array):
         # The mesh and the rules make the model's activation constraints (`batch` rows over the
@@ -67,7 +93,7 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStep
             jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
             nn.logical_axis_rules(mesh_lib.LOGICAL_AXIS_RULES),
         ):
-            loss, grads = loss_and_grads(state.params, batch)
+            loss, grads, router_metrics = loss_and_grads(state.params, batch)
         loss = loss * fault_scale
         grads = jax.tree.map(lambda g: g * fault_scale, grads)
         grad_norm = optax.tree.norm(grads)
@@ -87,6 +113,7 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStep
             "grad_norm": grad_norm,
             "learning_rate": schedule(state.step) * flags["lr_scale"],
             **flags,
+            **router_metrics,
         }
         return new_state, metrics
 

@@ -5,6 +5,10 @@ computation runs in `compute_dtype` (float32 or bfloat16). Shapes use suffixes: 
 D model width, H heads, K kv heads, E head dim, F MLP width, V vocabulary, T positions of a
 `KVCache`.
 
+With `model.moe.num_experts > 0`, the MLP of every `model.moe.every`-th layer is a mixture of
+experts (`resilient_jax.model.moe`); the other layers, and every layer of a dense model, compute
+exactly what they compute without it.
+
 Training calls the model on whole sequences. Decoding passes a `KVCache` too: the tokens continue
 the cached positions, their keys and values are written into the cache, and attention reads the
 cache's fixed-size buffers under a mask, so a decode step's cost and compiled shape do not depend
@@ -20,6 +24,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import ml_collections
+
+from resilient_jax.model.moe import DENSE, MoeConfig, MoeMlp
 
 Dtype = jnp.dtype
 
@@ -39,26 +45,36 @@ class ModelConfig:
     remat: bool
     compute_dtype: str
     tie_embeddings: bool
+    moe: MoeConfig = DENSE  # a dense model unless the config's model.moe says otherwise
 
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict) -> ModelConfig:
-        return cls(**{f.name: model[f.name] for f in dataclasses.fields(cls)})
+        plain = {f.name: model[f.name] for f in dataclasses.fields(cls) if f.name != "moe"}
+        return cls(**plain, moe=MoeConfig.from_config(model))
 
     @property
     def dtype(self) -> Dtype:
         return jnp.dtype(self.compute_dtype)
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
+        """Parameters of the model; `active`: only those one token's forward pass uses (of a
+        mixture of experts, the router and `top_k` experts)."""
         d, f, e = self.d_model, self.d_ff, self.head_dim
         attn = d * e * (self.num_heads * 2 + self.num_kv_heads * 2)
         layer = attn + 3 * d * f + 2 * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
-        return self.vocab_size * d + self.num_layers * layer + d + head
+        total = self.vocab_size * d + self.num_layers * layer + d + head
+        moe = self.moe
+        if moe.num_experts:
+            experts = moe.top_k if active else moe.num_experts
+            moe_mlp = d * moe.num_experts + experts * 3 * d * moe.d_ff
+            total += moe.num_moe_layers(self.num_layers) * (moe_mlp - 3 * d * f)
+        return total
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul parameters + attention scores (PaLM appendix B)."""
         # The embedding lookup costs nothing; the output projection (tied or not) is a matmul.
-        matmul_params = self.num_params() - (
+        matmul_params = self.num_params(active=True) - (
             0 if self.tie_embeddings else self.vocab_size * self.d_model
         )
         attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
@@ -205,6 +221,7 @@ class Mlp(nn.Module):
 
 class Block(nn.Module):
     cfg: ModelConfig
+    layer: int  # its index: whether its MLP is a mixture of experts
 
     @nn.compact
     def __call__(
@@ -215,7 +232,11 @@ class Block(nn.Module):
             RMSNorm(c.norm_eps, c.dtype, name="attn_norm")(x_BLD), cache, start
         )
         x_BLD = x_BLD + attn_BLD
-        x_BLD = x_BLD + Mlp(c, name="mlp")(RMSNorm(c.norm_eps, c.dtype, name="mlp_norm")(x_BLD))
+        mlp_in_BLD = RMSNorm(c.norm_eps, c.dtype, name="mlp_norm")(x_BLD)
+        if c.moe.is_moe_layer(self.layer):
+            x_BLD = x_BLD + MoeMlp(c.moe, c.d_model, c.dtype, name="moe")(mlp_in_BLD)
+        else:
+            x_BLD = x_BLD + Mlp(c, name="mlp")(mlp_in_BLD)
         return nn.with_logical_constraint(x_BLD, ("batch", "seq", "embed")), cache
 
 
@@ -243,10 +264,10 @@ class Transformer(nn.Module):
         if cache is None:
             block = nn.remat(Block) if c.remat else Block
             for i in range(c.num_layers):
-                x_BLD, _ = block(c, name=f"layer_{i}")(x_BLD)
+                x_BLD, _ = block(c, i, name=f"layer_{i}")(x_BLD)
         else:  # decoding keeps no activations for a backward pass: nothing to rematerialise
             for i in range(c.num_layers):
-                x_BLD, layer = Block(c, name=f"layer_{i}")(x_BLD, cache.layers[i], cache.length)
+                x_BLD, layer = Block(c, i, name=f"layer_{i}")(x_BLD, cache.layers[i], cache.length)
                 layers.append(layer)
         x_BLD = RMSNorm(c.norm_eps, c.dtype, name="final_norm")(x_BLD)
         if c.tie_embeddings:
