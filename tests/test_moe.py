@@ -189,8 +189,11 @@ def saved_run(tmp_path_factory):
 def test_router_losses_are_in_the_loss_and_the_metrics(saved_run):
     *_, metrics, _ = saved_run
     moe = tiny_config(**MOE).model.moe
-    router = moe.balance_weight * metrics["moe_balance_loss"] + moe.z_weight * metrics["moe_z_loss"]
-    assert metrics["loss"] == pytest.approx(metrics["lm_loss"] + router, rel=1e-6)
+    per_layer = (
+        moe.balance_weight * metrics["moe_balance_loss"] + moe.z_weight * metrics["moe_z_loss"]
+    )
+    layers = tiny_config().model.num_layers  # every layer has experts
+    assert metrics["loss"] == pytest.approx(metrics["lm_loss"] + layers * per_layer, rel=1e-6)
     assert metrics["moe_balance_loss"] >= 1.0 - 1e-6  # 1.0 only when perfectly uniform
     assert 0.0 <= metrics["moe_dropped_fraction"] < 0.25
     assert metrics["moe_load_min"] <= 1.0 <= metrics["moe_load_max"]

@@ -179,11 +179,12 @@ def router_sums(intermediates: dict, moe: MoeConfig, num_moe_layers: int) -> Rou
     return total
 
 
-def loss_terms(sums: RouterSums, moe: MoeConfig, seq_len: int, num_moe_layers: int) -> jax.Array:
+def loss_terms(sums: RouterSums, moe: MoeConfig, seq_len: int) -> jax.Array:
     """The router losses to add to a token-loss sum: divided by the step's token count, they give
-    `balance_weight x mean balance loss + z_weight x mean z-loss`, averaged over MoE layers."""
+    `balance_weight x mean balance loss + z_weight x mean z-loss`, summed over the MoE layers
+    (each layer's router weighted alike whatever the depth, as in Switch and ST-MoE)."""
     balance = moe.balance_weight * sums.balance * seq_len  # per sequence: seq_len tokens
-    return (balance + moe.z_weight * sums.z) / num_moe_layers
+    return balance + moe.z_weight * sums.z
 
 
 def router_metrics(

@@ -144,7 +144,12 @@ class Plan:
 
 
 def _mesh_axis_sizes(plan: MeshPlan) -> dict[str, int]:
-    return {"replica": plan.replica, "fsdp": plan.fsdp, "tensor": plan.tensor}
+    return {
+        "replica": plan.replica,
+        "expert": plan.expert,
+        "fsdp": plan.fsdp,
+        "tensor": plan.tensor,
+    }
 
 
 def _shard_bytes(leaf: jax.ShapeDtypeStruct, spec: PartitionSpec, sizes: dict[str, int]) -> int:
@@ -165,26 +170,46 @@ def _tree_shard_bytes(abstract, mesh_specs, sizes: dict[str, int]) -> int:
     return int(sum(leaves))
 
 
-def _layer_weight_bytes(m: ModelConfig, tensor: int) -> int:
-    """One block's weights in the compute dtype, gathered over fsdp, split over tensor."""
+def _mlp_kinds(m: ModelConfig) -> list[bool]:
+    """For each layer, whether its MLP is a mixture of experts."""
+    return [m.moe.is_moe_layer(i) for i in range(m.num_layers)]
+
+
+def _layer_weight_bytes(m: ModelConfig, tensor: int, expert: int) -> int:
+    """The largest block's weights in the compute dtype, gathered over fsdp, split over tensor
+    (and a mixture of experts' experts over `expert`: each device gathers only its own)."""
     attention = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
-    return (attention + 3 * m.d_model * m.d_ff) // tensor * m.dtype.itemsize
+    moe = m.moe
+    mlp = {
+        False: 3 * m.d_model * m.d_ff,
+        True: m.d_model * moe.num_experts + moe.num_experts // expert * 3 * m.d_model * moe.d_ff,
+    }
+    largest = max(mlp[kind] for kind in _mlp_kinds(m))
+    return (attention + largest) // tensor * m.dtype.itemsize
 
 
 def _activation_bytes(m: ModelConfig, seq_len: int, rows: int, tensor: int) -> int:
-    """Activation bytes of one microbatch of `rows` sequences on one device (module docstring)."""
-    d, e, t = m.d_model, m.head_dim, tensor
-    working_set = (
+    """Activation bytes of one microbatch of `rows` sequences on one device (module docstring).
+    A mixture-of-experts layer's MLP tensors are per routed slot (top_k x capacity_factor per
+    token), the tokens in and out of the experts, and its dispatch, combine and per-choice masks
+    ([experts, capacity] per token each)."""
+    d, e, t, moe = m.d_model, m.head_dim, tensor, m.moe
+    attention = (
         4 * d  # block input, attention norm output, residual after attention, MLP norm output
         + (m.num_heads + 2 * m.num_kv_heads) * e / t  # q, k, v
         + m.num_heads * seq_len / t  # attention probabilities: a row of seq_len per head
         + m.num_heads * e / t  # attention output before its projection
-        + 4 * m.d_ff / t  # gate pre-activation, its silu, up projection, their product
     )
+    mlp = {False: 4 * m.d_ff / t}  # gate pre-activation, its silu, up projection, their product
+    if moe.num_experts:
+        slots = moe.num_experts * moe.capacity(seq_len) / seq_len  # expert slots per token
+        masks = (2 + moe.top_k) * moe.num_experts * moe.capacity(seq_len)  # [E, C] per token
+        mlp[True] = 4 * moe.d_ff * slots / t + 2 * d * slots + masks
+    working_sets = [attention + mlp[kind] for kind in _mlp_kinds(m)]
     if m.remat:
-        per_token = (m.num_layers * d + working_set) * m.dtype.itemsize
+        per_token = (m.num_layers * d + max(working_sets)) * m.dtype.itemsize
     else:
-        per_token = m.num_layers * working_set * m.dtype.itemsize
+        per_token = sum(working_sets) * m.dtype.itemsize
     per_token += 2 * 4 * m.vocab_size / t  # float32 logits and their gradient
     return int(rows * seq_len * per_token)
 
@@ -205,7 +230,7 @@ def mesh_memory(
         params=params,
         optimizer=others,
         gradients=2 * params,
-        weights=2 * _layer_weight_bytes(m, plan.tensor),
+        weights=2 * _layer_weight_bytes(m, plan.tensor, plan.expert),
         activations=_activation_bytes(m, config.data.seq_len, plan.rows_per_device, plan.tensor),
         checkpoint=params + others,
         capacity=capacity,

@@ -59,7 +59,7 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStep
         logits, sown = model.apply({"params": p}, tokens_BL[:, :-1], mutable=["intermediates"])
         router = moe_lib.router_sums(sown["intermediates"], moe, num_moe_layers)
         lm_loss = token_loss_sum(logits, tokens_BL[:, 1:])
-        terms = moe_lib.loss_terms(router, moe, seq_len, num_moe_layers)
+        terms = moe_lib.loss_terms(router, moe, seq_len)
         return lm_loss + terms, (lm_loss, router)
 
     def loss_and_grads(params, batch_MBL: jax.Array):
