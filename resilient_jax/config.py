@@ -62,23 +62,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.remat = False  # recompute each block in the backward pass: less memory, more compute
     c.model.compute_dtype = "float32"  # activations' dtype; parameters stay float32
     c.model.tie_embeddings = True  # the output projection reuses the input embedding
-    # Mixture of experts (resilient_jax.model.moe): the MLP of every `every`-th layer becomes
-    # num_experts gated MLPs, each token routed to its top_k of them; the experts live on the
-    # `expert` mesh axis (mesh.expert).
-    c.model.moe = ml_collections.ConfigDict()
-    c.model.moe.num_experts = 0  # 0 = dense: no layer has experts
-    c.model.moe.every = 1  # layers every-1, 2*every-1, ... are MoE layers (1 = all of them)
+    c.model.moe = ml_collections.ConfigDict()  # mixture of experts (resilient_jax.model.moe)
+    c.model.moe.num_experts = 0  # experts per MoE layer; 0 = dense
+    c.model.moe.every = 1  # layers every-1, 2*every-1, ... are MoE layers
     c.model.moe.top_k = 2  # experts per token: 1 (Switch) or 2 (GShard)
-    # An expert takes at most capacity_factor x top_k x seq_len / num_experts tokens of a
-    # sequence; assignments beyond it are dropped (metrics: moe_dropped_fraction).
-    c.model.moe.capacity_factor = 1.25
+    c.model.moe.capacity_factor = 1.25  # x top_k x seq_len / num_experts: slots per expert and row
     c.model.moe.d_ff = 0  # hidden width of one expert; 0 = model.d_ff
-    # Weights of the router's losses in the total loss, per MoE layer. Balance 0.1, not Switch's
-    # 0.01: at 0.01 tiny_cpu with 8 experts left experts nearly idle (0.01 of the uniform load)
-    # through its first 40 steps; at 0.1 every expert is within 2x of uniform from step ~35 on,
-    # at no cost in token loss (experiments/moe_vs_dense.py measures it).
-    c.model.moe.balance_weight = 0.1
-    c.model.moe.z_weight = 0.001  # ST-MoE's router z-loss weight
+    c.model.moe.balance_weight = 0.1  # per MoE layer; Switch's 0.01 left tiny_cpu's experts idle
+    c.model.moe.z_weight = 0.001  # router z-loss weight (ST-MoE)
 
     # The training data (resilient_jax.data): batch s is a pure function of (data, seed, s).
     c.data = ml_collections.ConfigDict()
@@ -109,10 +100,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.95  # Adam's second-moment decay
     c.optimizer.eps = 1e-8  # Adam's denominator floor
     c.optimizer.grad_clip_norm = 1.0  # clip the global gradient norm to this; 0 = no clipping
-    # GaLore (resilient_jax.train.galore): Adam runs on each attention and MLP weight's gradient
-    # projected onto its top `rank` singular vectors, so its moments take r*max(m, n) instead of
-    # m*n; embeddings and norms keep full Adam. Weights with head axes are the matrices the model
-    # multiplies by ([d_model, heads*head_dim]).
+    # GaLore (resilient_jax.train.galore): Adam on attention and MLP gradients projected onto
+    # their top `rank` singular vectors (moments r*max(m, n), not m*n); embeddings keep full Adam.
     c.optimizer.galore = ml_collections.ConfigDict()
     c.optimizer.galore.rank = 0  # rank of the projection; 0 = off (plain AdamW)
     c.optimizer.galore.update_interval = 200  # optimizer steps between SVD refreshes of the basis
@@ -124,9 +113,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh.replica = -1  # -1: one per slice
     c.mesh.fsdp = -1  # -1: the devices of a slice left after tensor
     c.mesh.tensor = 1  # tensor-parallel ways; divides num_heads and num_kv_heads
-    # Expert-parallel ways, inside a slice, outside fsdp and tensor: divides model.moe.num_experts.
-    # Data-parallel too: sequences split over replica x expert x fsdp.
-    c.mesh.expert = 1
+    c.mesh.expert = 1  # expert-parallel ways in a slice (data-parallel outside MoE layers)
 
     # Checkpoint tiers and policies (resilient_jax.checkpoint).
     c.checkpoint = ml_collections.ConfigDict()
@@ -393,51 +380,22 @@ def _validate_galore(config: ml_collections.ConfigDict) -> None:
         _fail("optimizer.galore.scale", g.scale, "must be > 0")
     projected = [min(r, c) for r, c in _galore_matrices(config.model) if r * c >= g.min_size]
     if projected and g.rank > min(projected):
-        _fail(
-            "optimizer.galore.rank",
-            g.rank,
-            f"must be <= {min(projected)}, the smaller side of the smallest projected matrix",
-        )
+        _fail("optimizer.galore.rank", g.rank, f"must be <= {min(projected)}, a projected side")
 
 
 def _validate_moe(config: ml_collections.ConfigDict) -> None:
-    moe, experts = config.model.moe, config.model.moe.num_experts
-    for key in ("num_experts", "d_ff"):
-        if not isinstance(moe[key], int) or isinstance(moe[key], bool) or moe[key] < 0:
-            _fail(f"model.moe.{key}", moe[key], "must be an integer >= 0")
-    expert_axis = config.mesh.expert
-    if not isinstance(expert_axis, int) or isinstance(expert_axis, bool) or expert_axis < 1:
-        _fail("mesh.expert", expert_axis, "must be a positive integer (never automatic)")
-    if not experts:
-        if expert_axis != 1:
-            _fail(
-                "mesh.expert", expert_axis, "must be 1 for a dense model (model.moe.num_experts=0)"
-            )
-        return
-    _check_positive(config, "model.moe.every")
-    if moe.top_k not in (1, 2):
-        _fail("model.moe.top_k", moe.top_k, "allowed: 1, 2")
-    if moe.top_k > experts:
-        _fail("model.moe.top_k", moe.top_k, f"must be <= model.moe.num_experts={experts}")
-    if moe.every > config.model.num_layers:
-        _fail(
-            "model.moe.every",
-            moe.every,
-            f"must be <= model.num_layers={config.model.num_layers} (else no layer has experts)",
-        )
-    if not moe.capacity_factor > 0:
-        _fail("model.moe.capacity_factor", moe.capacity_factor, "must be > 0")
-    for key in ("balance_weight", "z_weight"):
-        if not moe[key] >= 0:
-            _fail(f"model.moe.{key}", moe[key], "must be >= 0")
-    if experts % expert_axis:
-        _fail("mesh.expert", expert_axis, f"must divide model.moe.num_experts={experts}")
-    if config.checkpoint.init_from_hf:
-        _fail(
-            "checkpoint.init_from_hf",
-            config.checkpoint.init_from_hf,
-            "a mixture of experts (model.moe.num_experts > 0) has no Llama weights to import",
-        )
+    moe, experts, axis = config.model.moe, config.model.moe.num_experts, config.mesh.expert
+    _check_positive(config, "mesh.expert", "model.moe.every", "model.moe.top_k")
+    if not isinstance(experts, int) or experts < 0:
+        _fail("model.moe.num_experts", experts, "must be an integer >= 0 (0 = dense)")
+    if experts % axis or (not experts and axis != 1):
+        _fail("mesh.expert", axis, f"must divide model.moe.num_experts={experts} (1 when dense)")
+    if experts and (moe.top_k > min(2, experts) or moe.every > config.model.num_layers):
+        key, value = ("top_k", moe.top_k) if moe.top_k > min(2, experts) else ("every", moe.every)
+        _fail(f"model.moe.{key}", value, "top_k <= min(2, num_experts), every <= num_layers")
+    for key in ("capacity_factor", "d_ff", "balance_weight", "z_weight"):
+        if not moe[key] >= 0 or (key == "capacity_factor" and not moe[key] > 0):
+            _fail(f"model.moe.{key}", moe[key], "must be >= 0 (capacity_factor > 0)")
 
 
 def _validate_checkpoint(c: ml_collections.ConfigDict) -> None:
