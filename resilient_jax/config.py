@@ -100,8 +100,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.95  # Adam's second-moment decay
     c.optimizer.eps = 1e-8  # Adam's denominator floor
     c.optimizer.grad_clip_norm = 1.0  # clip the global gradient norm to this; 0 = no clipping
-    # GaLore (resilient_jax.train.galore): Adam on attention and MLP gradients projected onto
-    # their top `rank` singular vectors (moments r*max(m, n), not m*n); embeddings keep full Adam.
+    # GaLore (resilient_jax.train.galore): Adam on gradients projected to their top singular vectors
     c.optimizer.galore = ml_collections.ConfigDict()
     c.optimizer.galore.rank = 0  # rank of the projection; 0 = off (plain AdamW)
     c.optimizer.galore.update_interval = 200  # optimizer steps between SVD refreshes of the basis
@@ -363,13 +362,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     profile_steps(config.profile.steps)
 
 
-def _galore_matrices(m: ml_collections.ConfigDict) -> list[tuple[int, int]]:
-    """[rows, cols] of the model's weight matrices as GaLore sees them (see resilient_jax.model)."""
-    attention = [m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim]
-    # The embeddings keep full Adam (resilient_jax.train.state): not projected.
-    return [(m.d_model, m.d_ff), (m.d_ff, m.d_model)] + [(m.d_model, w) for w in attention]
-
-
 def _validate_galore(config: ml_collections.ConfigDict) -> None:
     g = config.optimizer.galore
     for key in ("rank", "min_size"):
@@ -378,7 +370,10 @@ def _validate_galore(config: ml_collections.ConfigDict) -> None:
     _check_positive(config, "optimizer.galore.update_interval")
     if not g.scale > 0:
         _fail("optimizer.galore.scale", g.scale, "must be > 0")
-    projected = [min(r, c) for r, c in _galore_matrices(config.model) if r * c >= g.min_size]
+    m = config.model  # GaLore projects MLP and attention matrices; embeddings keep full Adam
+    heads = [m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim]
+    matrices = [(m.d_model, m.d_ff), (m.d_ff, m.d_model)] + [(m.d_model, w) for w in heads]
+    projected = [min(r, c) for r, c in matrices if r * c >= g.min_size]
     if projected and g.rank > min(projected):
         _fail("optimizer.galore.rank", g.rank, f"must be <= {min(projected)}, a projected side")
 
@@ -386,16 +381,14 @@ def _validate_galore(config: ml_collections.ConfigDict) -> None:
 def _validate_moe(config: ml_collections.ConfigDict) -> None:
     moe, experts, axis = config.model.moe, config.model.moe.num_experts, config.mesh.expert
     _check_positive(config, "mesh.expert", "model.moe.every", "model.moe.top_k")
-    if not isinstance(experts, int) or experts < 0:
-        _fail("model.moe.num_experts", experts, "must be an integer >= 0 (0 = dense)")
+    for key in ("num_experts", "capacity_factor", "d_ff", "balance_weight", "z_weight"):
+        if not moe[key] >= 0 or (key == "capacity_factor" and not moe[key] > 0):
+            _fail(f"model.moe.{key}", moe[key], "must be >= 0 (capacity_factor > 0)")
     if experts % axis or (not experts and axis != 1):
         _fail("mesh.expert", axis, f"must divide model.moe.num_experts={experts} (1 when dense)")
     if experts and (moe.top_k > min(2, experts) or moe.every > config.model.num_layers):
         key, value = ("top_k", moe.top_k) if moe.top_k > min(2, experts) else ("every", moe.every)
         _fail(f"model.moe.{key}", value, "top_k <= min(2, num_experts), every <= num_layers")
-    for key in ("capacity_factor", "d_ff", "balance_weight", "z_weight"):
-        if not moe[key] >= 0 or (key == "capacity_factor" and not moe[key] > 0):
-            _fail(f"model.moe.{key}", moe[key], "must be >= 0 (capacity_factor > 0)")
 
 
 def _validate_checkpoint(c: ml_collections.ConfigDict) -> None:
