@@ -104,7 +104,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.optimizer.galore = ml_collections.ConfigDict()
     c.optimizer.galore.rank = 0  # rank of the projection; 0 = off (plain AdamW)
     c.optimizer.galore.update_interval = 200  # optimizer steps between SVD refreshes of the basis
-    c.optimizer.galore.scale = 1.0  # multiplies the update projected back to full space
+    # x the update projected back: 2 = sqrt(d/r) at r = d/4 gives AdamW's update RMS (README)
+    c.optimizer.galore.scale = 2.0
     c.optimizer.galore.min_size = 4096  # weights with fewer elements (and all 1-D) stay plain Adam
 
     # Mesh axes: replica crosses slices, fsdp and tensor stay inside one (resilient_jax.topology).
