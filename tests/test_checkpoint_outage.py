@@ -198,7 +198,7 @@ def test_outage_past_its_limit_stops_after_a_local_save(tmp_path, local_root, gc
     ck.close()
     assert stop.value.exit_code == ExitCode.STORAGE_UNREACHABLE
     assert "persistent_outage_limit_s" in stop.value.reason
-    assert ck.latest_step() == step  # the final step is on the local tier
+    assert ck.latest_step() == step + 1  # the step that stopped the run is on the local tier
 
 
 # ------------------------------------------------------------------- whole runs on gs://
