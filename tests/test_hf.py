@@ -368,3 +368,13 @@ def test_init_from_and_init_from_hf_exclude_each_other():
     config = small_config(**{"checkpoint.init_from": "/a", "checkpoint.init_from_hf": "/b"})
     with pytest.raises(ConfigError, match=r"init_from_hf='/b' is invalid: excludes"):
         validate(config)
+
+
+def test_a_mixture_of_experts_model_is_refused_both_ways(tmp_path):
+    config = small_config(**{"model.moe.num_experts": 4})
+    dense_out = str(tmp_path / "dense")
+    exporter.write(small_config(), random_params(small_config()), dense_out, "float32")
+    with pytest.raises(BadInput, match=r"model.moe.num_experts=4 is invalid here: .* dense"):
+        exporter.write(config, random_params(config), str(tmp_path / "moe"), "float32")
+    with pytest.raises(BadInput, match=r"model.moe.num_experts=4 is invalid here"):
+        HFSource.open(dense_out, ModelConfig.from_config(config.model))

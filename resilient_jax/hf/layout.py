@@ -85,7 +85,14 @@ def _layer_tensors(m: ModelConfig, i: int) -> list[Tensor]:
 
 
 def tensors(m: ModelConfig) -> list[Tensor]:
-    """Every tensor both sides store one for one (the output layer is `to_hf`/`from_hf`'s)."""
+    """Every tensor both sides store one for one (the output layer is `to_hf`/`from_hf`'s).
+
+    BadInput for a mixture-of-experts model: a Llama directory has no place for experts."""
+    if m.moe.num_experts:
+        raise BadInput(
+            f"model.moe.num_experts={m.moe.num_experts} is invalid here: Hugging Face Llama "
+            "export and import cover dense models only (num_experts=0)"
+        )
     out = [Tensor(("embed",), EMBED, (m.vocab_size, m.d_model), _same, _same)]
     for i in range(m.num_layers):
         out += _layer_tensors(m, i)
