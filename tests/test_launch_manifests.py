@@ -149,7 +149,9 @@ def test_tpu_workers_derive_the_multislice_variables_from_their_place():
 def test_slurm_script_gives_the_supervisor_and_agents_only_flags_they_know():
     """Every `--name=` in launch/slurm/train.sbatch is Slurm's own or a flag of the supervisor
     (launch/local_cluster.py) or the host agent it starts."""
-    with open(os.path.join(REPO, "launch", "slurm", "train.sbatch")) as f:
+    path = os.path.join(REPO, "launch", "slurm", "train.sbatch")
+    subprocess.run(["bash", "-n", path], check=True)  # valid bash before anything else
+    with open(path) as f:
         script = f.read()
     assert "launch/local_cluster.py" in script and "-m resilient_jax.control.agent" in script
     slurm_flags = {"nodes", "ntasks", "nodelist", "time", "signal", "output"}
