@@ -191,6 +191,43 @@ def persistent_step_dirs(workdir: str) -> list[str]:
     return sorted((n for n in names if n != RUN_ID_FILE), key=lambda n: (not n.isdigit(), n))
 
 
+def supervise_tiny_cpu(
+    workdir, overrides: dict, actions=(), out=None, time_limit_s: float = 400
+) -> tuple[int, list[dict]]:
+    """`configs/tiny_cpu.py` with `overrides` under the supervisor on 2 slices x 1 process x 2
+    devices (the real trainer): its exit code and events. Nothing it started may outlive it."""
+    import io
+    import runpy
+
+    from resilient_jax.control import ClusterSpec, Supervisor
+    from resilient_jax.events import read_events
+
+    config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
+    config.update_from_flattened_dict(overrides)
+    argv = [
+        sys.executable,
+        "launch/train.py",
+        "--config=configs/tiny_cpu.py",
+        f"--workdir={workdir}",
+        *(f"--config.{k}={v}" for k, v in overrides.items()),
+    ]
+    supervisor = Supervisor(
+        config,
+        ClusterSpec(2, 1, 2),
+        argv,
+        str(workdir),
+        actions=actions,
+        out=out if out is not None else io.StringIO(),
+        cwd=REPO,
+    )
+    result = supervisor.run(time_limit_s=time_limit_s)
+    events = list(read_events(str(workdir)))
+    for pid in [e["pid"] for e in events if e["type"] == "process_start" and "source" in e]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    return result.exit_code, events
+
+
 def events_of(workdir: str, kind: str) -> list[dict]:
     """The events of one type in a run's events.jsonl."""
     from resilient_jax.events import read_events

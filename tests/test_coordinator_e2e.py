@@ -7,19 +7,15 @@ ends bitwise equal to the undisturbed run."""
 
 from __future__ import annotations
 
-import io
 import os
-import runpy
-import sys
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import SMALL
+from conftest import SMALL, supervise_tiny_cpu
 
-from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction
-from resilient_jax.events import read_events
+from resilient_jax.control import SupervisorAction
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,30 +40,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_trainer(workdir, actions=(), out=None) -> tuple[int, list[dict]]:
-    config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
-    config.update_from_flattened_dict(OVERRIDES)
-    argv = [
-        sys.executable,
-        "launch/train.py",
-        "--config=configs/tiny_cpu.py",
-        f"--workdir={workdir}",
-        *(f"--config.{k}={v}" for k, v in OVERRIDES.items()),
-    ]
-    supervisor = Supervisor(
-        config,
-        ClusterSpec(2, 1, 2),
-        argv,
-        str(workdir),
-        actions=actions,
-        out=out if out is not None else io.StringIO(),
-        cwd=REPO,
-    )
-    result = supervisor.run(time_limit_s=400)
-    events = list(read_events(str(workdir)))
-    for pid in [e["pid"] for e in events if e["type"] == "process_start" and "source" in e]:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-    return result.exit_code, events
+    return supervise_tiny_cpu(workdir, OVERRIDES, actions, out, time_limit_s=400)
 
 
 def final_loss(events: list[dict]) -> float:

@@ -8,17 +8,13 @@ run's."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import runpy
-import sys
 
 import pytest
-from conftest import SMALL
+from conftest import SMALL, supervise_tiny_cpu
 
-from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction
-from resilient_jax.events import read_events
+from resilient_jax.control import SupervisorAction
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOTAL_STEPS = 40
@@ -55,30 +51,7 @@ pytestmark = pytest.mark.slow
 
 def run_trainer(workdir, variant: str, actions=()) -> tuple[int, list[dict]]:
     overrides = {**OVERRIDES, **VARIANTS[variant]}
-    config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
-    config.update_from_flattened_dict(overrides)
-    argv = [
-        sys.executable,
-        "launch/train.py",
-        "--config=configs/tiny_cpu.py",
-        f"--workdir={workdir}",
-        *(f"--config.{k}={v}" for k, v in overrides.items()),
-    ]
-    supervisor = Supervisor(
-        config,
-        ClusterSpec(2, 1, 2),
-        argv,
-        str(workdir),
-        actions=actions,
-        out=io.StringIO(),
-        cwd=REPO,
-    )
-    result = supervisor.run(time_limit_s=500)
-    events = list(read_events(str(workdir)))
-    for pid in [e["pid"] for e in events if e["type"] == "process_start" and "source" in e]:
-        with pytest.raises(ProcessLookupError):  # nothing it started outlives the run
-            os.kill(pid, 0)
-    return result.exit_code, events
+    return supervise_tiny_cpu(workdir, overrides, actions, time_limit_s=500)
 
 
 def step_losses(events: list[dict], first: bool = False) -> dict[int, float]:
