@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import checkpoint_config, data_position, run_context, tiny_config
+from conftest import assert_bitwise, checkpoint_config, data_position, run_context, tiny_config
 
 from resilient_jax.checkpoint import Checkpointer, Tier
 from resilient_jax.config import ConfigError, validate
@@ -104,13 +104,6 @@ def test_state_is_sharded_like_its_weights_and_at_most_half_of_adamw(tmp_path):
     assert _opt_state_bytes(ctx.abstract_state) <= _opt_state_bytes(adamw) / 2
 
 
-def _bitwise(a, b) -> bool:
-    return all(
-        np.array_equal(np.asarray(x), np.asarray(y))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
 def _batches(ctx) -> list[jax.Array]:
     """The first five global batches, sharded for `ctx`'s mesh."""
     loader = BatchLoader(ctx.config, ctx.mesh, ctx.plan, make_source(ctx.config))
@@ -164,10 +157,10 @@ def _restore(config, workdir: str, devices: int):
 def test_checkpoint_restores_bitwise_and_resumes_bitwise_on_the_same_mesh(saved_run):
     config, workdir, saved, after = saved_run
     ctx, state = _restore(config, workdir, 8)
-    assert _bitwise(state, saved)
-    assert _bitwise(jax.tree.map(np.asarray, _train(ctx, state, _batches(ctx), 4, 5)), after[5])
+    assert_bitwise(state, saved)
+    assert_bitwise(jax.tree.map(np.asarray, _train(ctx, state, _batches(ctx), 4, 5)), after[5])
     _, state = _restore(config, workdir, 4)  # onto half the devices: the same values
-    assert _bitwise(state, saved)
+    assert_bitwise(state, saved)
 
 
 def test_checkpoint_resumes_on_half_the_devices_up_to_reduction_order(saved_run):

@@ -12,6 +12,7 @@ import pytest
 from conftest import (
     SMALL,
     as_flags,
+    assert_bitwise,
     checkpoint_config,
     data_position,
     run_context,
@@ -171,13 +172,6 @@ def test_experts_are_sharded_over_the_expert_axis_with_fsdp_and_tensor_inside(tm
     assert tuple(adam_mu.sharding.spec) == ("expert", "fsdp", "tensor")
 
 
-def _bitwise(a, b) -> bool:
-    return all(
-        np.array_equal(np.asarray(x), np.asarray(y))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
 def _batches(ctx) -> list[jax.Array]:
     loader = BatchLoader(ctx.config, ctx.mesh, ctx.plan, make_source(ctx.config))
     return [loader.next()[1] for _ in range(5)]
@@ -237,9 +231,9 @@ def test_checkpoint_restores_and_resumes_bitwise_on_the_same_mesh(saved_run):
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.PERSISTENT, 3)
-    assert _bitwise(restored.state, saved)
+    assert_bitwise(restored.state, saved)
     state, _ = _train(ctx, restored.state, 4, 4)
-    assert _bitwise(jax.tree.map(np.asarray, state), after)
+    assert_bitwise(jax.tree.map(np.asarray, state), after)
 
 
 @pytest.mark.slow  # compiles the MoE step on 8 and on 4 devices
@@ -250,7 +244,7 @@ def test_checkpoint_restores_onto_half_the_devices_with_every_expert(saved_run):
     ck = Checkpointer(ctx, handle_sigterm=False)
     restored = ck.restore_latest(ctx)
     ck.close()
-    assert _bitwise(restored.state, saved)  # every expert, verified and placed on 4 devices
+    assert_bitwise(restored.state, saved)  # every expert, verified and placed on 4 devices
     w_gate = restored.state.params["layer_0"]["moe"]["w_gate"]
     assert w_gate.shape[0] == 4 and len(w_gate.sharding.device_set) == 4
     state, _ = _train(ctx, restored.state, 4, 4)  # two microbatches now: same routing per sequence
