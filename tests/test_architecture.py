@@ -32,6 +32,7 @@ LAYERS: dict[str, int] = {
     "resilient_jax.checkpoint": 7,
     "resilient_jax.health": 7,
     "resilient_jax.worker": 7,
+    "resilient_jax.elastic": 7,
     "resilient_jax.chaos": 8,
     "resilient_jax.hf": 8,
     "resilient_jax.rehearsal": 8,

@@ -1,0 +1,3 @@
+"""Elastic data parallelism across slices: each slice its own JAX runtime, gradients averaged
+over a membership that may change every step (`exchange`), survivors taking over a lost slice's
+rows, a returning slice healing from a live one."""
