@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "resilient_jax.events": 1,
     "resilient_jax.topology": 2,
     "resilient_jax.chaos.spec": 2,
+    "resilient_jax.perf": 2,
     "resilient_jax.control": 3,
     "resilient_jax.goodput": 3,
     "resilient_jax.mesh": 4,
@@ -40,7 +41,12 @@ LAYERS: dict[str, int] = {
     "resilient_jax.sample": 9,
     "resilient_jax.testing": 10,
 }
-JAX_FREE = ("resilient_jax.control", "resilient_jax.goodput", "resilient_jax.chaos.spec")
+JAX_FREE = (
+    "resilient_jax.control",
+    "resilient_jax.goodput",
+    "resilient_jax.chaos.spec",
+    "resilient_jax.perf",
+)
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore")
 MAX_LINES = 600
 

@@ -43,6 +43,9 @@ BASE = {
     "coordinator.readmit_after_s": -1.0,
     # Slices here step no faster than one: re-admission would never pay, and is what is tested.
     "coordinator.scale_up_when_faster": False,
+    # The reshape path is what these runs test: the cost-aware planner would wait for a
+    # slice back within seconds instead.
+    "coordinator.reconfiguration": "reshape",
     # The hosts' health probe without its JAX start (tests of the probe run it).
     "coordinator.probe_jax": False,
     "coordinator.agent_timeout_s": 1.5,
@@ -280,6 +283,56 @@ def test_slice_lost_by_the_supervisor_returns_after_its_outage(cluster_dir):
     assert [r["reason"] for r in of_type(events, "restart")] == ["failure", "scale_up"]
     (evict,) = of_type(events, "evict")
     assert evict["returns_in_s"] < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_cost_aware_supervisor_waits_for_a_slice_back_soon(cluster_dir):
+    # Restarting costs seconds here (the first start measured it); the slice is back in one:
+    # waiting for it beats reshaping now and again when it returns.
+    lose = SupervisorAction("lose_slice", slice=1, at_step=8, duration_s=1.0)
+    result, events, output, state = run(
+        cluster_dir,
+        ClusterSpec(2, 1, 1),
+        actions=[lose],
+        total_steps=80,
+        **{"coordinator.reconfiguration": "cost"},
+    )
+    assert result.exit_code == 0, result.reason
+    (plan,) = of_type(events, "reconfigure")
+    assert (plan["trigger"], plan["policy"], plan["plan"], plan["slices"]) == (
+        "slice_lost",
+        "cost",
+        "wait",
+        2,
+    )
+    assert 0 < plan["return_in_s"] <= 1.0 and plan["restart_s"] > plan["return_in_s"]
+    (reshape,) = plan["alternatives"]
+    assert reshape["plan"] == "reshape" and reshape["slices"] == 1
+    assert reshape["expected_s"] > plan["expected_s"] > 0
+    assert "slice lost: wait (cost; wait " in output
+    # One restart, on both slices: no generation ran on one.
+    assert [(r["reason"], r["slices"]) for r in of_type(events, "restart")] == [("failure", [0, 1])]
+    assert state["value"] == pytest.approx(expected_value(80), rel=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_cost_aware_supervisor_reshapes_when_the_slice_is_back_late(cluster_dir):
+    lose = SupervisorAction("lose_slice", slice=1, at_step=8, duration_s=300.0)
+    result, events, _, state = run(
+        cluster_dir,
+        ClusterSpec(2, 1, 1),
+        actions=[lose],
+        **{"coordinator.reconfiguration": "cost"},
+    )
+    assert result.exit_code == 0, result.reason
+    (plan,) = of_type(events, "reconfigure")
+    assert (plan["plan"], plan["slices"]) == ("reshape", 1)
+    (wait,) = plan["alternatives"]
+    assert wait["plan"] == "wait" and wait["expected_s"] > 300 > plan["expected_s"]
+    assert [r["slices"] for r in of_type(events, "restart")] == [[0]]
+    assert state["value"] == pytest.approx(expected_value(), rel=1e-12)
 
 
 @pytest.mark.slow

@@ -34,6 +34,9 @@ OVERRIDES = {
     "coordinator.readmit_after_s": 2.0,
     # On 2 cores two slices step no faster than one: re-admission would never pay.
     "coordinator.scale_up_when_faster": False,
+    # The reshape path is what these runs test: the cost-aware planner would wait for a
+    # slice back within seconds instead.
+    "coordinator.reconfiguration": "reshape",
 }
 VARIANTS = {
     # 4 experts, 2 per device of a slice; top-2 routing.

@@ -46,6 +46,9 @@ OVERRIDES = {
     "coordinator.standby_workers": False,
     # A lost host does not come back in these runs: the job ends on two.
     "coordinator.scale_up_when_faster": False,
+    # The reshape path is what these runs test: the cost-aware planner would wait for a
+    # slice back within seconds instead.
+    "coordinator.reconfiguration": "reshape",
 }
 FLAGS = ["--config.checkpoint.local_dir=", *as_flags(OVERRIDES)]
 

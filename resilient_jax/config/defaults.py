@@ -163,6 +163,17 @@ def default_config() -> ml_collections.ConfigDict:
     # Re-admit a returned slice only when the measured speed-up over the observed time between
     # failures outweighs the measured restart cost (False: at once, at the next save).
     c.coordinator.scale_up_when_faster = True
+    # How the job goes on when a slice is lost or returns (resilient_jax.control.reconfigure):
+    # "cost" = the plan (a spare, reshape now, wait for the slice, re-admit now or at the next
+    # restart) with the lowest expected time to the end of the run, from the step-time model,
+    # the measured restart cost and the run's own MTBF; "reshape" = a spare, else restart at once
+    # on the slices left; "wait" = a spare, else wait for a slice back within wait_for_slices_s.
+    c.coordinator.reconfiguration = "cost"
+    # A restart's cost (stop to the next first step) until the run has measured one.
+    c.coordinator.restart_cost_s = 120.0
+    # Step-time calibration of the devices (python -m resilient_jax.train.calibrate --out=FILE);
+    # "" = accelerator-like defaults, scaled to the step time the run measures.
+    c.coordinator.step_time_calibration = ""
     c.coordinator.kill_grace_s = 0.5  # after a failure: SIGTERM, this long, then SIGKILL
     c.coordinator.save_grace_s = 60.0  # asked to save and stop: SIGTERM, this long, then SIGKILL
     # A straggler (health.straggler_factor over health.straggler_window steps) is always reported;

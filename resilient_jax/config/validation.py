@@ -14,6 +14,7 @@ from resilient_jax.config.errors import ConfigError
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("text", "arrayrecord", "synthetic")
+RECONFIGURATION_POLICIES = ("cost", "reshape", "wait")  # control.reconfigure
 REHEARSAL_MODES = ("", "replay", "synthetic")
 
 
@@ -206,6 +207,13 @@ def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
             _fail(f"coordinator.{key}", c[key], "must be >= 0")
     if c.probe_min_free_gb < 0:
         _fail("coordinator.probe_min_free_gb", c.probe_min_free_gb, "must be >= 0")
+    if c.reconfiguration not in RECONFIGURATION_POLICIES:
+        allowed = ", ".join(RECONFIGURATION_POLICIES)
+        _fail("coordinator.reconfiguration", c.reconfiguration, f"one of {allowed}")
+    if not c.restart_cost_s > 0:
+        _fail("coordinator.restart_cost_s", c.restart_cost_s, "must be > 0")
+    if c.step_time_calibration and not os.path.isfile(c.step_time_calibration):
+        _fail("coordinator.step_time_calibration", c.step_time_calibration, "no such file")
     if c.backoff_max_s < c.backoff_s:
         _fail("coordinator.backoff_max_s", c.backoff_max_s, f"must be >= backoff_s={c.backoff_s}")
 

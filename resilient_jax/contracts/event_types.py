@@ -45,6 +45,11 @@ class EventType(Name):
     SCALE_UP_DEFERRED = "scale_up_deferred"  # slices, gain_s, cost_s: not worth a restart yet
     READMIT = "readmit"  # slice: an evicted slice's cool-down is over
     STRAGGLER = "straggler"  # process, slice, ratio, median_s, reference_s
+    # A slice was lost or returned: how the job goes on. trigger (slice_lost | slice_returned),
+    # policy, plan (spare | reshape | wait | readmit | defer), slices, expected_s, why,
+    # alternatives ([{plan, slices, expected_s, why}]), step_s ({slices: s}), restart_s, mtbf_s,
+    # return_in_s, remaining_steps: each plan's expected wall time to the end of the run.
+    RECONFIGURE = "reconfigure"
     # Hosts and the control channel.
     AGENT_START = "agent_start"  # pid, host, slice, devices, slots: a host agent is up
     HOST_JOINED = "host_joined"  # host, slice, agent_pid, probe: registered, health probe passed

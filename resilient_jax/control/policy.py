@@ -12,6 +12,8 @@ import dataclasses
 
 import ml_collections
 
+from resilient_jax.perf.plans import readmit_gain_s
+
 
 @dataclasses.dataclass
 class _SliceState:
@@ -183,10 +185,7 @@ def scale_up_pays(
     t_now = ledger.step_time_s.get(slices_now)
     if t_now is None:
         return False, f"waiting for the step time on {slices_now} slices"
-    horizon = float("inf") if mtbf_s is None else mtbf_s
-    if remaining_steps is not None:
-        horizon = min(horizon, remaining_steps * t_now)
-    gain = horizon * (t_now / t_after - 1.0)
+    gain, horizon = readmit_gain_s(t_now, t_after, mtbf_s, remaining_steps)
     pace = f"{t_now:.3g}s/step now, {t_after:.3g}s/step on {slices_after} slices"
     if gain > cost:
         return True, f"{pace}: saves {gain:.0f}s over {horizon:.0f}s > restart {cost:.1f}s"

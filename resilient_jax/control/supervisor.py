@@ -41,20 +41,13 @@ from resilient_jax.control.generation import (
 from resilient_jax.control.host_plane import HostPlane
 from resilient_jax.control.launcher import WorkerLauncher
 from resilient_jax.control.outages import OutageReader
-from resilient_jax.control.policy import (
-    ReshapeLedger,
-    RestartPolicy,
-    SlicePool,
-    scale_up_pays,
-    straggler_eviction_pays,
-)
+from resilient_jax.control.policy import RestartPolicy, SlicePool, straggler_eviction_pays
+from resilient_jax.control.reconfigure import Reconfigurer
 from resilient_jax.control.server import WorkerReport
 from resilient_jax.control.stop_requests import StopRequests
 from resilient_jax.control.stragglers import Straggler, StragglerWatch
 from resilient_jax.events import EventLog
-
-# A generation's step time counts for the reshape ledger once it is this many steps past its first.
-_STEPS_BEFORE_STEP_TIME = 5
+from resilient_jax.perf.plans import PlanKind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,8 +128,8 @@ class Supervisor:
         self._stop = StopRequests(poll_interval_s)
         self._gen = Generation()
         self._max_step: int | None = None  # highest step any worker reported, any generation
-        # Step time per slice count and restart costs: whether re-admitting a slice pays.
-        self._ledger = ReshapeLedger()
+        # What a reshape costs and gains; which plan to follow when a slice is lost or returns.
+        self._reconfigure = Reconfigurer(config, cluster, workdir, self._events, self._say)
         self._start_time = 0.0
 
     # Public.
@@ -275,6 +268,9 @@ class Supervisor:
                 returns_in_s=None if returns_at is None else round(returns_at - now, 3),
             )
             self._say(f"evicted slice {slice_id}")
+            wait_s = self._plan_after_loss(returns_at)
+            if wait_s and self._stop.sleep(wait_s):
+                return self._finish(ExitCode.INTERRUPTED, "interrupted while waiting for a slice")
         slices, reason = self._wait_for_slices()
         if reason:
             code = ExitCode.INTERRUPTED if self._stop.requested else ExitCode.FAILED
@@ -455,10 +451,7 @@ class Supervisor:
                 failures=self._policy.failures,
             )
             self._say(f"generation {number} on slices {slices} ({reason.value})")
-        observed_mtbf_s = None
-        if self._policy.failures:
-            observed_mtbf_s = (time.monotonic() - self._start_time) / self._policy.failures
-        self._gen.workers = self._launcher.start_generation(number, slices, pps, observed_mtbf_s)
+        self._gen.workers = self._launcher.start_generation(number, slices, pps, self._mtbf_s())
 
     def _watch(self, deadline: float | None) -> Watched:
         """Polls the running generation until something needs a decision."""
@@ -477,7 +470,7 @@ class Supervisor:
             if steps:
                 gen.max_step = max(steps)
                 self._max_step = max(self._max_step or 0, gen.max_step)
-                self._measure(now, reports)
+                self._reconfigure.measure(gen, now, reports)
             hit = self._faults.fire_due(
                 now, now - self._start_time, self._max_step, gen.slices, gen.workers, gen.number
             )
@@ -522,19 +515,6 @@ class Supervisor:
                 return Watched(Outcome.SCALE_UP)
             time.sleep(self._poll_s)
 
-    def _measure(self, now: float, reports: dict[int, WorkerReport]) -> None:
-        """Feeds the reshape ledger: the restart's cost at a generation's first step, then the
-        generation's step time (the slowest process's median, once it has a few steps)."""
-        gen = self._gen
-        assert gen.max_step is not None
-        if gen.first_step is None:
-            gen.first_step = gen.max_step
-            if gen.number > 0:
-                self._ledger.restart_costs_s.append(now - gen.started)
-        medians = [r.step_time_s for r in reports.values() if r.step_time_s is not None]
-        if medians and gen.max_step - gen.first_step >= _STEPS_BEFORE_STEP_TIME:
-            self._ledger.step_time_s[len(gen.slices)] = max(medians)
-
     def _can_scale_up(self) -> bool:
         gen = self._gen
         # Only once this generation trains: stopping it while it compiles would waste the start.
@@ -543,25 +523,28 @@ class Supervisor:
         bigger = len(self._fit(self._pool.choose(gen.slices))[0])
         if bigger <= len(gen.slices):
             return False
-        if not self._c.scale_up_when_faster:
-            return True
-        elapsed = time.monotonic() - self._start_time
-        mtbf_s = elapsed / self._policy.failures if self._policy.failures else None
-        pays, why = scale_up_pays(
-            self._ledger,
-            len(gen.slices),
-            bigger,
-            mtbf_s,
-            int(self._config.total_steps) - gen.max_step,
-        )
-        measured = len(gen.slices) in self._ledger.step_time_s
-        if not pays and measured and not gen.scale_up_deferred:
-            gen.scale_up_deferred = True
-            self._events.emit(
-                EventType.SCALE_UP_DEFERRED, generation=gen.number, step=gen.max_step, why=why
-            )
-            self._say(f"a returned slice waits: re-admitting it does not pay yet ({why})")
-        return pays
+        return self._reconfigure.readmit(gen, bigger, self._mtbf_s())
+
+    def _mtbf_s(self) -> float | None:
+        """The run's observed mean time between failures (None before the first)."""
+        if not self._policy.failures:
+            return None
+        return (time.monotonic() - self._start_time) / self._policy.failures
+
+    def _plan_after_loss(self, returns_at: float | None) -> float:
+        """Prices the plans after a slice's loss when the others can go on; how long to wait for
+        it (0: not at all)."""
+        gen, now = self._gen, time.monotonic()
+        survivors = [s for s in gen.slices if s in self._pool.healthy()]
+        healthy = len(self._fit(survivors)[0])
+        if healthy < int(self._c.min_slices):  # `_wait_for_slices` waits or re-admits
+            return 0.0
+        available = len(self._fit(self._pool.choose(gen.slices))[0])
+        return_in_s = None if returns_at is None else returns_at - now
+        plan = self._reconfigure.after_loss(gen, healthy, available, return_in_s, self._mtbf_s())
+        if plan != PlanKind.WAIT or return_in_s is None:
+            return 0.0
+        return max(0.0, return_in_s)
 
     def _apply_announced_outages(self) -> None:
         """Outages the chaos hook announced in the event log, mapped to physical slices."""

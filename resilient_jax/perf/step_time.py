@@ -1,0 +1,192 @@
+"""Step time of a config on a mesh, predicted from measured component costs: arithmetic only.
+
+A `Calibration` holds what a short profiling run measured on the devices at hand
+(`resilient_jax.train.calibrate`): the compute cost of a token's forward and backward pass per
+FLOP, the fixed cost of one microbatch, the cost per byte and per call of a collective on each mesh
+axis, the optimizer update per parameter, the fixed cost of a step, and how many devices' compute
+the host runs at once. `predict` adds them up for a `Workload` (the config's model and batch) on
+a `MeshPlan`:
+
+    step = fixed + serial x (microbatches x (microbatch_fixed + tokens x FLOPs/token / tensor x
+           s_per_flop) + params_on_device x s_per_param) + collectives
+
+where `serial` = devices / min(devices, parallel_devices) (simulated devices share the host's
+cores; on accelerators every device computes at once, so it is 1). The collectives per microbatch
+are FSDP's all-gather of the parameters and reduce-scatter of the gradients, the replica axis's
+all-reduce of the gradients (the accumulator is sharded like the parameters, so XLA reduces every
+microbatch), and tensor parallelism's two all-reduces of the activations per layer, forward and
+backward; ring algorithms move (k-1)/k of the buffer per device (twice for an all-reduce).
+
+The supervisor (which never imports JAX) ranks a restart's candidate meshes with it, and
+`experiments/step_time_model.py` checks it against measured step times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Protocol
+
+import ml_collections
+
+AXES = ("replica", "fsdp", "tensor")  # the axes whose collectives the model prices
+_PARAM_BYTES = 4  # parameters, gradients and their accumulator are float32
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class MeshPlan(Protocol):
+    """The mesh shape the model prices (`topology.MeshPlan` is one; this layer cannot import it)."""
+
+    replica: int
+    fsdp: int
+    tensor: int
+    microbatches: int
+    expert: int
+
+    @property
+    def num_devices(self) -> int: ...
+
+    @property
+    def rows_per_device(self) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured costs on one kind of device (seconds)."""
+
+    s_per_flop: float  # training compute per FLOP of one device
+    microbatch_s: float  # fixed cost of one microbatch (loop, launch), whatever its size
+    s_per_param: float  # optimizer update (clip, AdamW, apply) per parameter on a device
+    step_s: float  # fixed cost of one step (dispatch, metrics)
+    byte_s: dict[str, float]  # per axis: seconds per byte a device sends in a collective
+    call_s: dict[str, float]  # per axis: seconds per collective call (latency)
+    parallel_devices: float | None = None  # devices' worth of compute at once; None: all
+    device: str = ""  # what was measured, for the record
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Calibration:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - fields
+        if unknown:
+            raise ValueError(f"unknown calibration fields {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: str) -> Calibration:
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one optimizer step computes: the model's size and the batch, from a config."""
+
+    params: int  # all parameters
+    flops_per_token: float  # forward + backward
+    num_layers: int
+    d_model: int
+    activation_bytes: int  # per element of the activations
+    global_batch_size: int
+    seq_len: int
+
+    @classmethod
+    def from_config(cls, config: ml_collections.ConfigDict) -> Workload:
+        m = config.model
+        d, f, e = m.d_model, m.d_ff, m.head_dim
+        attn = d * e * (m.num_heads * 2 + m.num_kv_heads * 2)
+        layer = attn + 3 * d * f + 2 * d
+        untied_head = 0 if m.tie_embeddings else d * m.vocab_size
+        moe = m.moe
+        params = m.vocab_size * d + m.num_layers * layer + d + untied_head
+        active = params
+        if moe.num_experts:
+            expert_ff = moe.d_ff or f
+            moe_layers = m.num_layers // moe.every
+            per_layer = d * moe.num_experts - 3 * d * f
+            params += moe_layers * (per_layer + moe.num_experts * 3 * d * expert_ff)
+            active += moe_layers * (per_layer + moe.top_k * 3 * d * expert_ff)
+        seq_len = config.data.seq_len
+        # 6 x the matmul parameters a token uses (the embedding lookup is free, the output
+        # projection is a matmul) + the attention scores (PaLM, appendix B).
+        matmul = active - (0 if m.tie_embeddings else m.vocab_size * d)
+        flops = 6.0 * matmul + 12 * m.num_layers * m.num_heads * e * seq_len
+        return cls(
+            params=params,
+            flops_per_token=flops,
+            num_layers=m.num_layers,
+            d_model=d,
+            activation_bytes=_DTYPE_BYTES.get(m.compute_dtype, 4),
+            global_batch_size=config.global_batch_size,
+            seq_len=seq_len,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Breakdown:
+    """A predicted step time and its parts (seconds)."""
+
+    compute_s: float
+    optimizer_s: float
+    collective_s: dict[str, float]
+    fixed_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.optimizer_s + sum(self.collective_s.values()) + self.fixed_s
+
+
+def collective_bytes(work: Workload, plan: MeshPlan) -> dict[str, tuple[float, int]]:
+    """Per axis: (bytes one device sends, collective calls) in one step."""
+    m, t = plan.microbatches, plan.tensor
+    shard = work.params * _PARAM_BYTES / t  # a tensor-parallel group's share of the parameters
+    out: dict[str, tuple[float, int]] = {}
+    f = plan.fsdp
+    # All-gather of the parameters and reduce-scatter of the gradients, every microbatch.
+    out["fsdp"] = (m * 2 * shard * (f - 1) / f, 2 * m) if f > 1 else (0.0, 0)
+    r = plan.replica * plan.expert
+    # All-reduce of the gradient shard this device holds, every microbatch.
+    out["replica"] = (m * 2 * (shard / f) * (r - 1) / r, m) if r > 1 else (0.0, 0)
+    tokens = plan.rows_per_device * work.seq_len
+    calls = 4 * work.num_layers  # two all-reduces per layer, forward and backward
+    act = tokens * work.d_model * work.activation_bytes
+    out["tensor"] = (m * calls * 2 * act * (t - 1) / t, m * calls) if t > 1 else (0.0, 0)
+    return out
+
+
+def breakdown(cal: Calibration, work: Workload, plan: MeshPlan) -> Breakdown:
+    """The predicted step time of `work` on `plan`, part by part."""
+    n = plan.num_devices
+    parallel = n if cal.parallel_devices is None else max(1.0, min(n, cal.parallel_devices))
+    serial = n / parallel
+    tokens = plan.rows_per_device * work.seq_len  # one microbatch on one device
+    microbatch = cal.microbatch_s + tokens * work.flops_per_token / plan.tensor * cal.s_per_flop
+    compute = serial * plan.microbatches * microbatch
+    optimizer = serial * work.params / (plan.fsdp * plan.tensor) * cal.s_per_param
+    collectives = {
+        axis: sent * cal.byte_s.get(axis, 0.0) + calls * cal.call_s.get(axis, 0.0)
+        for axis, (sent, calls) in collective_bytes(work, plan).items()
+    }
+    return Breakdown(compute, optimizer, collectives, cal.step_s)
+
+
+def predict(cal: Calibration, work: Workload, plan: MeshPlan) -> float:
+    """Predicted seconds per optimizer step of `work` on `plan`."""
+    return breakdown(cal, work, plan).total_s
+
+
+# What a device of an accelerator cluster costs when nothing was measured: only ratios between
+# meshes matter to the supervisor (it anchors them on the step time it measures), so the figures
+# are H100-like orders of magnitude: ~400 TFLOP/s achieved, 400 GB/s in a slice, 25 GB/s across.
+ACCELERATOR_DEFAULT = Calibration(
+    s_per_flop=1 / 4e14,
+    microbatch_s=2e-4,
+    s_per_param=2e-12,
+    step_s=5e-3,
+    byte_s={"replica": 1 / 25e9, "fsdp": 1 / 400e9, "tensor": 1 / 400e9},
+    call_s={"replica": 5e-5, "fsdp": 1e-5, "tensor": 1e-5},
+    parallel_devices=None,
+    device="assumed accelerator (no calibration file)",
+)

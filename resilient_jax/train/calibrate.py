@@ -1,0 +1,261 @@
+"""A short profiling run that measures the component costs `perf.step_time` predicts from.
+
+    python -m resilient_jax.train.calibrate --config=configs/tiny_cpu.py --out=calibration.json
+
+On the devices at hand (in seconds, medians of a few timed calls after a warm-up):
+
+- the real train step on one device at three shapes (1 x 4 rows, 1 x 16 rows, 4 x 4 rows): the
+  slope in tokens is the compute per FLOP, the extra microbatches give a microbatch's fixed cost,
+  and what is left once the optimizer is subtracted is the step's fixed cost;
+- the optimizer's update and apply over the model's parameters on one device;
+- an all-reduce (`psum`) of two buffer sizes over each mesh axis of a 3-axis mesh of all the
+  devices: the slope is the cost per byte sent, the intercept the cost per call;
+- the forward and backward pass of one microbatch on one device, then on every device at once
+  (no collective): how many devices' compute the host runs in parallel.
+
+`step_probe` is one call of the real train step on a given mesh plan, and `time_round_robin`
+times probes in turns; `experiments/step_time_model.py` times the calibration's probes and the
+meshes it checks side by side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from resilient_jax import mesh as mesh_lib
+from resilient_jax.perf.step_time import AXES, Calibration, Workload
+from resilient_jax.topology import MeshPlan, Topology
+from resilient_jax.train.state import init_state, make_model, make_optimizer
+from resilient_jax.train.step import make_train_step, token_loss_sum
+
+_WARMUP = 2
+# The one-device steps timed: rows of a small and a large microbatch; the large one's rows split
+# into this many small ones (the same tokens) for a microbatch's own cost.
+_ROWS = (4, 16)
+_SPLIT = 4
+_PSUM_FLOATS = (1 << 12, 1 << 20)  # all-reduced per device: 16 KiB and 4 MiB
+
+Probe = Callable[[], Any]  # one timed call; blocks until its result is ready
+
+
+def time_round_robin(probes: dict[str, Probe], repeats: int) -> dict[str, float]:
+    """Median seconds of each probe, timed in turns (a, b, c, a, b, c, ...) after a warm-up, so
+    that a change in the machine's load meets every probe alike."""
+    for _ in range(_WARMUP):
+        for probe in probes.values():
+            probe()
+    times: dict[str, list[float]] = {name: [] for name in probes}
+    for _ in range(repeats):
+        for name, probe in probes.items():
+            start = time.perf_counter()
+            probe()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _topology(devices: Sequence[jax.Device]) -> Topology:
+    return Topology(num_slices=1, num_processes=1, process_index=0, devices=tuple(devices))
+
+
+def step_probe(
+    config: ml_collections.ConfigDict,
+    plan: MeshPlan,
+    devices: Sequence[jax.Device] | None = None,
+) -> Probe:
+    """One call of the real jitted train step of `config` on `plan`'s mesh over `devices`
+    (default: the first `plan.num_devices` devices), on a random batch; compiled here."""
+    devices = list(devices or jax.devices()[: plan.num_devices])
+    mesh = mesh_lib.make_mesh(plan, _topology(devices))
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.global_batch_size = plan.global_batch_size
+    step = make_train_step(config, mesh)
+    rows = plan.global_batch_size // plan.microbatches
+    shape = (plan.microbatches, rows, config.data.seq_len + 1)
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape, dtype=np.int32)
+    batch = jax.device_put(tokens, mesh_lib.batch_sharding(mesh))
+    one = jax.device_put(jnp.float32(1.0), mesh_lib.replicated(mesh))
+    box = [init_state(config, mesh)]
+
+    def run() -> None:
+        box[0], metrics = step(box[0], batch, one)
+        jax.block_until_ready(metrics)
+
+    run()  # compile outside the timing
+    return run
+
+
+def _one_device_plan(rows: int, microbatches: int) -> MeshPlan:
+    return MeshPlan(1, 1, 1, microbatches, rows * microbatches)
+
+
+def _optimizer_probe(config: ml_collections.ConfigDict, device: jax.Device) -> Probe:
+    mesh = mesh_lib.make_mesh(_one_device_plan(1, 1), _topology([device]))
+    state = init_state(config, mesh)
+    optimizer = make_optimizer(config)
+
+    @jax.jit
+    def update(params, opt_state, grads):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), state.params)
+    box = [state.params, state.opt_state]
+
+    def run() -> None:
+        box[0], box[1] = update(box[0], box[1], grads)
+        jax.block_until_ready(box[0])
+
+    return run
+
+
+def _psum_probe(mesh: jax.sharding.Mesh, axis: str, floats: int) -> Probe:
+    """One all-reduce over `axis` of `floats` float32s per device."""
+    spec = PartitionSpec(mesh_lib.MESH_AXES)
+    reduce = jax.jit(
+        jax.shard_map(lambda x: jax.lax.psum(x, axis), mesh=mesh, in_specs=spec, out_specs=spec)
+    )
+    n = mesh.devices.size
+    x = jax.device_put(jnp.ones((n * floats,), jnp.float32), NamedSharding(mesh, spec))
+    return lambda: jax.block_until_ready(reduce(x))
+
+
+def _grads_probe(
+    config: ml_collections.ConfigDict, devices: Sequence[jax.Device], rows: int
+) -> Probe:
+    """A forward and backward pass of `rows` rows on each of `devices`, nothing exchanged."""
+    model = make_model(config)
+    seq = config.data.seq_len
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
+    params = model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32))["params"]
+
+    def grads_sum(p, tokens):
+        def loss(q):
+            return token_loss_sum(model.apply({"params": q}, tokens[:, :-1]), tokens[:, 1:])
+
+        g = jax.grad(loss)(p)
+        return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(g))[None]
+
+    spec = PartitionSpec("d")
+    run = jax.jit(
+        jax.shard_map(grads_sum, mesh=mesh, in_specs=(PartitionSpec(), spec), out_specs=spec)
+    )
+    rng = np.random.default_rng(0)
+    shape = (rows * len(devices), seq + 1)
+    tokens = rng.integers(0, config.model.vocab_size, shape, dtype=np.int32)
+    p = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    t = jax.device_put(tokens, NamedSharding(mesh, spec))
+    return lambda: jax.block_until_ready(run(p, t))
+
+
+def _axis_sizes(n: int) -> tuple[int, int, int]:
+    """(replica, fsdp, tensor) for a calibration mesh of n devices: each axis 2 while it can."""
+    sizes = [1, 1, 1]
+    for i in range(3):
+        if n % (2 * int(np.prod(sizes))) == 0:
+            sizes[i] = 2
+    sizes[1] *= n // int(np.prod(sizes))  # what is left goes to fsdp
+    return sizes[0], sizes[1], sizes[2]
+
+
+def calibration_probes(
+    config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None
+) -> dict[str, Probe]:
+    """What `calibration_from` needs timed, by name (compiled here)."""
+    devices = list(devices or jax.devices())
+    probes = {
+        "step_small": step_probe(config, _one_device_plan(_ROWS[0], 1), devices[:1]),
+        "step_large": step_probe(config, _one_device_plan(_ROWS[1], 1), devices[:1]),
+        "step_split": step_probe(config, _one_device_plan(_ROWS[0], _SPLIT), devices[:1]),
+        "optimizer": _optimizer_probe(config, devices[0]),
+        "grads_one": _grads_probe(config, devices[:1], _ROWS[0]),
+        "grads_all": _grads_probe(config, devices, _ROWS[0]),
+    }
+    shape = _axis_sizes(len(devices))
+    mesh = jax.sharding.Mesh(
+        np.asarray(devices).reshape(shape[0], 1, shape[1], shape[2]), mesh_lib.MESH_AXES
+    )
+    for axis, k in zip(AXES, shape, strict=True):
+        if k > 1:
+            for floats in _PSUM_FLOATS:
+                probes[f"psum_{axis}_{floats}"] = _psum_probe(mesh, axis, floats)
+    return probes
+
+
+def calibration_from(
+    config: ml_collections.ConfigDict, seconds: dict[str, float], num_devices: int, kind: str
+) -> Calibration:
+    """The components from the probes' times."""
+    work = Workload.from_config(config)
+    seq = config.data.seq_len
+    small, large, split = seconds["step_small"], seconds["step_large"], seconds["step_split"]
+    s_per_token = max(0.0, (large - small) / ((_ROWS[1] - _ROWS[0]) * seq))
+    microbatch_s = max(0.0, (split - large) / (_SPLIT - 1))
+    optimizer_s = seconds["optimizer"]
+    step_s = max(0.0, small - microbatch_s - _ROWS[0] * seq * s_per_token - optimizer_s)
+    byte_s: dict[str, float] = {}
+    call_s: dict[str, float] = {}
+    shape = _axis_sizes(num_devices)
+    for axis, k in zip(AXES, shape, strict=True):
+        if k == 1:
+            continue
+        sent = [2 * 4 * floats * (k - 1) / k for floats in _PSUM_FLOATS]  # a ring all-reduce
+        times = [seconds[f"psum_{axis}_{floats}"] for floats in _PSUM_FLOATS]
+        slope = (times[1] - times[0]) / (sent[1] - sent[0])
+        byte_s[axis] = max(slope, 0.0)
+        call_s[axis] = max(times[0] - slope * sent[0], 0.0)
+    # Devices' worth of compute the host runs at once: n passes take `grads_all`, one `grads_one`.
+    parallel = max(
+        1.0, min(float(num_devices), num_devices * seconds["grads_one"] / seconds["grads_all"])
+    )
+    return Calibration(
+        s_per_flop=s_per_token / work.flops_per_token,
+        microbatch_s=microbatch_s,
+        s_per_param=optimizer_s / work.params,
+        step_s=step_s,
+        byte_s=byte_s,
+        call_s=call_s,
+        parallel_devices=None if parallel >= num_devices else parallel,
+        device=f"{num_devices} x {kind}",
+    )
+
+
+def calibrate(config: ml_collections.ConfigDict, repeats: int = 5) -> Calibration:
+    """Measures the components on the devices at hand (all of `jax.devices()`)."""
+    devices = jax.devices()
+    seconds = time_round_robin(calibration_probes(config, devices), repeats)
+    return calibration_from(config, seconds, len(devices), devices[0].device_kind)
+
+
+def main() -> None:
+    import argparse
+    import importlib.util
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny_cpu.py")
+    parser.add_argument("--out", required=True, help="where the calibration JSON goes")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    spec = importlib.util.spec_from_file_location("experiment_config", args.config)
+    assert spec is not None and spec.loader is not None, args.config
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cal = calibrate(module.get_config(), args.repeats)
+    with open(args.out, "w") as f:
+        json.dump(dataclasses.asdict(cal), f, indent=2)
+    print(json.dumps(cal.to_json(), indent=2))
+
+
+if __name__ == "__main__":
+    main()
