@@ -74,7 +74,11 @@ def _failure_rate(sit: Situation, slices: int) -> float:
 
 
 def _run_s(sit: Situation, slices: int, steps: float) -> float:
-    """Expected wall time of `steps` steps on `slices` slices, failures included."""
+    """Expected wall time of `steps` steps on `slices` slices, failures included: each second of
+    work meets r failures (r from the observed MTBF), each costing a restart and the work since
+    the last save. (First order in r: the exact renewal formula, (1/r + R)(e^(rc) - 1) per save
+    interval c, chose worse in the simulator, its exponential amplifying the noise of an MTBF
+    observed over a few failures.)"""
     rate = _failure_rate(sit, slices)
     stretch = 1.0 + rate * (sit.restart_s + sit.rework_s)
     return steps * sit.step_s[slices] * stretch
@@ -87,7 +91,8 @@ def _steps_in(sit: Situation, slices: int, seconds: float) -> float:
 
 
 def _reshape_s(sit: Situation, smaller: int, full: int) -> float:
-    """Restart on `smaller` slices; when the lost slice returns, restart on `full` slices."""
+    """Restart on `smaller` slices; when the lost slice returns, the cheaper of re-admitting it
+    then and taking it in at the next failure's restart (`on_return`)."""
     cost = sit.restart_s
     whole = _run_s(sit, smaller, sit.remaining_steps)
     if sit.return_in_s is None or full not in sit.step_s:
@@ -96,8 +101,11 @@ def _reshape_s(sit: Situation, smaller: int, full: int) -> float:
     if whole <= until_back:
         return cost + whole
     done = _steps_in(sit, smaller, until_back)
-    rest = _run_s(sit, full, sit.remaining_steps - done)
-    return cost + until_back + sit.restart_s + rest
+    # The same per-slice failure rate, seen from `smaller` slices.
+    mtbf_s = None if sit.mtbf_s is None else sit.mtbf_s * sit.slices_now / smaller
+    steps = max(1, math.ceil(sit.remaining_steps - done))
+    later = dataclasses.replace(sit, remaining_steps=steps, slices_now=smaller, mtbf_s=mtbf_s)
+    return cost + until_back + on_return(later, full)[0].expected_s
 
 
 def on_loss(sit: Situation, healthy: int) -> list[Plan]:
