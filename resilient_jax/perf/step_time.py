@@ -10,12 +10,14 @@ a `MeshPlan`:
     step = fixed + serial x (microbatches x (microbatch_fixed + tokens x FLOPs/token / tensor x
            s_per_flop) + params_on_device x s_per_param) + collectives
 
-where `serial` = devices / min(devices, parallel_devices) (simulated devices share the host's
-cores; on accelerators every device computes at once, so it is 1). The collectives per microbatch
-are FSDP's all-gather of the parameters and reduce-scatter of the gradients, the replica axis's
-all-reduce of the gradients (the accumulator is sharded like the parameters, so XLA reduces every
-microbatch), and tensor parallelism's two all-reduces of the activations per layer, forward and
-backward; ring algorithms move (k-1)/k of the buffer per device (twice for an all-reduce).
+where `serial` = devices / the devices' worth of compute the host runs at once (simulated devices
+share the host's cores; on accelerators every device computes at once, so it is 1). The
+collectives are, once per step, FSDP's all-gather of the parameters and reduction of the
+gradients and the replica axis's all-reduce of each device's gradient shard (the compiled step
+gathers the parameters before the microbatch loop and reduces the summed gradients after it),
+and, every microbatch, tensor parallelism's two all-reduces of the activations per layer,
+forward and backward; ring algorithms move (k-1)/k of the buffer per device (twice for an
+all-reduce).
 
 The supervisor (which never imports JAX) ranks a restart's candidate meshes with it, and
 `experiments/step_time_model.py` checks it against measured step times.
@@ -24,6 +26,7 @@ The supervisor (which never imports JAX) ranks a restart's candidate meshes with
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from typing import Any, Protocol
 
@@ -60,7 +63,9 @@ class Calibration:
     step_s: float  # fixed cost of one step (dispatch, metrics)
     byte_s: dict[str, float]  # per axis: seconds per byte a device sends in a collective
     call_s: dict[str, float]  # per axis: seconds per collective call (latency)
-    parallel_devices: float | None = None  # devices' worth of compute at once; None: all
+    # Devices' worth of compute the host runs at once when n devices compute (measured at a few
+    # n, keys as strings in JSON; linear in between, flat beyond); None: all n at once.
+    parallel_devices: dict[int, float] | None = None
     device: str = ""  # what was measured, for the record
 
     def to_json(self) -> dict[str, Any]:
@@ -72,6 +77,9 @@ class Calibration:
         unknown = set(data) - fields
         if unknown:
             raise ValueError(f"unknown calibration fields {sorted(unknown)}")
+        parallel = data.get("parallel_devices")
+        if parallel is not None:
+            data = {**data, "parallel_devices": {int(k): float(v) for k, v in parallel.items()}}
         return cls(**data)
 
     @classmethod
@@ -144,11 +152,12 @@ def collective_bytes(work: Workload, plan: MeshPlan) -> dict[str, tuple[float, i
     shard = work.params * _PARAM_BYTES / t  # a tensor-parallel group's share of the parameters
     out: dict[str, tuple[float, int]] = {}
     f = plan.fsdp
-    # All-gather of the parameters and reduce-scatter of the gradients, every microbatch.
-    out["fsdp"] = (m * 2 * shard * (f - 1) / f, 2 * m) if f > 1 else (0.0, 0)
+    # Once per step: the parameters are gathered before the microbatch loop (loop-invariant,
+    # XLA hoists the all-gather) and the summed gradients reduced after it.
+    out["fsdp"] = (2 * shard * (f - 1) / f, 2) if f > 1 else (0.0, 0)
     r = plan.replica * plan.expert
-    # All-reduce of the gradient shard this device holds, every microbatch.
-    out["replica"] = (m * 2 * (shard / f) * (r - 1) / r, m) if r > 1 else (0.0, 0)
+    # The gradient shard each device keeps, reduced across replicas once per step.
+    out["replica"] = (2 * (shard / f) * (r - 1) / r, 1) if r > 1 else (0.0, 0)
     tokens = plan.rows_per_device * work.seq_len
     calls = 4 * work.num_layers  # two all-reduces per layer, forward and backward
     act = tokens * work.d_model * work.activation_bytes
@@ -156,11 +165,25 @@ def collective_bytes(work: Workload, plan: MeshPlan) -> dict[str, tuple[float, i
     return out
 
 
+def concurrency(cal: Calibration, n: int) -> float:
+    """Devices' worth of compute that runs at once when `n` devices compute."""
+    if cal.parallel_devices is None:
+        return float(n)
+    points = sorted(cal.parallel_devices.items())
+    value = points[0][1]
+    for (n0, p0), (n1, p1) in itertools.pairwise(points):
+        if n0 <= n <= n1:
+            value = p0 + (p1 - p0) * (n - n0) / (n1 - n0)
+            break
+    else:
+        value = points[-1][1] if n > points[-1][0] else points[0][1]
+    return max(1.0, min(float(n), value))
+
+
 def breakdown(cal: Calibration, work: Workload, plan: MeshPlan) -> Breakdown:
     """The predicted step time of `work` on `plan`, part by part."""
     n = plan.num_devices
-    parallel = n if cal.parallel_devices is None else max(1.0, min(n, cal.parallel_devices))
-    serial = n / parallel
+    serial = n / concurrency(cal, n)
     tokens = plan.rows_per_device * work.seq_len  # one microbatch on one device
     microbatch = cal.microbatch_s + tokens * work.flops_per_token / plan.tensor * cal.s_per_flop
     compute = serial * plan.microbatches * microbatch

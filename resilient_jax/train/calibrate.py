@@ -10,8 +10,10 @@ On the devices at hand (in seconds, medians of a few timed calls after a warm-up
 - the optimizer's update and apply over the model's parameters on one device;
 - an all-reduce (`psum`) of two buffer sizes over each mesh axis of a 3-axis mesh of all the
   devices: the slope is the cost per byte sent, the intercept the cost per call;
-- the forward and backward pass of one microbatch on one device, then on every device at once
-  (no collective): how many devices' compute the host runs in parallel.
+- the forward and backward pass of one microbatch on one device, then at once on 2, 4, ... and
+  all devices (no collective): how many devices' compute the host runs in parallel;
+- the all-reduce's jitted call without the all-reduce: its dispatch, which a collective inside
+  a step does not pay, comes off the per-call cost.
 
 `step_probe` is one call of the real train step on a given mesh plan, and `time_round_robin`
 times probes in turns; `experiments/step_time_model.py` times the calibration's probes and the
@@ -120,12 +122,16 @@ def _optimizer_probe(config: ml_collections.ConfigDict, device: jax.Device) -> P
     return run
 
 
-def _psum_probe(mesh: jax.sharding.Mesh, axis: str, floats: int) -> Probe:
-    """One all-reduce over `axis` of `floats` float32s per device."""
+def _psum_probe(mesh: jax.sharding.Mesh, axis: str | None, floats: int) -> Probe:
+    """One all-reduce over `axis` of `floats` float32s per device (None: the same jitted call
+    without the all-reduce: what dispatching it costs, which a collective inside a step does not
+    pay)."""
     spec = PartitionSpec(mesh_lib.MESH_AXES)
-    reduce = jax.jit(
-        jax.shard_map(lambda x: jax.lax.psum(x, axis), mesh=mesh, in_specs=spec, out_specs=spec)
-    )
+
+    def body(x):
+        return x + 1.0 if axis is None else jax.lax.psum(x, axis)
+
+    reduce = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
     n = mesh.devices.size
     x = jax.device_put(jnp.ones((n * floats,), jnp.float32), NamedSharding(mesh, spec))
     return lambda: jax.block_until_ready(reduce(x))
@@ -179,9 +185,9 @@ def calibration_probes(
         "step_large": step_probe(config, _one_device_plan(_ROWS[1], 1), devices[:1]),
         "step_split": step_probe(config, _one_device_plan(_ROWS[0], _SPLIT), devices[:1]),
         "optimizer": _optimizer_probe(config, devices[0]),
-        "grads_one": _grads_probe(config, devices[:1], _ROWS[0]),
-        "grads_all": _grads_probe(config, devices, _ROWS[0]),
     }
+    for n in _concurrency_counts(len(devices)):
+        probes[f"grads_{n}"] = _grads_probe(config, devices[:n], _ROWS[0])
     shape = _axis_sizes(len(devices))
     mesh = jax.sharding.Mesh(
         np.asarray(devices).reshape(shape[0], 1, shape[1], shape[2]), mesh_lib.MESH_AXES
@@ -190,7 +196,16 @@ def calibration_probes(
         if k > 1:
             for floats in _PSUM_FLOATS:
                 probes[f"psum_{axis}_{floats}"] = _psum_probe(mesh, axis, floats)
+    probes["dispatch"] = _psum_probe(mesh, None, _PSUM_FLOATS[0])
     return probes
+
+
+def _concurrency_counts(n: int) -> list[int]:
+    """1, 2, 4, ... up to n devices (and n)."""
+    counts = [1]
+    while counts[-1] * 2 <= n:
+        counts.append(counts[-1] * 2)
+    return counts if counts[-1] == n else [*counts, n]
 
 
 def calibration_from(
@@ -214,11 +229,13 @@ def calibration_from(
         times = [seconds[f"psum_{axis}_{floats}"] for floats in _PSUM_FLOATS]
         slope = (times[1] - times[0]) / (sent[1] - sent[0])
         byte_s[axis] = max(slope, 0.0)
-        call_s[axis] = max(times[0] - slope * sent[0], 0.0)
-    # Devices' worth of compute the host runs at once: n passes take `grads_all`, one `grads_one`.
-    parallel = max(
-        1.0, min(float(num_devices), num_devices * seconds["grads_one"] / seconds["grads_all"])
-    )
+        call_s[axis] = max(times[0] - slope * sent[0] - seconds["dispatch"], 0.0)
+    # Devices' worth of compute the host runs at once: n passes take `grads_n`, one `grads_1`.
+    parallel = {
+        n: max(1.0, min(float(n), n * seconds["grads_1"] / seconds[f"grads_{n}"]))
+        for n in _concurrency_counts(num_devices)
+    }
+    all_at_once = all(p >= 0.9 * n for n, p in parallel.items())
     return Calibration(
         s_per_flop=s_per_token / work.flops_per_token,
         microbatch_s=microbatch_s,
@@ -226,7 +243,7 @@ def calibration_from(
         step_s=step_s,
         byte_s=byte_s,
         call_s=call_s,
-        parallel_devices=None if parallel >= num_devices else parallel,
+        parallel_devices=None if all_at_once else parallel,
         device=f"{num_devices} x {kind}",
     )
 
