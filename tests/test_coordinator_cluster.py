@@ -288,15 +288,35 @@ def test_slice_lost_by_the_supervisor_returns_after_its_outage(cluster_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cost_aware_supervisor_waits_for_a_slice_back_soon(cluster_dir):
-    # Restarting costs seconds here (the first start measured it); the slice is back in one:
-    # waiting for it beats reshaping now and again when it returns.
+    # Restarting costs seconds here (the first start measured it); the slice is back in one.
+    # The simulated step takes as long on one slice as on two, so a calibration where compute
+    # is all (two slices step twice as fast) stands for devices that do not share a CPU: then
+    # waiting for the slice beats reshaping now and training at half speed or restarting again.
+    calibration = cluster_dir.parent / "calibration.json"
+    calibration.write_text(
+        json.dumps(
+            {
+                "s_per_flop": 1e-9,
+                "microbatch_s": 0.0,
+                "s_per_param": 0.0,
+                "step_s": 0.0,
+                "byte_s": {},
+                "call_s": {},
+                "parallel_devices": None,
+            }
+        )
+    )
     lose = SupervisorAction("lose_slice", slice=1, at_step=8, duration_s=1.0)
     result, events, output, state = run(
         cluster_dir,
         ClusterSpec(2, 1, 1),
         actions=[lose],
         total_steps=80,
-        **{"coordinator.reconfiguration": "cost"},
+        **{
+            "coordinator.reconfiguration": "cost",
+            "coordinator.step_time_calibration": str(calibration),
+            "coordinator.scale_up_when_faster": True,
+        },
     )
     assert result.exit_code == 0, result.reason
     (plan,) = of_type(events, "reconfigure")
@@ -307,6 +327,7 @@ def test_cost_aware_supervisor_waits_for_a_slice_back_soon(cluster_dir):
         2,
     )
     assert 0 < plan["return_in_s"] <= 1.0 and plan["restart_s"] > plan["return_in_s"]
+    assert plan["step_s"]["1"] == pytest.approx(2 * plan["step_s"]["2"], rel=0.01)
     (reshape,) = plan["alternatives"]
     assert reshape["plan"] == "reshape" and reshape["slices"] == 1
     assert reshape["expected_s"] > plan["expected_s"] > 0

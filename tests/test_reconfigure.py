@@ -4,6 +4,7 @@ and no processes: each test takes milliseconds."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -25,7 +26,7 @@ from resilient_jax.topology import MeshPlan
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CAL = Calibration(
-    s_per_flop=1e-12,
+    s_per_flop={256: 1e-12, 1024: 2e-12},
     microbatch_s=0.01,
     s_per_param=1e-9,
     step_s=0.05,
@@ -50,6 +51,7 @@ def test_step_time_prediction_by_hand():
     assert plan.rows_per_device == 2
     flops = 6 * 3_475_712 + 12 * 4 * 4 * 64 * 128
     serial = 8 / 2  # 8 devices, 2 computing at once (as measured at 8)
+    # 256 tokens a microbatch, halved by tensor parallelism: 128, below the table's first size.
     compute = serial * 2 * (0.01 + 2 * 128 * flops / 2 * 1e-12)
     optimizer = serial * 3_475_712 / 4 * 1e-9
     shard = 3_475_712 * 4 / 2  # bytes of a tensor-parallel half of the parameters
@@ -68,12 +70,13 @@ def test_one_device_has_no_collectives_and_accelerators_compute_at_once():
     work = Workload.from_config(default_config())
     one = breakdown(CAL, work, MeshPlan(1, 1, 1, 1, 16))
     assert sum(one.collective_s.values()) == 0.0
-    accelerator = Calibration(**{**CAL.to_json(), "parallel_devices": None, "microbatch_s": 0})
+    flat = {**CAL.to_json(), "microbatch_s": 0, "s_per_flop": {1: 1e-12}}  # any size, same cost
+    accelerator = Calibration(**{**flat, "parallel_devices": None})
     # On devices that all compute at once, 8-way data parallelism divides the compute by 8; on
     # a host that runs 2 devices' compute at once, by 2.
     for cal, speedup in (
         (accelerator, 8),
-        (Calibration(**{**CAL.to_json(), "microbatch_s": 0}), 2),
+        (Calibration(**flat), 2),
     ):
         eight = breakdown(cal, work, MeshPlan(8, 1, 1, 1, 16)).compute_s
         assert eight == pytest.approx(
@@ -81,8 +84,21 @@ def test_one_device_has_no_collectives_and_accelerators_compute_at_once():
         )
 
 
+def test_compute_per_flop_is_interpolated_by_microbatch_size():
+    work = Workload.from_config(default_config())
+    flops = work.flops_per_token
+    # 4 rows of 128 tokens: 512 tokens, half-way in log between 256 and 1024 tokens.
+    one = breakdown(CAL, work, MeshPlan(1, 1, 1, 1, 4))
+    assert one.compute_s == pytest.approx(0.01 + 512 * flops * 1.5e-12)
+    eight = breakdown(CAL, work, MeshPlan(1, 1, 1, 1, 16))  # 2048 tokens: flat beyond 1024
+    assert eight.compute_s == pytest.approx(0.01 + 2048 * flops * 2e-12)
+
+
 def test_calibration_round_trips_and_rejects_unknown_fields():
-    assert Calibration.from_json(CAL.to_json()) == CAL
+    as_json = json.loads(json.dumps(CAL.to_json()))  # keys become strings
+    assert Calibration.from_json(as_json) == CAL
+    constant = Calibration.from_json({**as_json, "s_per_flop": 3e-12})
+    assert constant.s_per_flop == {1: 3e-12}
     with pytest.raises(ValueError, match="unknown calibration fields"):
         Calibration.from_json({**CAL.to_json(), "flops": 1})
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from typing import Any, Protocol
 
 import ml_collections
@@ -57,7 +58,10 @@ class MeshPlan(Protocol):
 class Calibration:
     """Measured costs on one kind of device (seconds)."""
 
-    s_per_flop: float  # training compute per FLOP of one device
+    # Training compute per FLOP of one device, by the tokens of a microbatch on it (a few sizes
+    # measured, keys as strings in JSON, a number = one for all; log-linear in between, flat
+    # beyond): caches and vector units make a token's cost depend on how many share the pass.
+    s_per_flop: dict[int, float]
     microbatch_s: float  # fixed cost of one microbatch (loop, launch), whatever its size
     s_per_param: float  # optimizer update (clip, AdamW, apply) per parameter on a device
     step_s: float  # fixed cost of one step (dispatch, metrics)
@@ -80,6 +84,11 @@ class Calibration:
         parallel = data.get("parallel_devices")
         if parallel is not None:
             data = {**data, "parallel_devices": {int(k): float(v) for k, v in parallel.items()}}
+        flops = data.get("s_per_flop")
+        if isinstance(flops, int | float):
+            data = {**data, "s_per_flop": {1: float(flops)}}
+        elif isinstance(flops, dict):
+            data = {**data, "s_per_flop": {int(k): float(v) for k, v in flops.items()}}
         return cls(**data)
 
     @classmethod
@@ -165,19 +174,28 @@ def collective_bytes(work: Workload, plan: MeshPlan) -> dict[str, tuple[float, i
     return out
 
 
+def _interpolate(table: dict[int, float], x: float, log: bool) -> float:
+    """`table` at `x`: linear (in log x with `log`) between its points, flat beyond them."""
+    points = sorted(table.items())
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x0 <= x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0) if log else (x - x0) / (x1 - x0)
+            return y0 + (y1 - y0) * f
+    return points[-1][1]
+
+
 def concurrency(cal: Calibration, n: int) -> float:
     """Devices' worth of compute that runs at once when `n` devices compute."""
     if cal.parallel_devices is None:
         return float(n)
-    points = sorted(cal.parallel_devices.items())
-    value = points[0][1]
-    for (n0, p0), (n1, p1) in itertools.pairwise(points):
-        if n0 <= n <= n1:
-            value = p0 + (p1 - p0) * (n - n0) / (n1 - n0)
-            break
-    else:
-        value = points[-1][1] if n > points[-1][0] else points[0][1]
-    return max(1.0, min(float(n), value))
+    return max(1.0, min(float(n), _interpolate(cal.parallel_devices, n, log=False)))
+
+
+def s_per_flop(cal: Calibration, tokens: int) -> float:
+    """Compute per FLOP of a microbatch of `tokens` tokens on one device."""
+    return _interpolate(cal.s_per_flop, tokens, log=True)
 
 
 def breakdown(cal: Calibration, work: Workload, plan: MeshPlan) -> Breakdown:
@@ -185,7 +203,8 @@ def breakdown(cal: Calibration, work: Workload, plan: MeshPlan) -> Breakdown:
     n = plan.num_devices
     serial = n / concurrency(cal, n)
     tokens = plan.rows_per_device * work.seq_len  # one microbatch on one device
-    microbatch = cal.microbatch_s + tokens * work.flops_per_token / plan.tensor * cal.s_per_flop
+    flops = tokens * work.flops_per_token / plan.tensor
+    microbatch = cal.microbatch_s + flops * s_per_flop(cal, tokens // plan.tensor)
     compute = serial * plan.microbatches * microbatch
     optimizer = serial * work.params / (plan.fsdp * plan.tensor) * cal.s_per_param
     collectives = {
@@ -204,7 +223,7 @@ def predict(cal: Calibration, work: Workload, plan: MeshPlan) -> float:
 # meshes matter to the supervisor (it anchors them on the step time it measures), so the figures
 # are H100-like orders of magnitude: ~400 TFLOP/s achieved, 400 GB/s in a slice, 25 GB/s across.
 ACCELERATOR_DEFAULT = Calibration(
-    s_per_flop=1 / 4e14,
+    s_per_flop={1: 1 / 4e14},
     microbatch_s=2e-4,
     s_per_param=2e-12,
     step_s=5e-3,

@@ -4,14 +4,14 @@
 
 On the devices at hand (in seconds, medians of a few timed calls after a warm-up):
 
-- the real train step on one device at three shapes (1 x 4 rows, 1 x 16 rows, 4 x 4 rows): the
-  slope in tokens is the compute per FLOP, the extra microbatches give a microbatch's fixed cost,
-  and what is left once the optimizer is subtracted is the step's fixed cost;
+- the real train step on one device with one microbatch of 1, 4 and 16 rows, and with 4
+  microbatches of 4 rows: the compute per FLOP at each microbatch size, and what a step costs
+  besides its microbatches (the optimizer, timed alone, is part of it);
 - the optimizer's update and apply over the model's parameters on one device;
 - an all-reduce (`psum`) of two buffer sizes over each mesh axis of a 3-axis mesh of all the
   devices: the slope is the cost per byte sent, the intercept the cost per call;
-- the forward and backward pass of one microbatch on one device, then at once on 2, 4, ... and
-  all devices (no collective): how many devices' compute the host runs in parallel;
+- the real step data-parallel on 2, 4, ... devices with as many rows on each as on one device:
+  how many devices' compute the host runs in parallel;
 - the all-reduce's jitted call without the all-reduce: its dispatch, which a collective inside
   a step does not pay, comes off the per-call cost.
 
@@ -39,14 +39,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 from resilient_jax import mesh as mesh_lib
 from resilient_jax.perf.step_time import AXES, Calibration, Workload
 from resilient_jax.topology import MeshPlan, Topology
-from resilient_jax.train.state import init_state, make_model, make_optimizer
-from resilient_jax.train.step import make_train_step, token_loss_sum
+from resilient_jax.train.state import init_state, make_optimizer
+from resilient_jax.train.step import make_train_step
 
 _WARMUP = 2
-# The one-device steps timed: rows of a small and a large microbatch; the large one's rows split
-# into this many small ones (the same tokens) for a microbatch's own cost.
-_ROWS = (4, 16)
+# The one-device steps timed, one microbatch of each of these row counts (the cost of a token
+# depends on how many share a microbatch: caches, vectorization), and the middle one repeated
+# `_SPLIT` times in one step (what a step costs besides its microbatches).
+_ROWS = (1, 4, 16)
 _SPLIT = 4
+_DP_ROWS = 4  # rows per device of the data-parallel steps that measure concurrency
 _PSUM_FLOATS = (1 << 12, 1 << 20)  # all-reduced per device: 16 KiB and 4 MiB
 
 Probe = Callable[[], Any]  # one timed call; blocks until its result is ready
@@ -137,34 +139,6 @@ def _psum_probe(mesh: jax.sharding.Mesh, axis: str | None, floats: int) -> Probe
     return lambda: jax.block_until_ready(reduce(x))
 
 
-def _grads_probe(
-    config: ml_collections.ConfigDict, devices: Sequence[jax.Device], rows: int
-) -> Probe:
-    """A forward and backward pass of `rows` rows on each of `devices`, nothing exchanged."""
-    model = make_model(config)
-    seq = config.data.seq_len
-    mesh = jax.sharding.Mesh(np.asarray(devices), ("d",))
-    params = model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32))["params"]
-
-    def grads_sum(p, tokens):
-        def loss(q):
-            return token_loss_sum(model.apply({"params": q}, tokens[:, :-1]), tokens[:, 1:])
-
-        g = jax.grad(loss)(p)
-        return sum(jnp.sum(leaf) for leaf in jax.tree.leaves(g))[None]
-
-    spec = PartitionSpec("d")
-    run = jax.jit(
-        jax.shard_map(grads_sum, mesh=mesh, in_specs=(PartitionSpec(), spec), out_specs=spec)
-    )
-    rng = np.random.default_rng(0)
-    shape = (rows * len(devices), seq + 1)
-    tokens = rng.integers(0, config.model.vocab_size, shape, dtype=np.int32)
-    p = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    t = jax.device_put(tokens, NamedSharding(mesh, spec))
-    return lambda: jax.block_until_ready(run(p, t))
-
-
 def _axis_sizes(n: int) -> tuple[int, int, int]:
     """(replica, fsdp, tensor) for a calibration mesh of n devices: each axis 2 while it can."""
     sizes = [1, 1, 1]
@@ -180,14 +154,13 @@ def calibration_probes(
 ) -> dict[str, Probe]:
     """What `calibration_from` needs timed, by name (compiled here)."""
     devices = list(devices or jax.devices())
-    probes = {
-        "step_small": step_probe(config, _one_device_plan(_ROWS[0], 1), devices[:1]),
-        "step_large": step_probe(config, _one_device_plan(_ROWS[1], 1), devices[:1]),
-        "step_split": step_probe(config, _one_device_plan(_ROWS[0], _SPLIT), devices[:1]),
-        "optimizer": _optimizer_probe(config, devices[0]),
-    }
-    for n in _concurrency_counts(len(devices)):
-        probes[f"grads_{n}"] = _grads_probe(config, devices[:n], _ROWS[0])
+    probes = {f"step_{r}": step_probe(config, _one_device_plan(r, 1), devices[:1]) for r in _ROWS}
+    probes["step_split"] = step_probe(config, _one_device_plan(_ROWS[1], _SPLIT), devices[:1])
+    probes["optimizer"] = _optimizer_probe(config, devices[0])
+    # The real step, data-parallel on 2, 4, ... devices, as much work on each as on one.
+    for n in _concurrency_counts(len(devices))[1:]:
+        plan = MeshPlan(n, 1, 1, 1, n * _DP_ROWS)
+        probes[f"dp_{n}"] = step_probe(config, plan, devices[:n])
     shape = _axis_sizes(len(devices))
     mesh = jax.sharding.Mesh(
         np.asarray(devices).reshape(shape[0], 1, shape[1], shape[2]), mesh_lib.MESH_AXES
@@ -214,11 +187,16 @@ def calibration_from(
     """The components from the probes' times."""
     work = Workload.from_config(config)
     seq = config.data.seq_len
-    small, large, split = seconds["step_small"], seconds["step_large"], seconds["step_split"]
-    s_per_token = max(0.0, (large - small) / ((_ROWS[1] - _ROWS[0]) * seq))
-    microbatch_s = max(0.0, (split - large) / (_SPLIT - 1))
+    # One step with k microbatches of r rows costs fixed + k x microbatch(r): the split step
+    # against the single one gives the fixed part, each row count its microbatch's cost.
+    single, split = seconds[f"step_{_ROWS[1]}"], seconds["step_split"]
+    fixed = max(0.0, (_SPLIT * single - split) / (_SPLIT - 1))
     optimizer_s = seconds["optimizer"]
-    step_s = max(0.0, small - microbatch_s - _ROWS[0] * seq * s_per_token - optimizer_s)
+    fixed = max(fixed, optimizer_s)
+    s_per_flop = {
+        r * seq: max(seconds[f"step_{r}"] - fixed, 0.0) / (r * seq * work.flops_per_token)
+        for r in _ROWS
+    }
     byte_s: dict[str, float] = {}
     call_s: dict[str, float] = {}
     shape = _axis_sizes(num_devices)
@@ -230,17 +208,19 @@ def calibration_from(
         slope = (times[1] - times[0]) / (sent[1] - sent[0])
         byte_s[axis] = max(slope, 0.0)
         call_s[axis] = max(times[0] - slope * sent[0] - seconds["dispatch"], 0.0)
-    # Devices' worth of compute the host runs at once: n passes take `grads_n`, one `grads_1`.
-    parallel = {
-        n: max(1.0, min(float(n), n * seconds["grads_1"] / seconds[f"grads_{n}"]))
-        for n in _concurrency_counts(num_devices)
-    }
+    # Devices' worth of compute the host runs at once: n devices' microbatches take what is left
+    # of `dp_n` after the fixed part; one device's, what is left of `step_4`.
+    one = seconds[f"step_{_DP_ROWS}"] - fixed
+    parallel = {1: 1.0}
+    for n in _concurrency_counts(num_devices)[1:]:
+        taken = max(seconds[f"dp_{n}"] - fixed, 1e-9)
+        parallel[n] = max(1.0, min(float(n), n * one / taken))
     all_at_once = all(p >= 0.9 * n for n, p in parallel.items())
     return Calibration(
-        s_per_flop=s_per_token / work.flops_per_token,
-        microbatch_s=microbatch_s,
+        s_per_flop=s_per_flop,
+        microbatch_s=0.0,  # in s_per_flop: measured per microbatch size
         s_per_param=optimizer_s / work.params,
-        step_s=step_s,
+        step_s=fixed - optimizer_s,
         byte_s=byte_s,
         call_s=call_s,
         parallel_devices=None if all_at_once else parallel,
