@@ -174,6 +174,39 @@ def step_through(hook, ctx, state, first: int, last: int, clock=None, tick_s: fl
     return state, host
 
 
+_STEPS: dict = {}  # (config, mesh) -> the jitted train step: compiled once per test session
+_BATCHES: dict = {}  # (config, mesh) -> (its loader, the global batches it gave so far)
+
+
+def _step_key(ctx) -> tuple:
+    return ctx.config.to_json_best_effort(sort_keys=True), tuple(ctx.mesh.shape.items())
+
+
+def train_steps(ctx, state, first: int, last: int):
+    """Steps first..last of `ctx`'s run (batch s-1 for step s) with one compiled step per config
+    and mesh; returns the state and the last step's metrics (host values). The state is donated:
+    copy it out first."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from resilient_jax.data import BatchLoader, make_source
+    from resilient_jax.train.step import make_train_step
+
+    key = _step_key(ctx)
+    if key not in _STEPS:
+        _STEPS[key] = make_train_step(ctx.config, ctx.mesh)
+    if key not in _BATCHES:
+        _BATCHES[key] = (BatchLoader(ctx.config, ctx.mesh, ctx.plan, make_source(ctx.config)), [])
+    loader, batches = _BATCHES[key]
+    while len(batches) < last:
+        batches.append(loader.next()[1])
+    metrics = {}
+    for s in range(first, last + 1):
+        state, metrics = _STEPS[key](state, batches[s - 1], jnp.float32(1.0))
+    return state, jax.tree.map(np.asarray, metrics)
+
+
 def assert_bitwise(restored, expected) -> None:
     """Every leaf of `restored` (device arrays) equals `expected` (host copies) bit for bit."""
     import jax

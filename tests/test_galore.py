@@ -4,19 +4,23 @@ its checkpoints restoring bitwise on the same mesh and onto a reshaped one."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_bitwise, checkpoint_config, data_position, run_context, tiny_config
+from conftest import (
+    assert_bitwise,
+    checkpoint_config,
+    data_position,
+    run_context,
+    tiny_config,
+    train_steps,
+)
 
 from resilient_jax.checkpoint import Checkpointer, Tier
 from resilient_jax.config import ConfigError, validate
-from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.train.galore import galore
 from resilient_jax.train.hooks import StepInfo
 from resilient_jax.train.state import init_state
-from resilient_jax.train.step import make_train_step
 
 GALORE = {"optimizer.galore.rank": 16, "optimizer.galore.update_interval": 2}
 
@@ -63,6 +67,46 @@ def test_small_weights_and_vectors_pass_through_the_inner_optimizer_unchanged():
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_stack_of_matrices_is_projected_matrix_by_matrix():
+    grads = {"experts": jax.random.normal(jax.random.key(3), (3, 12, 20))}
+    tx = galore(
+        optax.identity(), rank=4, update_interval=1, scale=1.0, min_size=0, batch_dims=lambda _: 1
+    )
+    updates, state = tx.update(grads, tx.init(grads))
+    assert state.projections["experts"].shape == (3, 12, 4)  # one basis per expert
+    for e in range(3):  # each expert's gradient projected onto its own top singular vectors
+        u, s, vt = np.linalg.svd(np.asarray(grads["experts"][e]), full_matrices=False)
+        best = (u[:, :4] * s[:4]) @ vt[:4]
+        np.testing.assert_allclose(updates["experts"][e], best, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_a_refresh_carries_adams_moments_into_the_new_basis(rotate):
+    b1, b2 = 0.9, 0.95
+    tx = galore(
+        optax.scale_by_adam(b1=b1, b2=b2),
+        rank=3,
+        update_interval=1,
+        scale=1.0,
+        min_size=0,
+        rotate_state=rotate,
+    )
+    g1, g2 = _grads(1), _grads(2)
+    _, s1 = tx.update(g1, tx.init(g1))
+    _, s2 = tx.update(g2, s1)
+    p1, p2 = np.asarray(s1.projections["w"]), np.asarray(s2.projections["w"])
+    mu1, nu1 = np.asarray(s1.inner.mu["w"]), np.asarray(s1.inner.nu["w"])
+    r = p2.T @ p1 if rotate else np.eye(3)  # [new, old] coordinates
+    low2 = p2.T @ np.asarray(g2["w"])  # rows (12 < 20) are projected
+    np.testing.assert_allclose(s2.inner.mu["w"], b1 * r @ mu1 + (1 - b1) * low2, atol=1e-5)
+    nu2 = b2 * (r * r) @ nu1 + (1 - b2) * low2**2
+    np.testing.assert_allclose(s2.inner.nu["w"], nu2, rtol=1e-5, atol=1e-6)
+    unprojected = g2["norm"]  # 1-D leaves: plain Adam, never rotated
+    np.testing.assert_allclose(
+        s2.inner.nu["norm"], b2 * (1 - b2) * g1["norm"] ** 2 + (1 - b2) * unprojected**2, rtol=1e-5
+    )
+
+
 @pytest.mark.parametrize(
     "overrides,key",
     [
@@ -104,24 +148,50 @@ def test_state_is_sharded_like_its_weights_and_at_most_half_of_adamw(tmp_path):
     assert _opt_state_bytes(ctx.abstract_state) <= _opt_state_bytes(adamw) / 2
 
 
-def _batches(ctx) -> list[jax.Array]:
-    """The first five global batches, sharded for `ctx`'s mesh."""
-    loader = BatchLoader(ctx.config, ctx.mesh, ctx.plan, make_source(ctx.config))
-    return [loader.next()[1] for _ in range(5)]
+# Every layer's MLP is 4 experts [4, 64, 128] on an expert axis of 2.
+MOE_GALORE = {**GALORE, "model.moe.num_experts": 4, "mesh.expert": 2}
 
 
-_STEPS = {}
+def test_expert_weights_get_a_basis_per_expert_sharded_like_them(tmp_path):
+    ctx = run_context(tiny_config(**MOE_GALORE), str(tmp_path), devices=4)
+    galore_state = ctx.abstract_state.opt_state[1][0]
+    assert "layer_0__moe__router" not in galore_state.projections  # [64, 4]: full Adam
+    for name in ("w_gate", "w_up", "w_down"):  # [64, 128] or [128, 64]: the 64 side projected
+        proj = galore_state.projections[f"layer_0__moe__{name}"]
+        assert (proj.shape, tuple(proj.sharding.spec)) == ((4, 64, 16), ("expert", "fsdp", None))
+    mu = galore_state.inner.mu["layer_0"]["moe"]
+    assert (mu["w_up"].shape, tuple(mu["w_up"].sharding.spec)) == (
+        (4, 16, 128),
+        ("expert", None, "tensor"),
+    )
+    assert (mu["w_down"].shape, tuple(mu["w_down"].sharding.spec)) == (
+        (4, 128, 16),
+        ("expert", "tensor", None),
+    )
 
 
-def _train(ctx, state, batches, first: int, last: int):
-    """Steps first..last (batch s-1 for step s), one compiled step per device count; the state
-    is donated: copy it out first."""
-    devices = ctx.mesh.devices.size
-    if devices not in _STEPS:
-        _STEPS[devices] = make_train_step(ctx.config, ctx.mesh)
-    for s in range(first, last + 1):
-        state, _ = _STEPS[devices](state, batches[s - 1], jnp.float32(1.0))
-    return state
+def test_moe_galore_checkpoint_restores_and_resumes_bitwise_on_the_same_mesh(tmp_path):
+    config = checkpoint_config(**MOE_GALORE, **{"checkpoint.every_steps": 2})
+    ctx = run_context(config, str(tmp_path), devices=4)
+    state, _ = train_steps(ctx, init_state(ctx.config, ctx.mesh), 1, 2)
+    saved = jax.tree.map(np.asarray, state)
+    experts = saved.opt_state[1][0].projections["layer_0__moe__w_gate"]
+    assert not np.allclose(experts[0], experts[1])  # each expert's own basis
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.on_start(ctx, state)
+    ck.after_step(ctx, state, StepInfo(2, 1, data_position(2), 0.01))
+    ck.wait_until_finished()
+    ck.close()
+    state, _ = train_steps(ctx, state, 3, 3)  # a refresh: new bases, moments rotated
+    after = jax.tree.map(np.asarray, state)
+
+    ctx = run_context(config, str(tmp_path), devices=4)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 2)
+    assert_bitwise(restored.state, saved)
+    assert_bitwise(train_steps(ctx, restored.state, 3, 3)[0], after)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +200,7 @@ def saved_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("galore_run"))
     config = checkpoint_config(**GALORE, **{"checkpoint.every_steps": 3})
     ctx = run_context(config, workdir)
-    state = _train(ctx, init_state(ctx.config, ctx.mesh), _batches(ctx), 1, 3)
+    state = train_steps(ctx, init_state(ctx.config, ctx.mesh), 1, 3)[0]
     saved = jax.tree.map(np.asarray, state)
     assert int(saved.opt_state[1][0].refreshed_at) == 2  # a refreshed projection is saved
     ck = Checkpointer(ctx, handle_sigterm=False)
@@ -139,9 +209,9 @@ def saved_run(tmp_path_factory):
     ck.wait_until_finished()
     ck.close()
     # Step 4 uses the saved projections; step 5 recomputes them (count 4 = 2 x update_interval).
-    state = _train(ctx, state, _batches(ctx), 4, 4)
+    state = train_steps(ctx, state, 4, 4)[0]
     after = {4: jax.tree.map(np.asarray, state)}
-    after[5] = jax.tree.map(np.asarray, _train(ctx, state, _batches(ctx), 5, 5))
+    after[5] = jax.tree.map(np.asarray, train_steps(ctx, state, 5, 5)[0])
     return config, workdir, saved, after
 
 
@@ -158,7 +228,7 @@ def test_checkpoint_restores_bitwise_and_resumes_bitwise_on_the_same_mesh(saved_
     config, workdir, saved, after = saved_run
     ctx, state = _restore(config, workdir, 8)
     assert_bitwise(state, saved)
-    assert_bitwise(jax.tree.map(np.asarray, _train(ctx, state, _batches(ctx), 4, 5)), after[5])
+    assert_bitwise(jax.tree.map(np.asarray, train_steps(ctx, state, 4, 5)[0]), after[5])
     _, state = _restore(config, workdir, 4)  # onto half the devices: the same values
     assert_bitwise(state, saved)
 
@@ -166,6 +236,6 @@ def test_checkpoint_restores_bitwise_and_resumes_bitwise_on_the_same_mesh(saved_
 def test_checkpoint_resumes_on_half_the_devices_up_to_reduction_order(saved_run):
     config, workdir, _, after = saved_run
     ctx, state = _restore(config, workdir, 4)
-    resumed = jax.tree.map(np.asarray, _train(ctx, state, _batches(ctx), 4, 4))
+    resumed = jax.tree.map(np.asarray, train_steps(ctx, state, 4, 4)[0])
     for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(after[4]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -110,9 +110,16 @@ def _validate_galore(config: ml_collections.ConfigDict) -> None:
     _check_positive(config, "optimizer.galore.update_interval")
     if not g.scale > 0:
         _fail("optimizer.galore.scale", g.scale, "must be > 0")
-    m = config.model  # GaLore projects MLP and attention matrices; embeddings keep full Adam
+    if not isinstance(g.rotate_state, bool):
+        _fail("optimizer.galore.rotate_state", g.rotate_state, "must be true or false")
+    # GaLore projects MLP, expert and attention matrices; embeddings and routers keep full Adam.
+    m = config.model
     heads = [m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim]
-    matrices = [(m.d_model, m.d_ff), (m.d_ff, m.d_model)] + [(m.d_model, w) for w in heads]
+    matrices = [(m.d_model, w) for w in heads]
+    if m.moe.num_experts == 0 or m.moe.every > 1:  # some layers keep the dense MLP
+        matrices.append((m.d_model, m.d_ff))
+    if m.moe.num_experts > 0:
+        matrices.append((m.d_model, m.moe.d_ff or m.d_ff))  # each expert's own matrix
     projected = [min(r, c) for r, c in matrices if r * c >= g.min_size]
     if projected and g.rank > min(projected):
         _fail("optimizer.galore.rank", g.rank, f"must be <= {min(projected)}, a projected side")

@@ -33,6 +33,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 # Logical axes of the tokens inside the experts: [sequences, experts, slots, width].
 EXPERT_TOKENS = ("expert_batch", "expert", None, None)
@@ -191,13 +192,21 @@ def router_metrics(
     sums: RouterSums, moe: MoeConfig, num_tokens: int, seq_len: int, num_moe_layers: int
 ) -> dict[str, jax.Array]:
     """A step's router metrics: its two losses (means over MoE layers, unweighted), the fraction
-    of assignments dropped, and the busiest and idlest expert's load relative to uniform (1.0)."""
+    of assignments dropped, and each expert's load relative to uniform (1.0), [layer, expert]:
+    its share of the layer's assignments (before dropping) x num_experts. One step's loads are
+    noisy (a few thousand assignments); `expert_load_extremes` judges them over a window."""
     assignments = num_tokens * moe.top_k
     uniform = assignments / moe.num_experts
     return {
         "moe_balance_loss": sums.balance * seq_len / (num_tokens * num_moe_layers),
         "moe_z_loss": sums.z / (num_tokens * num_moe_layers),
         "moe_dropped_fraction": sums.dropped / (assignments * num_moe_layers),
-        "moe_load_max": sums.load_NE.max() / uniform,
-        "moe_load_min": sums.load_NE.min() / uniform,
+        "moe_expert_load": sums.load_NE / uniform,
     }
+
+
+def expert_load_extremes(loads: list) -> tuple[float, float]:
+    """The idlest and the busiest expert's load relative to uniform, each expert's load averaged
+    over `loads` (the `moe_expert_load` of consecutive steps, [layer, expert] each)."""
+    mean_NE = np.mean(np.asarray(loads, np.float64), axis=0)
+    return float(mean_NE.min()), float(mean_NE.max())

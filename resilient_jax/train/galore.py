@@ -7,24 +7,38 @@ the smaller side is the one projected), the inner transformation runs on the pro
 and its update is projected back and multiplied by `scale`. P holds the top-r singular vectors of
 the gradient, recomputed every `update_interval` updates (the first update included). Every other
 leaf, and those `exclude` names by path ("layer_0__mlp__w_up"), goes through the inner
-transformation unchanged. The inner state of a projected leaf has the
-projected shape, which is where the memory goes: Adam's two moments of an [m, n] weight shrink
-from 2mn to 2r*max(m, n), plus the m*r or n*r of P.
+transformation unchanged. The inner state of a projected leaf has the projected shape, which is
+where the memory goes: Adam's two moments of an [m, n] weight shrink from 2mn to 2r*max(m, n),
+plus the m*r or n*r of P.
+
+A stack of matrices, such as a mixture of experts' [experts, d_model, d_ff] weights, is projected
+matrix by matrix: `batch_dims(path)` says how many leading axes index the stack, and each matrix
+gets its own P from its own gradient's SVD (batched), so P is [experts, side, r] and the inner
+state [experts, r, n] or [experts, m, r].
+
+Refreshing P turns the subspace the inner state lives in. With `rotate_state`, the state is
+carried into the new basis at each refresh: R = P_new^T P_old maps old coordinates to new ones,
+first moments (and any other projected-shape leaf) become R m, and second moments (leaves under
+a field named `nu`, Adam's) become (R * R) v, the variance of the rotated coordinates when the
+old ones are independent. Without it (the paper's reference code) the moments keep their
+coordinates while the basis under them changes: singular vectors come back permuted or with
+flipped signs, so a kept first moment can point backwards after a refresh.
 
 The inner transformation is called without parameters: what needs them (weight decay) and the
 learning rate belong after `galore` in the chain, in full space, as in the reference
 implementation.
 
-Matrix view of weights with more than two axes: `matrix_split(shape)` says how many leading axes
-form the rows (the rest are the columns), so the matrix is the one the model multiplies by, e.g.
-[d_model, heads * head_dim] for a query weight. Any split gives a valid GaLore; the default
-(`1`) keeps the first axis as rows.
+Matrix view of weights with more than two axes (after the stacked ones): `matrix_split(shape)`
+says how many leading axes form the rows (the rest are the columns), so the matrix is the one the
+model multiplies by, e.g. [d_model, heads * head_dim] for a query weight. Any split gives a valid
+GaLore; the default (`1`) keeps the first axis as rows.
 
 Sharding: under `flax.linen` logical partitioning the boxed parameters given to `init` carry
-their logical axis names; P and the projected inner state take the name of the weight's side
-they span (rows or columns, when that side is a single axis) and leave the rank axis
-unsharded, so P of an fsdp-sharded [m, n] weight is fsdp-sharded along m. A side made of
-several axes (heads x head_dim) is replicated: it is small (r x side).
+their logical axis names; the stacked axes keep theirs (experts stay on the `expert` axis), P and
+the projected inner state take the name of the weight's side they span (rows or columns, when that
+side is a single axis) and leave the rank axis unsharded, so P of an fsdp-sharded [m, n] weight is
+fsdp-sharded along m. A side made of several axes (heads x head_dim) is replicated: it is small
+(r x side).
 """
 
 from __future__ import annotations
@@ -49,9 +63,11 @@ class GaLoreState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """How one leaf is projected: the matrix [rows, cols] it is viewed as, and which side."""
+    """How one leaf is projected: a stack (`batch`, the leading axes) of matrices [rows, cols],
+    each viewed from `split` of the remaining axes, and which side."""
 
-    split: int  # leading axes that form the rows
+    batch: tuple[int, ...]
+    split: int  # leading axes (after the batch) that form the rows
     rows: int
     cols: int
     rank: int
@@ -61,12 +77,32 @@ class _Plan:
         return self.rows <= self.cols
 
     @property
-    def projection_shape(self) -> tuple[int, int]:
-        return (self.rows, self.rank) if self.left else (self.cols, self.rank)
+    def matrix_shape(self) -> tuple[int, ...]:
+        return (*self.batch, self.rows, self.cols)
 
     @property
-    def low_rank_shape(self) -> tuple[int, int]:
-        return (self.rank, self.cols) if self.left else (self.rows, self.rank)
+    def projection_shape(self) -> tuple[int, ...]:
+        return (*self.batch, self.rows if self.left else self.cols, self.rank)
+
+    @property
+    def low_rank_shape(self) -> tuple[int, ...]:
+        return (*self.batch, *((self.rank, self.cols) if self.left else (self.rows, self.rank)))
+
+    def project(self, proj: jax.Array, matrix: jax.Array) -> jax.Array:
+        if self.left:  # P^T G
+            return jnp.einsum("...mr,...mn->...rn", proj, matrix)
+        return jnp.einsum("...mn,...nr->...mr", matrix, proj)  # G P
+
+    def project_back(self, proj: jax.Array, low: jax.Array) -> jax.Array:
+        if self.left:  # P L
+            return jnp.einsum("...mr,...rn->...mn", proj, low)
+        return jnp.einsum("...mr,...nr->...mn", low, proj)  # L P^T
+
+    def rotate(self, rotation: jax.Array, low: jax.Array) -> jax.Array:
+        """`low` expressed in the new basis; `rotation` is [..., r_new, r_old]."""
+        if self.left:
+            return jnp.einsum("...ij,...jn->...in", rotation, low)
+        return jnp.einsum("...mj,...ij->...mi", low, rotation)
 
 
 def _path_key(path: tuple[Any, ...]) -> str:
@@ -89,7 +125,9 @@ def galore(
     update_interval: int,
     scale: float,
     min_size: int,
+    rotate_state: bool = True,
     matrix_split: Callable[[tuple[int, ...]], int] = lambda shape: 1,
+    batch_dims: Callable[[str], int] = lambda path: 0,
     exclude: Callable[[str], bool] = lambda path: False,
 ) -> optax.GradientTransformation:
     """GaLore around `inner`; see the module docstring. Raises ValueError when `rank` exceeds the
@@ -100,11 +138,15 @@ def galore(
             f"rank={rank} update_interval={update_interval} min_size={min_size} scale={scale}"
         )
 
-    def plan_of(shape: tuple[int, ...]) -> _Plan | None:
-        if len(shape) < 2 or math.prod(shape) < min_size:
+    def plan_of(key: str, shape: tuple[int, ...]) -> _Plan | None:
+        if exclude(key):
             return None
-        split = matrix_split(shape)
-        plan = _Plan(split, math.prod(shape[:split]), math.prod(shape[split:]), rank)
+        batch = tuple(shape[: batch_dims(key)])
+        matrix = shape[len(batch) :]
+        if len(matrix) < 2 or math.prod(matrix) < min_size:
+            return None
+        split = matrix_split(matrix)
+        plan = _Plan(batch, split, math.prod(matrix[:split]), math.prod(matrix[split:]), rank)
         if rank > min(plan.rows, plan.cols):
             raise ValueError(
                 f"galore rank {rank} exceeds the smaller side of a {plan.rows}x{plan.cols} matrix"
@@ -116,19 +158,20 @@ def galore(
         inner_params, projections = [], {}
         for path, leaf in flat:
             value = leaf.value if _is_box(leaf) else leaf
-            plan = None if exclude(_path_key(path)) else plan_of(value.shape)
+            plan = plan_of(_path_key(path), value.shape)
             if plan is None:
                 inner_params.append(leaf)
                 continue
             low = jnp.zeros(plan.low_rank_shape, value.dtype)
             proj = jnp.zeros(plan.projection_shape, jnp.float32)
             if _is_box(leaf):
-                rows = _side_name(leaf.names[: plan.split])
-                cols = _side_name(leaf.names[plan.split :])
-                low_names = (None, cols) if plan.left else (rows, None)
-                proj_names = (rows if plan.left else cols, None)
-                low = leaf.replace(value=low, names=low_names)
-                proj = leaf.replace(value=proj, names=proj_names)
+                stacked = tuple(leaf.names[: len(plan.batch)])
+                names = leaf.names[len(plan.batch) :]
+                rows, cols = _side_name(names[: plan.split]), _side_name(names[plan.split :])
+                low = leaf.replace(
+                    value=low, names=(*stacked, None, cols) if plan.left else (*stacked, rows, None)
+                )
+                proj = leaf.replace(value=proj, names=(*stacked, rows if plan.left else cols, None))
             inner_params.append(low)
             projections[_path_key(path)] = proj
         return GaLoreState(
@@ -142,35 +185,43 @@ def galore(
         del params  # the inner transformation works in the projected space, where there are none
         refresh = state.count % update_interval == 0
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        low_rank, projections, plans = [], {}, []
+        plans: dict[str, _Plan] = {}
+        matrices, projections = {}, {}
         for path, grad in flat:
             key = _path_key(path)
-            plan = plan_of(grad.shape) if key in state.projections else None
-            plans.append((key, plan))
-            if plan is None:
-                low_rank.append(grad)
+            if key not in state.projections:
                 continue
-            matrix = grad.reshape(plan.rows, plan.cols).astype(jnp.float32)
-            proj = jax.lax.cond(
+            plan = plans[key] = plan_of(key, grad.shape)
+            matrices[key] = matrix = grad.reshape(plan.matrix_shape).astype(jnp.float32)
+            projections[key] = jax.lax.cond(
                 refresh,
                 lambda m, _, plan=plan: _top_singular_vectors(m, plan),
                 lambda _, old: old,
                 matrix,
                 state.projections[key],
             )
-            projections[key] = proj
-            low = proj.T @ matrix if plan.left else matrix @ proj
-            low_rank.append(low.astype(grad.dtype))
-        inner_updates, inner_state = inner.update(treedef.unflatten(low_rank), state.inner)
+        inner_state = state.inner
+        if rotate_state and plans:
+            inner_state = jax.lax.cond(
+                refresh,
+                lambda s: _rotate(s, plans, state.projections, projections),
+                lambda s: s,
+                inner_state,
+            )
+        low_rank = [
+            plans[key].project(projections[key], matrices[key]).astype(grad.dtype)
+            if (key := _path_key(path)) in plans
+            else grad
+            for path, grad in flat
+        ]
+        inner_updates, inner_state = inner.update(treedef.unflatten(low_rank), inner_state)
         out = []
-        for (key, plan), (_, grad), low in zip(
-            plans, flat, jax.tree.leaves(inner_updates), strict=True
-        ):
-            if plan is None:
+        for (path, grad), low in zip(flat, jax.tree.leaves(inner_updates), strict=True):
+            key = _path_key(path)
+            if key not in plans:
                 out.append(low)
                 continue
-            proj = projections[key]
-            full = proj @ low if plan.left else low @ proj.T
+            full = plans[key].project_back(projections[key], low)
             out.append((scale * full).reshape(grad.shape).astype(grad.dtype))
         new_state = GaLoreState(
             count=state.count + 1,
@@ -185,6 +236,29 @@ def galore(
 
 def _top_singular_vectors(matrix: jax.Array, plan: _Plan) -> jax.Array:
     """The rank-r basis of the side `plan` projects: left singular vectors for rows, right for
-    columns."""
+    columns (of every matrix of a stack)."""
     u, _, vt = jnp.linalg.svd(matrix, full_matrices=False)
-    return u[:, : plan.rank] if plan.left else vt[: plan.rank].T
+    return u[..., : plan.rank] if plan.left else jnp.swapaxes(vt[..., : plan.rank, :], -1, -2)
+
+
+def _rotate(
+    inner_state: optax.OptState,
+    plans: dict[str, _Plan],
+    old: dict[str, jax.Array],
+    new: dict[str, jax.Array],
+) -> optax.OptState:
+    """The inner state carried from the old bases into the new ones (module docstring): each leaf
+    of a projected leaf's low-rank shape whose path ends with that leaf's path."""
+    rotations = {key: jnp.einsum("...sr,...sq->...rq", new[key], old[key]) for key in plans}
+
+    def carry(path: tuple[Any, ...], leaf: Any) -> Any:
+        names = _path_key(path).split("__")
+        second_moment = any(getattr(k, "name", None) == "nu" for k in path)
+        for key, plan in plans.items():
+            parts = key.split("__")
+            if names[-len(parts) :] == parts and leaf.shape == plan.low_rank_shape:
+                rotation = rotations[key] ** 2 if second_moment else rotations[key]
+                return plan.rotate(rotation, leaf.astype(jnp.float32)).astype(leaf.dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(carry, inner_state)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data import BatchLoader
@@ -98,7 +99,11 @@ class Loop:
         return state, last_info
 
     def _publish(self, pending: _Pending) -> None:
-        metrics = {k: float(v) for k, v in jax.device_get(pending.metrics).items()}
+        # Scalars as floats; a per-expert table (`moe_expert_load`) as nested lists.
+        metrics = {
+            k: float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
+            for k, v in jax.device_get(pending.metrics).items()
+        }
         metrics["data_wait_s"] = pending.data_wait_s
         for hook in self.hooks:
             hook.on_metrics(self.ctx, pending.info.step, metrics)

@@ -5,6 +5,11 @@ the step time (the loop dispatches step s+1 before it pulls step s's metrics). A
 step s (`train.eval`) lands in step s's row, which is then always written; its time is taken out
 of that row's step time, while the `step` event keeps the whole host interval (goodput accounting
 gives the evaluation's part of it to the evaluation).
+
+A mixture of experts' step reports each expert's load (`moe_expert_load`, [layer, expert],
+relative to uniform). One step's loads are noisy, so a row carries them averaged over the steps
+since the previous row (up to `log.every_steps`), and `moe_load_min`/`moe_load_max`, the idlest
+and the busiest expert of any layer over that window.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.model import ModelConfig
+from resilient_jax.model.moe import expert_load_extremes
 from resilient_jax.train.hooks import Hook, StepInfo
 
 if TYPE_CHECKING:
@@ -75,6 +82,7 @@ class MetricsLogger(Hook):
         self._evals: dict[int, tuple[dict[str, float], float]] = {}  # step -> (values, seconds)
         self._last_eval_loss: float | None = None  # shown on the progress line
         self.last: dict[str, Any] = {}
+        self._expert_loads: list[list] = []  # each step's `moe_expert_load` since the last row
 
     def record_eval(self, step: int, values: dict[str, float], duration_s: float) -> None:
         """An evaluation of the state after `step`: `values` join that step's row."""
@@ -87,6 +95,9 @@ class MetricsLogger(Hook):
         evaluation, eval_s = self._evals.pop(step, ({}, 0.0))
         step_time = interval - eval_s
         row: dict[str, Any] = {"step": step, **metrics, "step_time_s": step_time, **evaluation}
+        if "moe_expert_load" in metrics:
+            self._expert_loads.append(metrics["moe_expert_load"])
+            row["moe_load_min"], row["moe_load_max"] = expert_load_extremes(self._expert_loads)
         if step_time == step_time:  # not NaN: from the second step on
             row["tokens_per_s"] = self._tokens_per_step / step_time
             if self._peak:
@@ -102,6 +113,12 @@ class MetricsLogger(Hook):
         if evaluation:
             self._last_eval_loss = evaluation["eval_loss"]
         if step % self._every == 0 or step == self._total or evaluation:
+            if self._expert_loads:
+                row["moe_expert_load"] = [
+                    [round(load, 4) for load in layer]
+                    for layer in np.mean(np.asarray(self._expert_loads), axis=0).tolist()
+                ]
+                self._expert_loads = []
             self._write(row)
         if self._progress:
             self._show(row)

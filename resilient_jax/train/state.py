@@ -48,6 +48,18 @@ def _decay_mask(params: Any) -> Any:
     return jax.tree.map(lambda p: p.ndim > 1, params)  # no decay on norms
 
 
+def _is_expert_weight(path: str) -> bool:
+    return "__moe__" in path and path.rsplit("__", 1)[-1] in ("w_gate", "w_up", "w_down")
+
+
+def _keeps_full_adam(path: str) -> bool:
+    """Embedding gradients touch only the rows of the tokens seen: a low-rank basis of one
+    batch's rows fits the next batch poorly, so the embeddings keep full Adam (as in the GaLore
+    paper, which projects attention and MLP weights only); so does a router, [d_model, experts]
+    with experts far below any useful rank."""
+    return path in ("embed", "unembed") or path.endswith("__router")
+
+
 def _galore_adamw(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
     """AdamW's three stages with Adam's moments inside GaLore's projection; decay and learning
     rate act on the full update, as in plain AdamW."""
@@ -66,11 +78,11 @@ def _galore_adamw(config: ml_collections.ConfigDict) -> optax.GradientTransforma
             update_interval=g.update_interval,
             scale=g.scale,
             min_size=g.min_size,
+            rotate_state=g.rotate_state,
             matrix_split=matrix_split,
-            # Embedding gradients touch only the rows of the tokens seen: a low-rank basis of one
-            # batch's rows fits the next batch poorly, so the embeddings keep full Adam (as in
-            # the GaLore paper, which projects attention and MLP weights only).
-            exclude=lambda path: path in ("embed", "unembed"),
+            # A mixture of experts' [experts, d_model, d_ff] weights: one matrix per expert.
+            batch_dims=lambda path: 1 if _is_expert_weight(path) else 0,
+            exclude=_keeps_full_adam,
         ),
         optax.add_decayed_weights(o.weight_decay, _decay_mask),
         optax.scale_by_learning_rate(learning_rate_schedule(config)),
