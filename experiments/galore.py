@@ -174,10 +174,12 @@ def main(argv: list[str]) -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
-    _plot(runs, rank, os.path.splitext(out)[0] + ".png")
+    m = base.model
+    title = f"GaLore vs AdamW: {m.num_layers} layers, d_model {m.d_model}, {base.total_steps} steps"
+    _plot(runs, rank, title, os.path.splitext(out)[0] + ".png")
 
 
-def _plot(runs: dict, rank: int, path: str) -> None:
+def _plot(runs: dict, rank: int, title: str, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,7 +189,7 @@ def _plot(runs: dict, rank: int, path: str) -> None:
     for name, run in runs.items():
         label = f"GaLore (rank {rank})" if name == "galore" else "AdamW"
         ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=label)
-    ax.set(xlabel="step", ylabel="training loss", title="GaLore vs AdamW")
+    ax.set(xlabel="step", ylabel="training loss", title=title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -79,8 +79,8 @@ def default_config() -> ml_collections.ConfigDict:
     # Optimizer steps between SVD refreshes of the basis. The paper's 200 is for runs of 10k+
     # steps; with the moments rotated into each new basis, refreshing often costs only the SVDs.
     c.optimizer.galore.update_interval = 20
-    # x the update projected back; the paper's 0.25 at 10x AdamW's learning rate is 2.5x. 3 is
-    # 1.5x sqrt(d/r) at r = d/4, AdamW's update RMS (experiments/README.md, GaLore section)
+    # x the update projected back: sqrt(d/r), 2 at r = d/4, matches AdamW's update RMS; 3 (the
+    # paper's 0.25 at 10x AdamW's learning rate is 2.5) measured best: experiments/README.md
     c.optimizer.galore.scale = 3.0
     c.optimizer.galore.min_size = 4096  # weights with fewer elements (and all 1-D) stay plain Adam
     # Carry Adam's moments into the new basis at each refresh (False: keep their coordinates)

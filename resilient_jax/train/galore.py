@@ -250,11 +250,12 @@ def _rotate(
     """The inner state carried from the old bases into the new ones (module docstring): each leaf
     of a projected leaf's low-rank shape whose path ends with that leaf's path."""
     rotations = {key: jnp.einsum("...sr,...sq->...rq", new[key], old[key]) for key in plans}
+    longest_first = sorted(plans.items(), key=lambda item: -len(item[0]))  # "a__w" before "w"
 
     def carry(path: tuple[Any, ...], leaf: Any) -> Any:
         names = _path_key(path).split("__")
         second_moment = any(getattr(k, "name", None) == "nu" for k in path)
-        for key, plan in plans.items():
+        for key, plan in longest_first:
             parts = key.split("__")
             if names[-len(parts) :] == parts and leaf.shape == plan.low_rank_shape:
                 rotation = rotations[key] ** 2 if second_moment else rotations[key]
