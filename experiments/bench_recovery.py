@@ -13,6 +13,10 @@ under the supervisor as 2 slices x 1 process x 2 CPU devices, SIGKILLs the slice
   size: the one-slice step is compiled anew); on and holding the one-slice step (`ram`: the
   defaults after an earlier reshape to this size, or in a later run of the config; the
   `ram_cold_cache` run filled it).
+- `ram_precompiled`: as `ram_cold_cache` (no step for one slice in the cache when the run starts)
+  with `coordinator.precompile_candidates` on (the default): the one-slice step is compiled in
+  the background before the fault (`resilient_jax.precompile`), so the reshape loads it. The
+  result records whether that compile had finished when the fault struck.
 - `ram_no_standby`: as `ram`, without standby workers (`coordinator.standby_workers`): the
   restart starts Python and imports the trainer's dependencies on its critical path.
 - `persistent`: the same with the RAM tier off: restore from the persistent Orbax tier (saved
@@ -27,8 +31,11 @@ under the supervisor as 2 slices x 1 process x 2 CPU devices, SIGKILLs the slice
 
 Phases (seconds from the fault): detection (fault -> `failure_detected`), stopping (survivors
 stopped), restart (back-off and spawning), process start (Python and imports until JAX init
-begins), jax_init, restore, compile, first step (compile done -> first step logged, including
-the data loader). "to progress" is the first step past the last one logged before the fault.
+begins), jax_init, restore, compile (the train step's; a hit loads it from the executable cache,
+keyed without tracing), first step (compile done -> the first step completed: the loop logs the
+first step of a process as soon as it has run; the hooks' start, the data loader's first batch
+and the wait for the slowest peer at the first collective are in it). "to progress" is the first
+step past the last one logged before the fault.
 Steps lost = last step logged before the fault - restored step.
 
 Host-level scenarios (`host_scenarios.py`), with the `ram` settings: `host_lost` (the agent of
@@ -135,6 +142,8 @@ def run_scenario(
         )
         result = supervisor.run(time_limit_s=600)
     events = list(read_events(workdir))
+    # The background compile of the candidate mesh logs apart from the run.
+    events += list(read_events(os.path.join(workdir, "precompile")))
     shutil.rmtree(workdir, ignore_errors=True)
     local_dir = overrides.get("checkpoint.local_dir")
     if local_dir:
@@ -160,7 +169,11 @@ def breakdown(events: list[dict[str, Any]]) -> dict[str, Any]:
     def first(kind: str) -> dict[str, Any]:
         return min((e for e in after if e["type"] == kind), key=lambda e: e["time"])
 
-    jax_init, restore, compile_ = first("jax_init"), first("restore"), first("compile")
+    jax_init, restore = first("jax_init"), first("restore")
+    compile_ = min(
+        (e for e in after if e["type"] == "compile" and e.get("program", "train") == "train"),
+        key=lambda e: e["time"],
+    )
     first_step = first("step")
     before = [e["step"] for e in workers if e["type"] == "step" and e["time"] <= fault["time"]]
     last_step = max(before)
@@ -177,7 +190,10 @@ def breakdown(events: list[dict[str, Any]]) -> dict[str, Any]:
     }
     phases["first_step"] = first_step["time"] - compile_["time"]
     total = first_step["time"] - t0
+    ahead = [e for e in events if e.get("cache") == "ahead" and e.get("program") == "train"]
     return {
+        "compile_cache": compile_.get("cache"),
+        "precompiled_before_fault": bool(ahead) and min(e["time"] for e in ahead) < t0,
         "phases_s": {k: round(v, 3) for k, v in phases.items()},
         "other_s": round(total - sum(phases.values()), 3),  # gaps between the phases
         "fault_to_first_step_s": round(total, 3),
@@ -304,6 +320,8 @@ class Scenario:
     cache: str  # off | cold | warm: JAX's persistent compilation cache at the fault
     spare: bool = False  # a spare slice replaces the lost one (same mesh after the restart)
     standby: bool = True  # workers started ahead of the restart (coordinator.standby_workers)
+    # The candidate mesh compiled ahead of the fault (coordinator.precompile_candidates).
+    precompile: bool = False
     modelled_detection: bool = False  # detection by JAX's default heartbeat, modelled
     what: str = ""
     fault: FaultKind = FaultKind.KILL  # what hits slice 1 at the fault step
@@ -318,10 +336,18 @@ SCENARIOS = (
         what="RAM tier, empty compilation cache (the first reshape of a run to this size)",
     ),
     Scenario(
+        "ram_precompiled",
+        "ram",
+        "cold",
+        precompile=True,
+        what="framework defaults: RAM tier, an empty cache at the start, the one-slice step "
+        "compiled in the background before the fault",
+    ),
+    Scenario(
         "ram",
         "ram",
         "warm",
-        what="framework defaults: RAM tier, compilation cache holding this mesh's step",
+        what="RAM tier, compilation cache holding this mesh's step from an earlier run",
     ),
     Scenario(
         "ram_no_standby",
@@ -369,6 +395,7 @@ def scenario_overrides(scenario: Scenario, shm: str, cache_dir: str) -> dict[str
     # An absolute path: the cold scenario fills the cache the warm ones then find.
     overrides["coordinator.compilation_cache_dir"] = "" if scenario.cache == "off" else cache_dir
     overrides["coordinator.standby_workers"] = scenario.standby
+    overrides["coordinator.precompile_candidates"] = scenario.precompile
     return overrides
 
 
@@ -404,7 +431,8 @@ def print_table(scenarios: dict[str, dict[str, Any]]) -> None:
             continue
         row = f"{name:<18}" + "".join(f"{r['phases_s'][c]:>14.2f}" for c in columns)
         row += f"{r['fault_to_first_step_s']:>13.2f}{r['fault_to_regained_progress_s']:>13.2f}"
-        print(row + f"{r['steps_lost']:>6}  {r['restore_tier']}")
+        cache = r.get("compile_cache") or "-"
+        print(row + f"{r['steps_lost']:>6}  {r['restore_tier']}, compile {cache}")
 
 
 def main(argv: list[str]) -> None:
@@ -428,8 +456,15 @@ def main(argv: list[str]) -> None:
                 devices_per_process=2,
                 spare_slices=1 if scenario.spare else 0,
             )
-            overrides = scenario_overrides(scenario, shm, cache_dir)
-            measured = run_scenario(scenario.name, overrides, cluster, log_dir, scenario.fault)
+            # A cold cache compiled ahead of the fault must not find what other scenarios left.
+            own_cache = scenario.precompile and scenario.cache == "cold"
+            scenario_cache = tempfile.mkdtemp(prefix="rj_bench_jax_cache_") if own_cache else None
+            overrides = scenario_overrides(scenario, shm, scenario_cache or cache_dir)
+            try:
+                measured = run_scenario(scenario.name, overrides, cluster, log_dir, scenario.fault)
+            finally:
+                if scenario_cache:
+                    shutil.rmtree(scenario_cache, ignore_errors=True)
             if scenario.modelled_detection:
                 measured = with_modelled_detection(measured, baseline_detection_model())
             scenarios[scenario.name] = {

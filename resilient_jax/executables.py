@@ -1,5 +1,5 @@
 """A per-process cache of compiled XLA executables, so a restarted worker loads what it compiled
-before instead of compiling it again.
+before (or what was compiled for it ahead of a fault) instead of compiling it again.
 
 JAX's persistent compilation cache covers that only partly in a multi-process job: only JAX
 process 0 writes entries, and on the CPU backend each process's cache key differs (it hashes the
@@ -8,39 +8,136 @@ waits for the slowest. Here each process stores its own executables
 (`jax.experimental.serialize_executable`) under `<jax_compilation_cache_dir>/executables/` (a
 path or gs:// URL), one file per key, and loads them on the next start.
 
-The key covers the lowered program (shapes, shardings, the computation itself), the JAX and
-jaxlib versions, the backend and its version, the XLA flags in the environment, the global device
-assignment, and this process's index and the process count. A file that cannot be read or loaded
-is reported and replaced by a fresh compile: the cache never decides correctness, and a loaded
-executable is the one compiled before, so resumed runs stay bitwise equal.
+Two ways to key an entry:
+
+- `program_key` (the train and eval steps): computed without tracing or lowering anything, so a
+  hit costs only the load. It covers everything the compiled program depends on: the whole config
+  (model, optimizer, batch, schedule, health thresholds, ...), the code (a hash of every source
+  file of this package), the mesh (axis names, shape, device ids in order) and the process's place
+  (index and count), the JAX and jaxlib versions, the backend, its version and the device kind,
+  JAX's configuration flags and the XLA flags in the environment. Changing any of them changes
+  the key (`tests/test_executables.py`); what is not in that list cannot change the program.
+- `compile_cached` (small helper programs such as the checkpoint digests): the key is the lowered
+  program's text plus the same runtime, for callers whose program has no config to name it.
+
+A file that cannot be read or loaded is reported and replaced by a fresh compile: the cache never
+decides correctness, and a loaded executable is the one compiled before, so resumed runs stay
+bitwise equal.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jaxlib
+import ml_collections
 from etils import epath
 from jax.experimental import serialize_executable
+from jax.sharding import Mesh
 
+from resilient_jax.config import config_to_dict
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.events import EventLog
 
 SUBDIR = "executables"
 _ENV_KEYS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# JAX flags that say where and when to cache, not what to compile: a run may move its cache.
+_CACHE_FLAGS = ("jax_compilation_cache", "jax_persistent_cache", "jax_enable_compilation_cache")
 
 
 def default_dir() -> str | None:
     """The cache directory under JAX's compilation cache directory, or None when that is unset."""
     root = jax.config.jax_compilation_cache_dir
     return os.path.join(root, SUBDIR) if root else None
+
+
+@functools.cache
+def code_version() -> str:
+    """Hash of every Python source file of this package: any edit to the code that builds a step
+    (model, optimizer, step, sharding rules) gives new keys. Read once per process."""
+    digest = hashlib.sha256()
+    for root, dirs, files in os.walk(_PACKAGE_DIR):
+        dirs.sort()
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                digest.update(os.path.relpath(path, _PACKAGE_DIR).encode() + b"\0")
+                with open(path, "rb") as f:
+                    digest.update(f.read() + b"\0")
+    return digest.hexdigest()[:32]
+
+
+def runtime_parts() -> list[str]:
+    """What the compiled code depends on beyond the program: versions, backend, flags, place."""
+    backend = jax.devices()[0].client
+    flags = {k: repr(v) for k, v in jax.config.values.items() if not k.startswith(_CACHE_FLAGS)}
+    return [
+        jax.__version__,
+        jaxlib.__version__,
+        backend.platform,
+        backend.platform_version,
+        jax.devices()[0].device_kind,
+        json.dumps(flags, sort_keys=True),
+        *(f"{k}={os.environ.get(k, '')}" for k in _ENV_KEYS),
+        f"process {jax.process_index()} of {jax.process_count()}",
+    ]
+
+
+def program_key(program: str, config: ml_collections.ConfigDict, mesh: Mesh) -> str:
+    """The cache key of `program` (e.g. "train") built from `config` on `mesh`, without tracing."""
+    parts = [
+        program,
+        json.dumps(config_to_dict(config), sort_keys=True),
+        code_version(),
+        f"mesh {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}",
+        *runtime_parts(),
+    ]
+    return _digest(parts)
+
+
+def load_or_compile(
+    key: str,
+    lower: Callable[[], jax.stages.Lowered],
+    devices: Iterable[jax.Device],
+    directory: str | None,
+    events: EventLog | None = None,
+) -> tuple[Any, bool]:
+    """The executable stored under `key` in `directory`, loaded onto `devices` (the device
+    assignment it runs on); when there is none (or no cache: `directory` None), `lower()`
+    compiled, and stored. Returns (compiled, hit)."""
+    if not directory:
+        return lower().compile(), False
+    path = entry_path(directory, key)
+    compiled = _load(path, list(devices), events)
+    if compiled is not None:
+        return compiled, True
+    compiled = lower().compile()
+    _store(path, compiled)
+    return compiled, False
+
+
+def compile_ahead(key: str, lower: Callable[[], jax.stages.Lowered], directory: str) -> bool:
+    """Compiles `lower()` and stores it under `key`, unless `directory` holds it already (then
+    nothing is loaded). Returns whether it compiled."""
+    path = entry_path(directory, key)
+    if path.exists():
+        return False
+    _store(path, lower().compile())
+    return True
+
+
+def entry_path(directory: str, key: str) -> epath.Path:
+    return epath.Path(directory) / f"{key}.bin"
 
 
 def compile_cached(
@@ -50,38 +147,26 @@ def compile_cached(
     events: EventLog | None = None,
 ) -> tuple[Any, bool]:
     """`lowered` compiled, from this process's cache in `directory` when it holds it (None: no
-    cache). `devices`: the device assignment the program runs on. Returns (compiled, hit)."""
-    if not directory:
-        return lowered.compile(), False
-    path = epath.Path(directory) / f"{_key(lowered, devices)}.bin"
-    compiled = _load(path, events)
-    if compiled is not None:
-        return compiled, True
-    compiled = lowered.compile()
-    _store(path, compiled)
-    return compiled, False
+    cache), keyed by the lowered program's text. `devices`: the device assignment it runs on.
+    Returns (compiled, hit)."""
+    devices = list(devices)
+    parts = [lowered.as_text(), ",".join(str(d.id) for d in devices), *runtime_parts()]
+    return load_or_compile(_digest(parts), lambda: lowered, devices, directory, events)
 
 
-def _key(lowered: jax.stages.Lowered, devices: Iterable[jax.Device]) -> str:
-    backend = jax.devices()[0].client
-    parts = [
-        lowered.as_text(),
-        jax.__version__,
-        jaxlib.__version__,
-        backend.platform,
-        backend.platform_version,
-        *(f"{k}={os.environ.get(k, '')}" for k in _ENV_KEYS),
-        ",".join(str(d.id) for d in devices),
-        f"process {jax.process_index()} of {jax.process_count()}",
-    ]
+def _digest(parts: list[str]) -> str:
     digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
     return f"{digest}-p{jax.process_index()}"
 
 
-def _load(path: epath.Path, events: EventLog | None) -> Any | None:
+def _load(path: epath.Path, devices: list[jax.Device], events: EventLog | None) -> Any | None:
     try:
         payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        # The devices it runs on, not all of the backend's: a mesh over some of them (a test, a
+        # shrunk job) would otherwise abort the process in XLA's sharding check.
+        return serialize_executable.deserialize_and_load(
+            payload, in_tree, out_tree, execution_devices=devices
+        )
     except FileNotFoundError:
         return None
     except Exception as e:  # a damaged or incompatible entry: compile instead

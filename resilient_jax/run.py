@@ -29,9 +29,7 @@ import jax
 import ml_collections
 
 from resilient_jax import config as config_lib
-from resilient_jax import mesh as mesh_lib
 from resilient_jax import rehearsal
-from resilient_jax import topology as topology_lib
 from resilient_jax.chaos.hook import ChaosHook
 from resilient_jax.chaos.step import wrap_step
 from resilient_jax.checkpoint import Checkpointer, CheckpointError
@@ -48,13 +46,16 @@ from resilient_jax.goodput import accounting as goodput
 from resilient_jax.health import HealthMonitor, Watchdog
 from resilient_jax.hf.importer import HFSource
 from resilient_jax.train.compile import compile_eval_step, compile_step, without_fault_scale
-from resilient_jax.train.context import RunContext
+from resilient_jax.train.context import RunContext, prepare
+from resilient_jax.train.deferred import DeferredProgram
 from resilient_jax.train.eval import EvalStepFn, Evaluator
 from resilient_jax.train.hooks import Hook, StopTraining
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.profile import Profiler
 from resilient_jax.train.state import TrainState, init_state
+from resilient_jax.worker import candidates as candidates_lib
+from resilient_jax.worker.candidates import CandidateCompiler
 from resilient_jax.worker.client import SupervisorClient
 from resilient_jax.worker.distributed import initialize_from_env, read_env
 
@@ -90,18 +91,6 @@ def write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
         json.dump(config_lib.config_to_dict(config), f, indent=2, sort_keys=True)
 
 
-def prepare(
-    config: ml_collections.ConfigDict, workdir: str, events: EventLog, generation: int = 0
-) -> RunContext:
-    """Topology, mesh and state shapes: everything before the first step that touches no
-    parameters. Raises ConfigError when the config does not fit the devices."""
-    topology = mesh_lib.discover()
-    plan = topology_lib.plan_mesh(config, topology, strict=generation == 0)
-    mesh = mesh_lib.make_mesh(plan, topology)
-    events.update_common(process=jax.process_index(), slice=topology.slice_index)
-    return RunContext.on_mesh(config, workdir, topology, plan, mesh, events, generation)
-
-
 def build_hooks(
     ctx: RunContext,
     *,
@@ -110,8 +99,9 @@ def build_hooks(
     client: SupervisorClient | None = None,
     chaos: ChaosHook | None = None,
     held_out: Any = None,
-    eval_step: EvalStepFn | None = None,
+    eval_step: EvalStepFn | DeferredProgram | None = None,
     eval_datasets: dict[str, Any] | None = None,
+    candidates: CandidateCompiler | None = None,
 ) -> list[Hook]:
     """The hooks of a run, in the order the loop calls them at every step:
 
@@ -125,12 +115,14 @@ def build_hooks(
        step s has evaluated s;
     6. `Checkpointer`: saves by policy the state the hooks above have let through;
     7. `Profiler` (with `profile.steps`): starts and stops the trace between steps;
-    8. `ChaosHook` (with `--chaos`), last, so that a fault due at step K strikes after every other
+    8. `CandidateCompiler` (supervised runs on 2+ slices): after the first step, the step of the
+       mesh a lost slice leads to is compiled into the cache in the background;
+    9. `ChaosHook` (with `--chaos`), last, so that a fault due at step K strikes after every other
        hook has seen step K-1.
 
     The watchdog, the client and the checkpointer exist before the loop (they guard the start-up
-    and the restore), and the compiled evaluation step is compiled with the train step, so they
-    are passed in; the others are made here.
+    and the restore), and the evaluation step is compiled beside the train step (deferred: after
+    the first train step), so they are passed in; the others are made here.
     """
     metrics = MetricsLogger(ctx)
     hooks: list[Hook] = [metrics, HealthMonitor()]
@@ -143,6 +135,8 @@ def build_hooks(
     profiler = Profiler.from_config(ctx.config)
     if profiler is not None:
         hooks.append(profiler)
+    if candidates is not None:
+        hooks.append(candidates)
     if chaos is not None:
         hooks.append(chaos)
     return hooks
@@ -192,7 +186,12 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
         env = initialize_from_env(config.coordinator, events)
         generation = env.generation if env is not None else 0
         events.update_common(generation=generation)
-        return _train(config, workdir, events, opened, faults, client, watchdog, generation)
+        candidates = None
+        if env is not None and candidates_lib.eligible(config, env):
+            candidates = CandidateCompiler(env)
+        return _train(
+            config, workdir, events, opened, faults, client, watchdog, generation, candidates
+        )
     finally:
         for hook in opened:
             hook.close()
@@ -207,6 +206,7 @@ def _train(
     client: SupervisorClient | None,
     watchdog: Watchdog,
     generation: int,
+    candidates: CandidateCompiler | None,
 ) -> int:
     def phase(name: str):
         return client.phase(name) if client is not None else contextlib.nullcontext()
@@ -253,7 +253,10 @@ def _train(
     loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
     with phase(PHASE_COMPILE):
         compiled = compile_step(ctx)
-        eval_step = compile_eval_step(ctx) if config.eval.every_steps else None
+    # Not needed before the first evaluation: loaded beside training, not before it.
+    eval_step = None
+    if config.eval.every_steps:
+        eval_step = DeferredProgram(lambda: compile_eval_step(ctx, background=True))
     step_fn = wrap_step(compiled, faults) if faults is not None else without_fault_scale(compiled)
     hooks = build_hooks(
         ctx,
@@ -264,6 +267,7 @@ def _train(
         held_out=held_out,
         eval_step=eval_step,
         eval_datasets=eval_datasets,
+        candidates=candidates,
     )
     opened[:] = hooks
     try:

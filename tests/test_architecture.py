@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "resilient_jax.chaos": 8,
     "resilient_jax.hf": 8,
     "resilient_jax.rehearsal": 8,
+    "resilient_jax.precompile": 9,
     "resilient_jax.run": 9,
     "resilient_jax.sample": 9,
     "resilient_jax.testing": 10,

@@ -191,6 +191,12 @@ def default_config() -> ml_collections.ConfigDict:
     # JAX's persistent compilation cache for supervised workers, so a restart skips the XLA
     # compile of the step: a relative path is under the workdir; "" = off.
     c.coordinator.compilation_cache_dir = ".jax_cache"
+    # While the job trains on S >= 2 slices, compile the step for S - 1 slices (the mesh a lost
+    # slice leads to) in a niced background job and keep it in the cache above, so that reshaped
+    # restart loads it instead of compiling (resilient_jax.precompile). A spare swapped in keeps
+    # the mesh, whose step the running job has stored already. Needs the cache; not on TPU, whose
+    # chips one process holds.
+    c.coordinator.precompile_candidates = True
     # Host agents (resilient_jax.control.agent): a host whose agent is silent this long is lost
     # (heartbeats every heartbeat_interval_s, like the workers').
     c.coordinator.agent_timeout_s = 5.0

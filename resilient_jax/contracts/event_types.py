@@ -18,6 +18,9 @@ class EventType(Name):
     INIT = "init"  # duration_s; source: the checkpoint.init_from_hf directory (else the seed)
     RESTORE = "restore"  # step, tier, duration_s, source
     COMPILE = "compile"  # duration_s, cache, program (train | eval)
+    # A program compiled (or loaded) in a thread beside training, blocking nothing: duration_s,
+    # cache, program. Goodput does not count it (the steps around it do).
+    COMPILE_BACKGROUND = "compile_background"
     COMPILE_CACHE_INVALID = "compile_cache_invalid"  # path, cause
     STEP = "step"  # step, loss, step_time_s, ... (one per logged step)
     STOP = "stop"  # reason, exit_code

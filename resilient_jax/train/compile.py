@@ -1,12 +1,15 @@
 """Compiling the train step, and held-out evaluation's loss-only step, ahead of time, so compile
 time is measured and reported on its own (a `compile` event per program), through the per-process
 executable cache (`resilient_jax.executables`): a restarted worker loads the steps it compiled
-before for the same mesh. `without_fault_scale` turns the compiled step into the two-argument step
-the loop calls."""
+before for the same mesh, or that were compiled for that mesh before the fault
+(`resilient_jax.train.precompile`). The cache key is built from the config, the mesh and the
+runtime, so a hit traces and lowers nothing. `without_fault_scale` turns the compiled step into
+the two-argument step the loop calls."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -26,20 +29,38 @@ def compile_step(ctx: RunContext, cache_dir: str | None = None) -> ScaledStepFn:
     and, with a cache, whether it came from it. `cache_dir`: where executables are kept (default:
     `executables.default_dir()`, none when JAX's compilation cache is off)."""
     start = time.perf_counter()
-    scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=mesh_lib.replicated(ctx.mesh))
-    lowered = make_train_step(ctx.config, ctx.mesh).lower(
-        ctx.abstract_state, _abstract_batch(ctx), scale
-    )
-    return _compile(ctx, lowered, start, cache_dir, program="train")
+    return _compile(ctx, train_lowering(ctx), start, cache_dir, "train")
 
 
-def compile_eval_step(ctx: RunContext, cache_dir: str | None = None) -> EvalStepFn:
-    """The compiled loss-only step of held-out evaluation, like `compile_step`."""
+def compile_eval_step(
+    ctx: RunContext, cache_dir: str | None = None, background: bool = False
+) -> EvalStepFn:
+    """The compiled loss-only step of held-out evaluation, like `compile_step`. `background`:
+    compiled beside training (a `compile_background` event, which goodput does not count)."""
     start = time.perf_counter()
-    lowered = make_eval_step(ctx.config, ctx.mesh).lower(
-        ctx.abstract_state.params, _abstract_batch(ctx)
-    )
-    return _compile(ctx, lowered, start, cache_dir, program="eval")
+    return _compile(ctx, eval_lowering(ctx), start, cache_dir, "eval", background)
+
+
+def train_lowering(ctx: RunContext) -> Callable[[], jax.stages.Lowered]:
+    """Traces and lowers the train step for the context's mesh when called (only on a miss)."""
+
+    def lower() -> jax.stages.Lowered:
+        scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=mesh_lib.replicated(ctx.mesh))
+        return make_train_step(ctx.config, ctx.mesh).lower(
+            ctx.abstract_state, _abstract_batch(ctx), scale
+        )
+
+    return lower
+
+
+def eval_lowering(ctx: RunContext) -> Callable[[], jax.stages.Lowered]:
+    """Traces and lowers the loss-only step of evaluation when called (only on a miss)."""
+
+    def lower() -> jax.stages.Lowered:
+        step = make_eval_step(ctx.config, ctx.mesh)
+        return step.lower(ctx.abstract_state.params, _abstract_batch(ctx))
+
+    return lower
 
 
 def _abstract_batch(ctx: RunContext) -> jax.ShapeDtypeStruct:
@@ -53,19 +74,21 @@ def _abstract_batch(ctx: RunContext) -> jax.ShapeDtypeStruct:
 
 def _compile(
     ctx: RunContext,
-    lowered: jax.stages.Lowered,
+    lower: Callable[[], jax.stages.Lowered],
     start: float,
     cache_dir: str | None,
     program: str,
+    background: bool = False,
 ) -> Any:
     directory = cache_dir or executables.default_dir()
-    compiled, hit = executables.compile_cached(
-        lowered, ctx.mesh.devices.flat, directory, ctx.events
+    key = executables.program_key(program, ctx.config, ctx.mesh)
+    compiled, hit = executables.load_or_compile(
+        key, lower, ctx.mesh.devices.flat, directory, ctx.events
     )
     fields: dict[str, Any] = {"duration_s": time.perf_counter() - start, "program": program}
     if directory:
         fields["cache"] = "hit" if hit else "miss"
-    ctx.events.emit(EventType.COMPILE, **fields)
+    ctx.events.emit(EventType.COMPILE_BACKGROUND if background else EventType.COMPILE, **fields)
     return compiled
 
 

@@ -1,12 +1,16 @@
-"""What every part of a run shares: config, workdir, topology, mesh, event log."""
+"""What every part of a run shares: config, workdir, topology, mesh, event log; `prepare` makes it
+for the devices of the running JAX job."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import ml_collections
 from jax.sharding import Mesh
 
+from resilient_jax import mesh as mesh_lib
+from resilient_jax import topology as topology_lib
 from resilient_jax.events import EventLog
 from resilient_jax.topology import MeshPlan, Topology
 from resilient_jax.train.state import TrainState, abstract_state
@@ -37,3 +41,15 @@ class RunContext:
         """The context of a run on `mesh`, with the abstract state every restore targets."""
         state = abstract_state(config, mesh)
         return cls(config, workdir, topology, plan, mesh, events, state, generation)
+
+
+def prepare(
+    config: ml_collections.ConfigDict, workdir: str, events: EventLog, generation: int = 0
+) -> RunContext:
+    """Topology, mesh and state shapes: everything before the first step that touches no
+    parameters. Raises ConfigError when the config does not fit the devices."""
+    topology = mesh_lib.discover()
+    plan = topology_lib.plan_mesh(config, topology, strict=generation == 0)
+    mesh = mesh_lib.make_mesh(plan, topology)
+    events.update_common(process=jax.process_index(), slice=topology.slice_index)
+    return RunContext.on_mesh(config, workdir, topology, plan, mesh, events, generation)

@@ -8,10 +8,12 @@ split's seeded shuffle every time, so its examples are a pure function of (datas
 batch) and the eval loss of step s is the same whether or not the run was restarted in between
 (bitwise on the same mesh). Nothing about evaluation needs saving in a checkpoint.
 
-An evaluation pauses training: it waits for the step it evaluates, then runs. Its time is an
-`eval` event (`duration_s`), which goodput accounts as evaluation; its loss and perplexity reach
-`metrics.jsonl`, TensorBoard and the progress line through the `MetricsLogger`, in the row of the
-step evaluated.
+The loss-only step may come as a `DeferredProgram`: its compile (or load from the executable cache)
+then starts once the first train step of the process has completed, in a thread, off the path to
+that step. An evaluation pauses training: it waits for the step it evaluates, then runs. Its
+time is an `eval` event (`duration_s`), which goodput accounts as evaluation; its loss and
+perplexity reach `metrics.jsonl`, TensorBoard and the progress line through the `MetricsLogger`,
+in the row of the step evaluated.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from resilient_jax import mesh as mesh_lib
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data import BatchLoader
 from resilient_jax.data.position import DataPosition
+from resilient_jax.train.deferred import DeferredProgram
 from resilient_jax.train.hooks import Hook, StepInfo
 from resilient_jax.train.state import make_model, state_shardings
 from resilient_jax.train.step import token_loss_sum
@@ -89,7 +92,7 @@ class Evaluator(Hook):
         self,
         ctx: RunContext,
         held_out: Any,
-        eval_step: EvalStepFn,
+        eval_step: EvalStepFn | DeferredProgram,
         metrics: MetricsLogger,
         datasets: dict[str, Any] | None = None,
     ) -> None:
@@ -106,10 +109,17 @@ class Evaluator(Hook):
             key: BatchLoader(ctx.config, ctx.mesh, ctx.plan, source) for key, source in sets.items()
         }
 
+    def on_metrics(self, ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
+        # The first train step has completed: a deferred eval step may compile now.
+        if isinstance(self._eval_step, DeferredProgram):
+            self._eval_step.start()
+
     def after_step(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
         if not due(ctx.config, info.step):
             return
         jax.block_until_ready(state.params)  # the evaluation's time starts after the step's
+        if isinstance(self._eval_step, DeferredProgram):
+            self._eval_step.wait()  # rarely waits: it had the steps since the first to compile
         start = time.perf_counter()
         values = {}
         for key, loader in self._loaders.items():

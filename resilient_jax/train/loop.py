@@ -2,8 +2,10 @@
 
 Per step: take the next batch, dispatch the step, hand the new state to the hooks, and only then
 pull the *previous* step's metrics to the host, so the device always has the next step queued while
-the host logs. A hook may raise `Rollback` (restore the last good state and skip a data window) or
-`StopTraining` (end the run with an exit code).
+the host logs. The first step of a run is the exception: its metrics are pulled as soon as it has
+run, so its `step` event marks when training was productive again after a (re)start. A hook may
+raise `Rollback` (restore the last good state and skip a data window) or `StopTraining` (end the
+run with an exit code).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Loop:
         step = int(jax.device_get(state.step))
         pending: _Pending | None = None  # dispatched, metrics not yet on the host
         last_info: StepInfo | None = None
+        first_of_process = True
         for hook in self.hooks:
             hook.on_start(self.ctx, state)
         dispatched = time.perf_counter()
@@ -79,6 +82,11 @@ class Loop:
                 last_info = info
                 for hook in self.hooks:
                     hook.after_step(self.ctx, state, info)
+                # The first step of a (re)started process is logged when it completes, not when
+                # the next is dispatched: its `step` event times the recovery honestly.
+                if first_of_process:
+                    jax.block_until_ready(pending.metrics)
+                    first_of_process = False
                 # A hook that waited for step s (a save copies it to the host) leaves its metrics
                 # ready: publish them now, not after the next step, so that no checkpoint commits
                 # a step whose metrics a crash in between would lose.

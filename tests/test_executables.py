@@ -1,0 +1,148 @@
+"""The executable cache's key is built without tracing, and changes whenever the program would."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import numpy as np
+import pytest
+from conftest import run_context, tiny_config
+
+from resilient_jax import executables
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.events import read_events
+
+
+@pytest.fixture
+def ctx(tmp_path):
+    return run_context(tiny_config(), str(tmp_path), devices=2)
+
+
+def _key(ctx, config=None, mesh=None, program="train"):
+    return executables.program_key(program, config or ctx.config, mesh or ctx.mesh)
+
+
+def test_same_inputs_give_the_same_key(ctx):
+    assert _key(ctx) == _key(ctx, config=ctx.config.copy_and_resolve_references())
+    assert _key(ctx).endswith(f"-p{jax.process_index()}")
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("model.d_model", 32),
+        ("optimizer.learning_rate", 1e-4),
+        ("total_steps", 21),  # the schedule spans total_steps
+        ("global_batch_size", 32),
+        ("health.zscore", 7.0),  # the in-band anomaly verdict is compiled into the step
+    ],
+)
+def test_any_config_change_changes_the_key(ctx, key, value):
+    config = ctx.config.copy_and_resolve_references()
+    config.update_from_flattened_dict({key: value})
+    assert _key(ctx, config=config) != _key(ctx)
+
+
+def test_mesh_program_and_place_change_the_key(ctx, tmp_path, monkeypatch):
+    wider = run_context(tiny_config(), str(tmp_path), devices=4)
+    assert _key(ctx, mesh=wider.mesh) != _key(ctx)
+    other_devices = jax.sharding.Mesh(
+        np.array(jax.devices()[2:4]).reshape(ctx.mesh.devices.shape), ctx.mesh.axis_names
+    )
+    assert _key(ctx, mesh=other_devices) != _key(ctx)  # same shape, other devices
+    assert _key(ctx, program="eval") != _key(ctx)
+    base = _key(ctx)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    assert _key(ctx) != base
+
+
+def _other_device_kind(real):
+    fake = types.SimpleNamespace(client=real[0].client, device_kind="other", id=0)
+    return lambda *args: [fake, *real[1:]]
+
+
+RUNTIME_CHANGES = {
+    "jax version": lambda m: m.setattr(jax, "__version__", "0.0.1"),
+    "jaxlib version": lambda m: m.setattr(executables.jaxlib, "__version__", "0.0.1"),
+    "code": lambda m: m.setattr(executables, "code_version", lambda: "edited"),
+    "XLA flags": lambda m: m.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true"),
+    "device kind": lambda m: m.setattr(jax, "devices", _other_device_kind(jax.devices())),
+}
+
+
+@pytest.mark.parametrize("change", sorted(RUNTIME_CHANGES))
+def test_versions_backend_and_flags_change_the_key(ctx, monkeypatch, change):
+    base = _key(ctx)
+    RUNTIME_CHANGES[change](monkeypatch)
+    assert _key(ctx) != base
+
+
+@pytest.fixture
+def jax_flag():
+    """Sets a JAX configuration flag for one test, restoring it afterwards."""
+    saved = {}
+
+    def set_flag(name, value):
+        saved.setdefault(name, jax.config.values[name])
+        jax.config.update(name, value)
+
+    yield set_flag
+    for name, value in saved.items():
+        jax.config.update(name, value)
+
+
+def test_a_jax_flag_changes_the_key(ctx, jax_flag):
+    base = _key(ctx)
+    jax_flag("jax_default_matmul_precision", "highest")
+    assert _key(ctx) != base
+
+
+def test_where_the_cache_lives_is_not_in_the_key(ctx, jax_flag):
+    base = _key(ctx)
+    jax_flag("jax_compilation_cache_dir", "/elsewhere")
+    assert jax.config.values["jax_compilation_cache_dir"] == "/elsewhere"
+    assert _key(ctx) == base
+
+
+def test_code_version_follows_every_source_file(tmp_path, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    (tmp_path / "notes.txt").write_text("not code\n")
+    monkeypatch.setattr(executables, "_PACKAGE_DIR", str(tmp_path))
+    version = executables.code_version.__wrapped__
+    before = version()
+    (tmp_path / "notes.txt").write_text("edited, still not code\n")
+    assert version() == before
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    assert version() != before
+
+
+def test_a_hit_loads_without_tracing_and_steps_bitwise_alike(ctx, tmp_path, monkeypatch):
+    from resilient_jax.train import compile as compile_lib
+    from resilient_jax.train.state import init_state
+
+    directory = str(tmp_path / "executables")
+    fresh = compile_lib.compile_step(ctx, cache_dir=directory)
+
+    def no_tracing(*args, **kwargs):
+        raise AssertionError("a cache hit must not build or trace the step")
+
+    monkeypatch.setattr(compile_lib, "make_train_step", no_tracing)
+    loaded = compile_lib.compile_step(ctx, cache_dir=directory)
+    caches = [e["cache"] for e in read_events(ctx.workdir) if e["type"] == EventType.COMPILE]
+    assert caches == ["miss", "hit"]
+    state = init_state(ctx.config, ctx.mesh)
+    rows = ctx.config.global_batch_size // ctx.plan.microbatches
+    shape = (ctx.plan.microbatches, rows, ctx.config.data.seq_len + 1)
+    batch = jax.device_put(
+        np.arange(np.prod(shape), dtype=np.int32).reshape(shape) % 256,
+        compile_lib.mesh_lib.batch_sharding(ctx.mesh),
+    )
+    scale = np.float32(1.0)
+    copy = jax.tree.map(lambda x: x.copy(), state)  # the step donates its state
+    a, _ = fresh(state, batch, scale)
+    b, _ = loaded(copy, batch, scale)
+    same = jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b)
+    assert all(jax.tree.leaves(same))
