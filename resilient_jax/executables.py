@@ -16,7 +16,8 @@ Two ways to key an entry:
   file of this package), the mesh (axis names, shape, device ids in order) and the process's place
   (index and count), the JAX and jaxlib versions, the backend, its version and the device kind,
   JAX's configuration flags and the XLA flags in the environment. Changing any of them changes
-  the key (`tests/test_executables.py`); what is not in that list cannot change the program.
+  the key (`tests/test_executables.py`); what is not in that list cannot change the program. The
+  mesh plan (microbatches, slices) follows from config and topology, and is in the key as well.
 - `compile_cached` (small helper programs such as the checkpoint digests): the key is the lowered
   program's text plus the same runtime, for callers whose program has no config to name it.
 
@@ -93,13 +94,17 @@ def runtime_parts() -> list[str]:
     ]
 
 
-def program_key(program: str, config: ml_collections.ConfigDict, mesh: Mesh) -> str:
-    """The cache key of `program` (e.g. "train") built from `config` on `mesh`, without tracing."""
+def program_key(
+    program: str, config: ml_collections.ConfigDict, mesh: Mesh, plan: dict[str, Any]
+) -> str:
+    """The cache key of `program` (e.g. "train") built from `config` on `mesh` with the mesh
+    plan's `describe()` (microbatches, slices), without tracing."""
     parts = [
         program,
         json.dumps(config_to_dict(config), sort_keys=True),
         code_version(),
         f"mesh {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}",
+        json.dumps(plan, sort_keys=True),
         *runtime_parts(),
     ]
     return _digest(parts)

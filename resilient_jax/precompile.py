@@ -32,6 +32,8 @@ from resilient_jax.train.context import prepare
 from resilient_jax.worker.candidates import SUBDIR
 from resilient_jax.worker.distributed import initialize_from_env
 
+_JOIN_TIMEOUT_S = 120.0
+
 
 def compile_candidate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, bool]:
     """Joins the candidate job of this process's environment and stores its steps in the cache;
@@ -40,7 +42,11 @@ def compile_candidate(config: ml_collections.ConfigDict, workdir: str) -> dict[s
     if not directory:
         raise ValueError("no executable cache: JAX_COMPILATION_CACHE_DIR is unset")
     events = EventLog(os.path.join(workdir, SUBDIR), process=os.environ.get("RJ_PROCESS_ID"))
-    initialize_from_env(config.coordinator, events)
+    # A peer whose worker died before starting its helper must not hold this one for the run's
+    # whole start-up budget (the config itself stays as it is: it is part of the key).
+    coordinator = config.coordinator.copy_and_resolve_references()
+    coordinator.startup_timeout_s = min(coordinator.startup_timeout_s, _JOIN_TIMEOUT_S)
+    initialize_from_env(coordinator, events)
     # A restart after a failure plans its mesh non-strictly (generation > 0): so does this.
     ctx = prepare(config, workdir, events, generation=1)
     programs = {"train": compile_lib.train_lowering(ctx)}
@@ -49,7 +55,7 @@ def compile_candidate(config: ml_collections.ConfigDict, workdir: str) -> dict[s
     compiled: dict[str, bool] = {}
     for program, lower in programs.items():
         start = time.perf_counter()
-        key = executables.program_key(program, config, ctx.mesh)
+        key = executables.program_key(program, config, ctx.mesh, ctx.plan.describe())
         compiled[program] = executables.compile_ahead(key, lower, directory)
         events.emit(
             EventType.COMPILE,

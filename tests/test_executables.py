@@ -19,8 +19,9 @@ def ctx(tmp_path):
     return run_context(tiny_config(), str(tmp_path), devices=2)
 
 
-def _key(ctx, config=None, mesh=None, program="train"):
-    return executables.program_key(program, config or ctx.config, mesh or ctx.mesh)
+def _key(ctx, config=None, mesh=None, program="train", plan=None):
+    plan = plan or ctx.plan.describe()
+    return executables.program_key(program, config or ctx.config, mesh or ctx.mesh, plan)
 
 
 def test_same_inputs_give_the_same_key(ctx):
@@ -52,6 +53,8 @@ def test_mesh_program_and_place_change_the_key(ctx, tmp_path, monkeypatch):
     )
     assert _key(ctx, mesh=other_devices) != _key(ctx)  # same shape, other devices
     assert _key(ctx, program="eval") != _key(ctx)
+    more_microbatches = {**ctx.plan.describe(), "microbatches": ctx.plan.microbatches + 1}
+    assert _key(ctx, plan=more_microbatches) != _key(ctx)
     base = _key(ctx)
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     assert _key(ctx) != base

@@ -81,7 +81,7 @@ def _compile(
     background: bool = False,
 ) -> Any:
     directory = cache_dir or executables.default_dir()
-    key = executables.program_key(program, ctx.config, ctx.mesh)
+    key = executables.program_key(program, ctx.config, ctx.mesh, ctx.plan.describe())
     compiled, hit = executables.load_or_compile(
         key, lower, ctx.mesh.devices.flat, directory, ctx.events
     )
