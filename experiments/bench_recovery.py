@@ -125,11 +125,12 @@ def run_scenario(
     cluster: ClusterSpec,
     log_dir: str,
     fault: FaultKind = FaultKind.KILL,
+    fault_step: int | None = None,
 ) -> dict[str, Any]:
     overrides = {**BASE_OVERRIDES, "total_steps": _TOTAL.value, **overrides}
     workdir = tempfile.mkdtemp(prefix=f"rj_bench_{name}_")
     argv = trainer_argv(_WORKER.value, CONFIG_FILE, workdir, overrides)
-    kill = SupervisorAction(fault, slice=1, at_step=_FAULT.value)
+    kill = SupervisorAction(fault, slice=1, at_step=fault_step or _FAULT.value)
     with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
         supervisor = Supervisor(
             load_config(CONFIG_FILE, overrides),
@@ -322,6 +323,10 @@ class Scenario:
     standby: bool = True  # workers started ahead of the restart (coordinator.standby_workers)
     # The candidate mesh compiled ahead of the fault (coordinator.precompile_candidates).
     precompile: bool = False
+    # The fault's step and the run's length, when not --fault_step and --total_steps: the
+    # background compile runs at the lowest priority and needs time on the 2 shared cores.
+    fault_step: int | None = None
+    total_steps: int | None = None
     modelled_detection: bool = False  # detection by JAX's default heartbeat, modelled
     what: str = ""
     fault: FaultKind = FaultKind.KILL  # what hits slice 1 at the fault step
@@ -340,6 +345,8 @@ SCENARIOS = (
         "ram",
         "cold",
         precompile=True,
+        fault_step=150,
+        total_steps=180,
         what="framework defaults: RAM tier, an empty cache at the start, the one-slice step "
         "compiled in the background before the fault",
     ),
@@ -460,8 +467,12 @@ def main(argv: list[str]) -> None:
             own_cache = scenario.precompile and scenario.cache == "cold"
             scenario_cache = tempfile.mkdtemp(prefix="rj_bench_jax_cache_") if own_cache else None
             overrides = scenario_overrides(scenario, shm, scenario_cache or cache_dir)
+            if scenario.total_steps:
+                overrides["total_steps"] = scenario.total_steps
             try:
-                measured = run_scenario(scenario.name, overrides, cluster, log_dir, scenario.fault)
+                measured = run_scenario(
+                    scenario.name, overrides, cluster, log_dir, scenario.fault, scenario.fault_step
+                )
             finally:
                 if scenario_cache:
                     shutil.rmtree(scenario_cache, ignore_errors=True)

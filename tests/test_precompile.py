@@ -66,7 +66,7 @@ def test_a_deferred_program_compiles_once_in_a_thread_and_raises_its_error_at_th
 
 OVERRIDES = {
     **SMALL,
-    "total_steps": 60,
+    "total_steps": 120,
     "global_batch_size": 8,
     "checkpoint.every_steps": 10,
     "log.progress_bar": False,
@@ -85,7 +85,7 @@ def test_a_reshape_loads_the_step_compiled_before_the_fault(tmp_path):
     from resilient_jax.events import read_events
 
     workdir = tmp_path / "run"
-    kill = SupervisorAction("kill", slice=1, at_step=45)
+    kill = SupervisorAction("kill", slice=1, at_step=100)
     code, events = supervise_tiny_cpu(workdir, OVERRIDES, [kill], time_limit_s=600)
     assert code == 0
     ahead = [
@@ -96,7 +96,7 @@ def test_a_reshape_loads_the_step_compiled_before_the_fault(tmp_path):
     assert [e["cache"] for e in ahead] == ["ahead"]
     fault = next(e for e in events if e["type"] == "fault_injected")
     if ahead[0]["time"] > fault["time"]:
-        pytest.skip("the host was too busy to compile the candidate mesh before step 45")
+        pytest.skip("the host was too busy to compile the candidate mesh before step 100")
     (restart,) = [e for e in events if e["type"] == "restart"]
     assert restart["slices"] == [0]
     compiles = [e for e in events if e["type"] == "compile" and e.get("program") == "train"]

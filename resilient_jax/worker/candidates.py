@@ -8,9 +8,10 @@ formed by the workers of the first S - 1 slices, each starting one helper proces
 after its first step completed (the generation's own step is compiled by then and the host is
 training). Process 0 picks the candidate job's coordinator port on its host and publishes it in
 JAX's key-value store; the others read it with a bounded wait. The helpers run at the lowest CPU
-priority in the worker's process group, so a worker stopped for a restart takes its helper along,
-and `close` ends one still running. A spare swapped in for a lost slice keeps the mesh, whose step
-the running generation has stored already.
+priority in their own session: a worker killed by a fault leaves its helper to finish (bounded by
+its join timeout and one compile), so a later reshape finds the entry; a worker that ends
+normally (`close`) ends a helper still running. A spare swapped in for a lost slice keeps the
+mesh, whose step the running generation has stored already.
 """
 
 from __future__ import annotations
@@ -98,13 +99,15 @@ class CandidateCompiler(Hook):
             child_env = candidate_env(self._env, port, dict(os.environ))
             assert child_env is not None
             config_file = _write_config(ctx.config, ctx.workdir)
+            helper = [sys.executable, "-m", "resilient_jax.precompile", config_file, ctx.workdir]
             self._child = subprocess.Popen(
-                [sys.executable, "-m", "resilient_jax.precompile", config_file, ctx.workdir],
+                ["nice", "-n", "19", *helper],  # the lowest priority: training's CPU comes first
                 env=child_env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
-                preexec_fn=lambda: os.nice(19),  # training's CPU comes first
+                # Its own session: a worker killed for a restart leaves it to finish its entry.
+                start_new_session=True,
             )
         except Exception as e:  # a helper that cannot start costs a compile later, not the run
             logging.warning("compiling the candidate mesh ahead: not started (%s)", e)
