@@ -562,22 +562,6 @@ def test_a_finished_run_gives_its_ram_disk_copies_back(tmp_path, local_root, sta
     ck.close()
 
 
-def test_digests_compiled_ahead_come_from_the_executable_cache(tmp_path, state0):
-    checksum._compiled.clear()
-    expected = checksum.tree_digests(state0)  # traced and compiled on the call
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state0
-    )
-    checksum.compile_digests(abstract, str(tmp_path))
-    assert len(list(tmp_path.iterdir())) == 1
-    assert checksum._signature(jax.tree.leaves(state0)) in checksum._compiled
-    assert checksum.tree_digests(state0) == expected
-    checksum._compiled.clear()
-    checksum.compile_digests(abstract, str(tmp_path))  # loaded from the file this time
-    assert len(list(tmp_path.iterdir())) == 1
-    assert checksum.tree_digests(state0) == expected
-
-
 def test_host_digest_shares_add_up_to_the_device_digests(state0):
     """What saves and restores compute (each process's share on the host, added up) equals the
     device pass, on any sharding, with replicas counted once and 64-bit leaves included."""

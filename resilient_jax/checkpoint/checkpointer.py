@@ -2,17 +2,17 @@
 (waiting for its own saves first; the resume order is in `restore`).
 
 Save order per step (`after_step`): preemption sync point -> wall-clock decision (made by process
-0, shared two steps ahead) -> policy -> local save -> persistent save. Each save blocks only for
-the device-to-host copy; commit happens in the background and is reported by `save_committed`.
+0, shared two steps ahead) -> policy -> one device snapshot of the state -> local save ->
+persistent save. A save blocks training only while the snapshot is dispatched (and the previous
+write of the tier, if still running, is waited for); both tiers write from the snapshot in
+background threads (`snapshot`), and each commit is reported by `save_committed`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -21,8 +21,8 @@ from typing import Any
 import jax
 
 from resilient_jax import config as config_lib
-from resilient_jax import executables
-from resilient_jax.checkpoint import checksum, manifest
+from resilient_jax.checkpoint import manifest
+from resilient_jax.checkpoint.clock import ClockDecisions
 from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.local import LocalTier, run_dir
 from resilient_jax.checkpoint.outage import (
@@ -36,6 +36,7 @@ from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier, per
 from resilient_jax.checkpoint.policy import Decision, SavePolicy, SaveReason, local_interval_steps
 from resilient_jax.checkpoint.preemption import PreemptionNotice
 from resilient_jax.checkpoint.restore import Restored, Restorer, check_persistent_dir
+from resilient_jax.checkpoint.snapshot import PersistentWriter, device_snapshot
 from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.contracts import env_vars
@@ -45,12 +46,7 @@ from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook, StepInfo, StopTraining
 from resilient_jax.train.state import TrainState
 
-# Process 0 decides wall-clock saves this many steps ahead, so peers read the decision without
-# waiting on it in the common case.
-_CLOCK_LAG = 2
 _STEP_TIMES_KEPT = 64  # step times behind the local interval (only the first ones are used)
-# Published decisions older than this many steps are deleted from the key-value store.
-_CLOCK_KEY_RETENTION = 1000
 
 # Waiting for the previous persistent save: this many times the longest commit seen so far.
 _COMMIT_WAIT_FACTOR = 4
@@ -91,12 +87,15 @@ class Checkpointer(Hook):
         self._accept_other_config = _same_dir(c.init_from, self.persistent_dir)
         self._outage = Outage(self._events, self.persistent_dir)
         self._probe = StoreProbe(self.persistent_dir)
-        # None while the persistent tier has been unreachable since the start (then restore uses
-        # the local tier, and the tier is opened at the first scheduled save that reaches it).
+        # Both None while the persistent tier has been unreachable since the start (then restore
+        # uses the local tier, and the tier is opened at the first scheduled save that reaches it).
         self._persistent: PersistentTier | None = None
+        self._writer: PersistentWriter | None = None
+        self._writer_sync = ProcessSync(f"{self._sync.namespace}/writer", c.sync_timeout_s)
         unreachable = self._agreed_cause(self._probe.unreachable(c.persistent_timeout_s))
         if unreachable is None:
             self._persistent = self._open_persistent(ctx)
+            self._writer = PersistentWriter(self._persistent, self._writer_sync)
             run_id = self._persistent.run_id(create=True) if self._sync.process_index == 0 else None
         else:
             self._outage.begin(None, unreachable)
@@ -118,17 +117,17 @@ class Checkpointer(Hook):
                 on_commit=self._on_local_commit,
             )
         self._policy = SavePolicy(c, ctx.config.total_steps, clock, self._local is not None)
+        self._clock = ClockDecisions(self._policy, self._sync)
         self._preemption = PreemptionNotice(handle_sigterm)
         self._deferred_error: CheckpointError | None = None
         self._last_local_step: int | None = None
         self._longest_commit_s: float | None = None  # of a persistent save, from its start
         self._last_persistent_step: int | None = None  # saved by this checkpointer (maybe pending)
         self._start_step = 0
-        self._epoch = 0  # restores so far; keys wall-clock decisions to the current timeline
-        self._clock_pending_until = -1
         self._timeline = uuid.uuid4().hex[:12]
-        self._warmup: threading.Thread | None = None
         self._closed = False
+        # The state's leaf shapes and dtypes, the same at every save of this generation.
+        self._specs: dict[str, dict[str, Any]] | None = None
         # Young/Daly for the local tier: measured over this process's first local saves.
         self._local_auto = bool(c.local_auto_interval) and self._local is not None
         self._local_saves = 0
@@ -152,12 +151,8 @@ class Checkpointer(Hook):
 
     def on_start(self, ctx: RunContext, state: TrainState) -> None:
         self._start_step = int(jax.device_get(state.step))
+        self._clock.restart(self._start_step, new_timeline=False)
         self._policy.restart_clock()
-        # Compile the checksum pass while training starts, not inside the first save.
-        self._warmup = threading.Thread(
-            target=_compile_quietly, args=(ctx.abstract_state,), name="digest-compile", daemon=True
-        )
-        self._warmup.start()
 
     def after_step(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
         step = info.step
@@ -166,7 +161,7 @@ class Checkpointer(Hook):
         self._poll_commit()
         if self._preemption.reached(step):
             self._stop_for_preemption(ctx, state, info)
-        decision = self._policy.decide(step, self._clock_decision(step))
+        decision = self._policy.decide(step, self._clock.reason(step))
         self._save(ctx, state, info, decision)
 
     def on_end(self, ctx: RunContext, state: TrainState, info: StepInfo | None) -> None:
@@ -197,12 +192,12 @@ class Checkpointer(Hook):
         except CheckpointError:
             pass  # already reported as a save_failed event; close() must not mask the cause
         finally:
-            # A daemon thread still compiling at interpreter exit aborts the process.
-            if self._warmup is not None:
-                self._warmup.join()
-                self._warmup = None
-            if self._persistent is not None and not self._persistent.save_in_progress():
-                self._persistent.close()  # Orbax's close waits for a save still retrying
+            if self._local is not None:
+                self._local.close()
+            if self._writer is not None:
+                if not self._writer.save_in_progress():
+                    self._writer.tier.close()  # Orbax's close waits for a save still retrying
+                self._writer.stop()
             self._preemption.close()
 
     # ------------------------------------------------------------------------------ public API
@@ -231,11 +226,11 @@ class Checkpointer(Hook):
             except CheckpointError as e:
                 self._report_failure(Tier.LOCAL, e)
                 errors.append(e)
-        if self._persistent is not None:
-            pending = self._persistent.pending
+        if self._writer is not None:
+            pending = self._writer.pending
             try:
                 # Bounded: a store that stopped answering keeps Orbax waiting for many minutes.
-                done = self._persistent.finish(self._timeout_s)
+                done = self._writer.finish(self._timeout_s)
             except CheckpointError as e:
                 self._report_failure(Tier.PERSISTENT, e, pending.step if pending else None)
                 self._outage.begin(pending.step if pending else None, str(e))
@@ -285,9 +280,8 @@ class Checkpointer(Hook):
     def _start_timeline(self, step: int | None, timeline: str) -> None:
         """Saves from here on continue the timeline restored at `step` (None: a fresh start)."""
         self._timeline = timeline
-        self._epoch += 1
         self._start_step = step or 0
-        self._clock_pending_until = -1
+        self._clock.restart(self._start_step, new_timeline=True)
         persistent_steps = self._persistent.steps() if self._persistent is not None else []
         self._last_persistent_step = step if step in persistent_steps else None
         self._policy.restart_clock()
@@ -301,13 +295,23 @@ class Checkpointer(Hook):
             error, self._deferred_error = self._deferred_error, None
             raise error
         position = info.data_position.to_json()
+        started = time.perf_counter()
+        # One copy for both tiers, which the loop's next step cannot donate; each tier's `save`
+        # event counts it in its blocking time.
+        snapshot = device_snapshot(state)
+        snapshot_s = time.perf_counter() - started
         if d.local and self._local is not None:
-            self._save_local(ctx, state, info.step, position)
+            self._save_local(ctx, snapshot, info.step, position, snapshot_s)
         if d.persistent:
-            self._save_persistent(ctx, state, info.step, position, d)
+            self._save_persistent(ctx, snapshot, info.step, position, d, snapshot_s)
 
     def _save_local(
-        self, ctx: RunContext, state: TrainState, step: int, position: dict[str, Any]
+        self,
+        ctx: RunContext,
+        snapshot: TrainState,
+        step: int,
+        position: dict[str, Any],
+        snapshot_s: float = 0.0,
     ) -> None:
         assert self._local is not None
         local_manifest = {
@@ -321,10 +325,10 @@ class Checkpointer(Hook):
             "topology": ctx.topology.describe(),
             "mesh": ctx.plan.describe(),
             "generation": ctx.generation,
-            "leaves": manifest.leaf_specs(state),
+            "leaves": self._leaf_specs(snapshot),
         }
         try:
-            blocking = self._local.save(step, state, local_manifest)
+            blocking = snapshot_s + self._local.save(step, snapshot, local_manifest)
         except CheckpointError as e:
             self._report_failure(Tier.LOCAL, e)
             raise
@@ -368,9 +372,18 @@ class Checkpointer(Hook):
         )
 
     def _save_persistent(
-        self, ctx: RunContext, state: TrainState, step: int, position: dict[str, Any], d: Decision
+        self,
+        ctx: RunContext,
+        snapshot: TrainState,
+        step: int,
+        position: dict[str, Any],
+        d: Decision,
+        snapshot_s: float,
     ) -> None:
+        """Starts the persistent save of `snapshot` in the writer thread (digests, manifest and
+        the Orbax save), unless the store or the previous save stands in the way."""
         started = time.perf_counter()  # real cost, whatever clock the policies run on
+        started_mono = time.monotonic()
         views = self._sync.all_gather(
             "persistent_ready", [self._persistent_blocker(step), self._outage.duration_s()]
         )
@@ -378,26 +391,22 @@ class Checkpointer(Hook):
         if blocked is None and self._persistent is None:
             blocked = self._reconnect(ctx)  # every process reaches this together
         if blocked is not None:
-            self._skip_persistent(ctx, state, step, position, blocked, max(t for _, t in views))
+            outage_s = max(t for _, t in views)
+            self._skip_persistent(ctx, snapshot, step, position, blocked, outage_s)
             return
-        assert self._persistent is not None
-        if self._warmup is not None:
-            self._warmup.join()
-            self._warmup = None
-        digests = checksum.tree_digests(state)
-        meta = manifest.build_meta(
-            ctx, step, digests, manifest.leaf_specs(state), position, d.reason, d.temporary
-        )
-        try:
-            started_save = self._persistent.save(step, state, position, meta, d.temporary)
-        except CheckpointError as e:  # the store went away since the probe: an outage too
-            self._report_failure(Tier.PERSISTENT, e, step)
-            self._skip_persistent(ctx, state, step, position, str(e), self._outage.duration_s())
-            return
+        assert self._persistent is not None and self._writer is not None
         self._last_persistent_step = step
-        if started_save is None:
-            return  # this step is already committed
-        blocking = time.perf_counter() - started
+        if step in self._persistent.steps():
+            return  # committed before (the same step replayed after a restore)
+        specs = self._leaf_specs(snapshot)
+
+        def meta_of(digests: dict[str, str]) -> dict[str, Any]:
+            return manifest.build_meta(ctx, step, digests, specs, position, d.reason, d.temporary)
+
+        # A store that went away since the probe fails the save in the writer thread: reported
+        # by `_poll_commit` as an outage, like a failed commit.
+        self._writer.start(step, snapshot, position, meta_of, d.temporary, started_mono)
+        blocking = snapshot_s + time.perf_counter() - started
         self._policy.record_persistent_save(blocking)
         interval = self._policy.auto_interval_s() if ctx.config.checkpoint.auto_interval else None
         self._events.emit(
@@ -417,9 +426,9 @@ class Checkpointer(Hook):
         `checkpoint.persistent_timeout_s` from its start; not at all during an outage), the
         store for at most a probe."""
         wait_s = min(PROBE_WAIT_S, self._timeout_s)
-        if self._persistent is None:
+        if self._writer is None:
             return self._probe.unreachable(wait_s)
-        pending = self._persistent.pending
+        pending = self._writer.pending
         if pending is not None:
             budget = self._timeout_s - (time.monotonic() - pending.started)
             if self._longest_commit_s is not None:
@@ -427,9 +436,9 @@ class Checkpointer(Hook):
             if self._outage.since is not None:
                 budget = 0.0
             try:
-                self._report_commit(self._persistent.finish(max(0.0, budget)))
+                self._report_commit(self._writer.finish(max(0.0, budget)))
             except CheckpointError as e:
-                if self._persistent.save_in_progress():
+                if self._writer.save_in_progress():
                     age = time.monotonic() - pending.started
                     return f"the save of step {pending.step} is still in flight after {age:.0f}s"
                 self._report_failure(Tier.PERSISTENT, e, pending.step)
@@ -439,7 +448,7 @@ class Checkpointer(Hook):
     def _skip_persistent(
         self,
         ctx: RunContext,
-        state: TrainState,
+        snapshot: TrainState,
         step: int,
         position: dict[str, Any],
         cause: str,
@@ -453,7 +462,7 @@ class Checkpointer(Hook):
             EventType.SAVE_FAILED, tier=Tier.PERSISTENT, step=step, cause=f"skipped: {cause}"
         )
         if self._local is not None and self._last_local_step != step:
-            self._save_local(ctx, state, step, position)
+            self._save_local(ctx, snapshot, step, position)
         if outage_s > self._outage_limit_s:
             if self._local is not None:
                 self._local.finish()
@@ -504,6 +513,7 @@ class Checkpointer(Hook):
                 cause=f"newer than step {self._start_step}, resumed from the local tier",
             )
         self._persistent = self._restorer.persistent = persistent
+        self._writer = PersistentWriter(persistent, self._writer_sync)
         return None
 
     def _agreed_cause(self, cause: str | None) -> str | None:
@@ -519,37 +529,15 @@ class Checkpointer(Hook):
             f"preempted: saved step {info.step}, restart to continue", ExitCode.PREEMPTED
         )
 
-    def _clock_decision(self, step: int) -> SaveReason | None:
-        """The wall-clock save reason for `step`, identical on every process."""
-        if not self._policy.uses_clock:
-            return None
-        if not self._sync.distributed:
-            return self._policy.clock_reason()
-        prefix = f"e{self._epoch}/clock"
-        if self._sync.process_index == 0:
-            ahead = step + _CLOCK_LAG
-            reason = None
-            if step >= self._clock_pending_until:
-                reason = self._policy.clock_reason()
-                if reason is not None:
-                    self._clock_pending_until = ahead
-            self._sync.publish(f"{prefix}/{ahead}", reason)
-            if step - _CLOCK_KEY_RETENTION > self._start_step:
-                self._sync.delete(f"{prefix}/{step - _CLOCK_KEY_RETENTION}")
-        if step < self._start_step + 1 + _CLOCK_LAG:
-            return None  # nobody decided for the first steps after a (re)start
-        decided = self._sync.fetch(f"{prefix}/{step}")  # JSON: the reason's plain name
-        return None if decided is None else SaveReason(decided)
-
     def _poll_commit(self) -> None:
         """Reports a persistent save that finished since the last step, without waiting. A
         failed one, or one running past `checkpoint.persistent_timeout_s`, is an outage: the
         run goes on with the local tier and tries the next save on schedule."""
-        pending = self._persistent.pending if self._persistent is not None else None
+        pending = self._writer.pending if self._writer is not None else None
         if pending is None:
             return
-        assert self._persistent is not None
-        if self._persistent.save_in_progress():
+        assert self._writer is not None
+        if self._writer.save_in_progress():
             age = time.monotonic() - pending.started
             if age > self._timeout_s:
                 self._outage.begin(
@@ -559,7 +547,7 @@ class Checkpointer(Hook):
                 )
             return
         try:
-            self._report_commit(self._persistent.poll())
+            self._report_commit(self._writer.poll())
         except CheckpointError as e:
             self._report_failure(Tier.PERSISTENT, e, pending.step)
             self._outage.begin(pending.step, str(e))
@@ -582,17 +570,16 @@ class Checkpointer(Hook):
             EventType.SAVE_COMMITTED, tier=Tier.LOCAL, step=step, commit_s=commit_s, bytes=nbytes
         )
 
+    def _leaf_specs(self, state: TrainState) -> dict[str, dict[str, Any]]:
+        if self._specs is None:
+            self._specs = manifest.leaf_specs(state)
+        return self._specs
+
     def _report_failure(self, tier: Tier, error: Exception, step: int | None = None) -> None:
         self._events.emit(EventType.SAVE_FAILED, tier=tier, step=step, cause=str(error))
 
     def _committed_persistent_steps(self) -> list[int]:
-        if self._persistent is None:
+        if self._persistent is None or self._writer is None:
             return []
-        pending = self._persistent.pending
+        pending = self._writer.pending
         return [s for s in self._persistent.steps() if pending is None or s != pending.step]
-
-
-def _compile_quietly(abstract_state: Any) -> None:
-    # On failure the first save compiles (and reports) it instead.
-    with contextlib.suppress(Exception):
-        checksum.compile_digests(abstract_state, executables.default_dir())

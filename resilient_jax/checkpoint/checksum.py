@@ -9,9 +9,10 @@ changes the first sum (its weight is odd, so no non-zero difference vanishes mod
 The same function exists twice: on device (`tree_digests`, one jitted pass over the state, the
 result replicated on every process) and on host in numpy (`host_digest` for one whole array, for
 the `inspect` tool and readers without devices; `process_partial_sums` for the blocks a process
-holds, whose shares `combine_sums` adds up across processes). They agree bit for bit. Restore
-verifies with the host version: no digest program is compiled on the recovery path, and its
-cross-process step is a key-value exchange, not a device collective.
+holds, whose shares `combine_sums` adds up across processes). They agree bit for bit. Saves
+(in the persistent writer thread, beside training) and restores use the host version: no digest
+program is compiled, on the recovery path or anywhere, and its cross-process step is a key-value
+exchange, not a device collective. The device version is the reference the tests compare with.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
-
-from resilient_jax import executables
 
 _W1_MUL = 0x9E3779B1
 _W1_ADD = 0x7F4A7C15
@@ -97,31 +96,8 @@ def tree_digests(tree: Any) -> dict[str, str]:
     """
     paths = leaf_paths(tree)
     leaves = jax.tree.leaves(tree)
-    mesh = _mesh_of(leaves)
-    compiled = _compiled.get(_signature(leaves))
-    try:
-        values = np.asarray((compiled or _digest_fn(mesh))(leaves))
-    except (TypeError, ValueError):  # arrays the ahead-of-time program does not take
-        values = np.asarray(_digest_fn(mesh)(leaves))
+    values = np.asarray(_digest_fn(_mesh_of(leaves))(leaves))
     return {p: format_digest(h1, h2) for p, (h1, h2) in zip(paths, values, strict=True)}
-
-
-def compile_digests(abstract_tree: Any, cache_dir: str | None = None) -> None:
-    """Compiles `tree_digests` for a tree of ShapeDtypeStructs ahead of the first save, through
-    the per-process executable cache in `cache_dir` (a restart then loads it)."""
-    leaves = jax.tree.leaves(abstract_tree)
-    mesh = _mesh_of(leaves)
-    lowered = _digest_fn(mesh).lower(leaves)
-    compiled, _ = executables.compile_cached(lowered, mesh.devices.flat, cache_dir)
-    _compiled[_signature(leaves)] = compiled
-
-
-# Compiled ahead of time by `compile_digests`, by the leaves' shapes, dtypes and shardings.
-_compiled: dict[tuple, Any] = {}
-
-
-def _signature(leaves: list[Any]) -> tuple:
-    return tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
 
 
 def _mesh_of(leaves: list[jax.Array]) -> jax.sharding.Mesh:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from resilient_jax.checkpoint.background import BackgroundThread, Job
 from resilient_jax.checkpoint.checksum import leaf_paths
 from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
 
@@ -180,15 +181,11 @@ def _load_piece(piece: Piece, dtype: np.dtype, verified: dict[Piece, bool]) -> n
     return np.frombuffer(raw, dtype).reshape([b - a for a, b in piece.box])
 
 
-# A fresh device buffer for every leaf (the input is not donated, so XLA must copy), with the
-# same shardings.
-_device_copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
-
-
-def _host_pieces(state: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
-    """One host copy of each distinct shard this process holds, with its manifest entry."""
+def _host_pieces(snapshot: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+    """One host copy of each distinct shard of `snapshot` this process holds, with its manifest
+    entry. `snapshot` must be a copy of the state of its own (`snapshot.device_snapshot`)."""
     entries, arrays, pending = [], [], []
-    for path, leaf in _named_leaves(state):
+    for path, leaf in _named_leaves(snapshot):
         seen: set[Box] = set()
         for shard in leaf.addressable_shards:
             box = _box(shard.index, leaf.shape)
@@ -196,12 +193,12 @@ def _host_pieces(state: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
                 continue
             seen.add(box)
             shard.data.copy_to_host_async()  # start every transfer before waiting on any
-            pending.append((path, box, shard.data, shard.device.platform))
-    for path, box, data, platform in pending:
+            pending.append((path, box, shard.data))
+    for path, box, data in pending:
+        # On CPU this is a view of the snapshot's buffer, which no step donates: written as is.
         host = np.asarray(data)
-        # On CPU the host view can alias the device buffer, which the next step may donate.
-        if platform == "cpu" or not host.flags.c_contiguous:
-            host = np.array(host, copy=True, order="C")
+        if not host.flags.c_contiguous:
+            host = np.ascontiguousarray(host)
         entries.append({"leaf": path, "box": [list(b) for b in box]})
         arrays.append(host)
     return entries, arrays
@@ -222,7 +219,8 @@ class LocalTier:
         self._token = uuid.uuid4().hex[:8]
         self.own_dir = os.path.join(root, f"{PROC_PREFIX}{process_index:05d}-{self._token}")
         self._on_commit = on_commit
-        self._thread: threading.Thread | None = None
+        self._writer: BackgroundThread | None = None  # writes the saves; None: read-only
+        self._job: Job | None = None
         self._error: BaseException | None = None
         self._error_step: int | None = None
         self._committed: list[int] = []
@@ -233,42 +231,35 @@ class LocalTier:
             os.makedirs(self.own_dir, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"local checkpoint dir {root} is not writable: {e}") from e
+        self._writer = BackgroundThread(f"local-ckpt-{process_index}")
 
     # ---------------------------------------------------------------------------------- writing
 
-    def save(self, step: int, state: Any, manifest: dict[str, Any]) -> float:
-        """Snapshots this process's shards on the device, then copies them to host and writes
-        them in the background.
+    def save(self, step: int, snapshot: Any, manifest: dict[str, Any]) -> float:
+        """Copies this process's shards of `snapshot` to the host and writes them, in the
+        background.
 
-        The loop's next step donates the state's buffers, so the state must be copied before it
-        runs; a device-to-device copy is only dispatched here (the loop blocks for microseconds,
-        not for the device-to-host transfer), at the price of one more copy of the state in device
-        memory until the transfer is done. Returns the blocking seconds. Raises the error of a
-        failed previous save.
+        `snapshot`: the state copied into buffers of its own (`snapshot.device_snapshot`), which
+        the loop's next step cannot donate; the transfer to host and the files happen in a
+        thread. Returns the seconds the caller waited (for the previous write to finish). Raises
+        the error of a failed previous save.
         """
         started = time.monotonic()
         self.finish()
-        snapshot = _device_copy(state)
         blocking = time.monotonic() - started
         manifest = {**manifest, "format": FORMAT_VERSION, "step": step}
-        self._thread = threading.Thread(
-            target=self._write,
-            args=(step, manifest, snapshot, started),
-            name=f"local-ckpt-{step}",
-            daemon=True,
-        )
-        self._thread.start()
+        assert self._writer is not None, "a read-only local tier does not save"
+        self._job = self._writer.submit(lambda: self._write(step, manifest, snapshot, started))
         return blocking
 
     def finish(self, timeout_s: float | None = None) -> None:
         """Waits for the background write; raises `CheckpointError` if it failed."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
+        if self._job is not None:
+            if not self._job.wait(timeout_s):
                 raise CheckpointError(
                     f"local save did not finish within {timeout_s:.0f}s ({self.own_dir})"
                 )
-            self._thread = None
+            self._job = None
         if self._error is not None:
             error, step = self._error, self._error_step
             self._error = None
@@ -276,6 +267,12 @@ class LocalTier:
                 f"local save of step {step} to {self.own_dir} failed: "
                 f"{type(error).__name__}: {error}"
             ) from error
+
+    def close(self) -> None:
+        """Ends the writer thread after the write in flight, if any (without waiting)."""
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
 
     def _write(self, step: int, manifest: dict[str, Any], snapshot: Any, started: float) -> None:
         tmp = os.path.join(self.own_dir, f"{TMP_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")

@@ -40,6 +40,10 @@ class ProcessSync:
         self._own_keys: dict[int, str] = {}
 
     @property
+    def namespace(self) -> str:
+        return self._namespace
+
+    @property
     def distributed(self) -> bool:
         return self._client is not None
 

@@ -1,0 +1,140 @@
+"""What a save costs the training thread: one copy of the state, then everything in the background.
+
+`device_snapshot` dispatches a copy of the train state into fresh buffers with the same shardings.
+The loop's next step donates the state's buffers, so a save must copy them before that step runs;
+dispatching the copy returns before it is done, and every later stage reads the copy, not the
+live state. One snapshot feeds both tiers when they save the same step: the local tier's writer
+thread and the persistent tier's writer thread each read it from there.
+
+`PersistentWriter` runs the persistent tier's save off the training thread: it computes this
+process's share of the per-array digests on the host, adds up the shares of all processes through
+the coordination service's key-value store (no device collective, so nothing on the training
+thread has to take part), builds the manifest and starts the Orbax save of the snapshot, whose
+main-thread part (directory creation, the copy to host, the coordination service's barriers) then
+no longer blocks training either. Orbax's own background commit follows. One save is in flight at
+a time, on every process in the same order. The writer answers like `PersistentTier` (`pending`,
+`save_in_progress`, `poll`, `finish` with a bounded wait), so the outage handling treats a save
+stuck in the writer thread (a store that stopped answering) like one stuck in Orbax's commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from resilient_jax.checkpoint import checksum
+from resilient_jax.checkpoint.background import BackgroundThread, Job
+from resilient_jax.checkpoint.errors import CheckpointError
+from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier
+from resilient_jax.checkpoint.sync import ProcessSync
+
+# A fresh buffer for every leaf (the input is not donated, so XLA must copy; `jnp.copy` is not
+# forwarded like an identity would be), with the same shardings.
+device_snapshot = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
+@dataclasses.dataclass
+class _Save:
+    pending: PendingSave
+    written: Job  # the writer thread's call
+    error: BaseException | None = None
+
+
+class PersistentWriter:
+    """Starts persistent saves in a thread; reports them like `PersistentTier` does."""
+
+    def __init__(self, tier: PersistentTier, sync: ProcessSync) -> None:
+        self.tier = tier
+        self._sync = sync  # used by the writer thread only
+        self._thread = BackgroundThread("persistent-ckpt")
+        self._current: _Save | None = None
+
+    @property
+    def pending(self) -> PendingSave | None:
+        """The save started last and not yet reported by `poll` or `finish`."""
+        return self._current.pending if self._current is not None else None
+
+    def start(
+        self,
+        step: int,
+        snapshot: Any,
+        data_position: dict[str, Any],
+        meta_of: Callable[[dict[str, str]], dict[str, Any]],
+        temporary: bool,
+        started: float,
+    ) -> PendingSave:
+        """Saves `snapshot` as `step` in the background; `meta_of` turns the snapshot's digests
+        into the step's manifest. `started`: `time.monotonic()` when the caller's save began
+        (commit times and the outage timeout count from there). The previous save must have been
+        finished, and the step must not be on the tier yet."""
+        assert self._current is None, "finish() the previous persistent save first"
+
+        def save() -> None:
+            try:
+                shares = self._sync.all_gather("digests", checksum.process_partial_sums(snapshot))
+                meta = meta_of(checksum.combine_sums(shares))
+                self.tier.save(step, snapshot, data_position, meta, temporary)
+            except BaseException as e:  # raised by finish() on the training thread
+                record.error = e
+
+        pending = PendingSave(step, started, time.monotonic() - started)
+        record = _Save(pending, self._thread.submit(save))
+        self._current = record
+        return pending
+
+    def stop(self) -> None:
+        """Ends the writer thread after the save in flight, if any (without waiting)."""
+        self._thread.stop()
+
+    def save_in_progress(self) -> bool:
+        """Whether the pending save is still being started or written."""
+        current = self._current
+        if current is None:
+            return False
+        return not current.written.done() or self.tier.save_in_progress()
+
+    def poll(self) -> PendingSave | None:
+        """The pending save if it has finished since the last call (without waiting); raises
+        `CheckpointError` if it failed."""
+        if self._current is None or self.save_in_progress():
+            return None
+        return self.finish()
+
+    def finish(self, timeout_s: float | None = None) -> PendingSave | None:
+        """Waits for the pending save; returns it once committed, raises `CheckpointError` if it
+        failed (the previous tier-level error too, with no save pending).
+
+        With `timeout_s`, a save still running after it (in the writer thread or in Orbax's
+        commit) raises and stays pending."""
+        current = self._current
+        if current is None:
+            return self.tier.finish(timeout_s)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not current.written.wait(left):
+            raise CheckpointError(
+                f"persistent save of step {current.pending.step} to {self.tier.directory} was not "
+                f"handed to Orbax within {timeout_s:g}s"
+            )
+        if current.error is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                self.tier.finish(left)
+            finally:
+                # The tier keeps a save still committing past the wait pending; anything else
+                # (committed or failed) is reported once, here.
+                if self.tier.pending is None:
+                    self._current = None
+            return current.pending
+        self._current = None
+        if isinstance(current.error, CheckpointError):
+            raise current.error
+        raise CheckpointError(
+            f"persistent save of step {current.pending.step} failed before it started: "
+            f"{type(current.error).__name__}: {current.error}"
+        ) from current.error
