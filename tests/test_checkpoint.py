@@ -579,3 +579,53 @@ def test_host_digest_shares_add_up_to_the_device_digests(state0):
     ]
     combined = checksum.combine_sums([{"x": halves[0]}, {"x": halves[1]}])
     assert combined == {"x": checksum.host_digest(wide)}
+
+
+def test_one_snapshot_feeds_both_tiers_while_the_next_steps_donate_the_state(
+    tmp_path, local_root, state0
+):
+    """Both tiers save step 2 from one device snapshot; the steps right after donate the state's
+    buffers (as the train step does), and both saved copies still hold step 2 bit for bit. The
+    newest verified copy is restored: local step 3 (newer than persistent 2); with its data
+    damaged, step 2 from either tier."""
+    workdir = str(tmp_path)
+    overrides = {"checkpoint.every_steps": 2, "checkpoint.local_every_steps": 1}
+    config = checkpoint_config(local_root, **overrides)
+    ctx = run_context(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.on_start(ctx, state0)
+    donate = jax.jit(
+        lambda s: jax.tree.map(lambda x: x * 3 if x.dtype.kind == "f" else x + 7, s),
+        donate_argnums=0,
+    )
+    state, host = jax.tree.map(jax.numpy.copy, state0), {}
+    for step in (1, 2, 3):
+        state = donate(state)
+        host[step] = jax.tree.map(np.asarray, state)
+        ck.after_step(ctx, state, StepInfo(step, step - 1, DataPosition(next_batch=step), 0.01))
+        for _ in range(3):  # reuse the saved buffers while the writers read the snapshot
+            state = donate(state)
+    ck.wait_until_finished()
+    ck.close()
+    saves = events_of(workdir, EventType.SAVE)
+    assert sorted((e["tier"], e["step"]) for e in saves) == [
+        ("local", 1),
+        ("local", 2),
+        ("local", 3),
+        ("persistent", 2),
+    ]
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert (restored.tier, restored.step) == (Tier.LOCAL, 3)
+    assert_bitwise(restored.state, host[3])
+    (newest,) = [c for c in local.list_committed(local.run_dir(local_root, workdir)) if c.step == 3]
+    _corrupt(os.path.join(newest.dir, local.DATA_FILE))
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert restored.step == 2
+    assert_bitwise(restored.state, host[2])
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    assert_bitwise(ck.restore_step(ctx, 2).state, host[2])
+    ck.close()

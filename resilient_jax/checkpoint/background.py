@@ -45,9 +45,13 @@ class BackgroundThread:
         self._queue.put((call, job))
         return job
 
-    def stop(self) -> None:
-        """Ends the thread once the calls already submitted have run (without waiting)."""
+    def stop(self, wait_s: float = 0.0) -> None:
+        """Ends the thread once the calls already submitted have run, waiting up to `wait_s`.
+
+        Waiting matters at exit: a daemon thread that wakes while the interpreter finalizes is
+        torn down mid-call, which has aborted processes that had otherwise finished cleanly."""
         self._queue.put(None)
+        self._thread.join(wait_s)
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:

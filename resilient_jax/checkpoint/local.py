@@ -46,6 +46,7 @@ PROC_PREFIX = "proc-"
 FORMAT_VERSION = 1
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
+_CLOSE_WAIT_S = 10.0  # closing waits this long for the writer thread to end
 
 
 def run_dir(local_root: str, workdir: str) -> str:
@@ -269,9 +270,10 @@ class LocalTier:
             ) from error
 
     def close(self) -> None:
-        """Ends the writer thread after the write in flight, if any (without waiting)."""
+        """Ends the writer thread (after the write in flight, if any: waited for up to a few
+        seconds, a RAM-disk write being far shorter)."""
         if self._writer is not None:
-            self._writer.stop()
+            self._writer.stop(wait_s=_CLOSE_WAIT_S)
             self._writer = None
 
     def _write(self, step: int, manifest: dict[str, Any], snapshot: Any, started: float) -> None:

@@ -33,6 +33,8 @@ from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier
 from resilient_jax.checkpoint.sync import ProcessSync
 
+_STOP_WAIT_S = 10.0  # an idle writer thread ends within milliseconds
+
 # A fresh buffer for every leaf (the input is not donated, so XLA must copy; `jnp.copy` is not
 # forwarded like an identity would be), with the same shardings.
 device_snapshot = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
@@ -88,8 +90,9 @@ class PersistentWriter:
         return pending
 
     def stop(self) -> None:
-        """Ends the writer thread after the save in flight, if any (without waiting)."""
-        self._thread.stop()
+        """Ends the writer thread: at once if idle; after the save in flight otherwise, without
+        waiting for it (a store that stopped answering may hold it for many minutes)."""
+        self._thread.stop(wait_s=0.0 if self.save_in_progress() else _STOP_WAIT_S)
 
     def save_in_progress(self) -> bool:
         """Whether the pending save is still being started or written."""
