@@ -11,14 +11,18 @@ or agents started elsewhere with `--host_agents=external --listen=ADDR`), watche
 the job training through failures (see `resilient_jax.control`). The run's token comes from
 RJ_RUN_TOKEN or RJ_RUN_TOKEN_FILE (mode 0600), else a fresh one is made for local agents. Worker
 output is merged here (and kept in DIR/logs/<host>/workers.log), each line prefixed with
-`[g<generation> s<slice> p<process>]`. Ctrl-C asks the workers to save and stop. Exits 0 only when
-training completed; otherwise non-zero with a one-line reason on stderr. Events: DIR/events.jsonl.
+`[g<generation> s<slice> p<process>]`. With `--config.elastic.enabled=true` each slice is
+its own single-process JAX runtime (`resilient_jax.control.elastic`, DIR/slices/<id>/), and a
+lost slice is replaced while the others train on. Ctrl-C asks the workers to save and stop. Exits
+0 only when training completed; otherwise non-zero with a one-line reason on stderr. Events:
+DIR/events.jsonl.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
 
 from absl import app, flags
@@ -28,6 +32,7 @@ from resilient_jax import config as config_lib
 from resilient_jax.chaos import spec as chaos_spec
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction
+from resilient_jax.control.elastic import ElasticSupervisor
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (configs/*.py).", lock_config=True
@@ -78,6 +83,28 @@ def worker_argv(worker: str, config_path: str, workdir: str, overrides: list[str
     return argv
 
 
+def run_elastic(config, argv: list[str], workdir: str) -> int:
+    """Elastic mode: elastic.slices single-process slices, each its own JAX runtime, and the
+    quorum server here; a lost slice is replaced while the others train on."""
+    if _PROCESSES.value != 1 or _HOST_AGENTS.value != "local" or _SPARES.value:
+        print(
+            "error: elastic.enabled runs one process per slice on this machine "
+            "(--processes_per_slice=1, --host_agents=local, no --spare_slices)",
+            file=sys.stderr,
+        )
+        return ExitCode.BAD_INPUT
+
+    def argv_for(slice_id: int, slice_dir: str) -> list[str]:
+        return [f"--workdir={slice_dir}" if a.startswith("--workdir=") else a for a in argv]
+
+    supervisor = ElasticSupervisor(config, argv_for, workdir, _DEVICES.value)
+    signal.signal(signal.SIGINT, lambda signum, _: supervisor.request_stop(signal.SIGTERM))
+    result = supervisor.run(time_limit_s=_TIME_LIMIT.value or None)
+    if result.exit_code:
+        print(f"error: {result.reason}", file=sys.stderr)
+    return result.exit_code
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -104,10 +131,13 @@ def main(argv: list[str]) -> None:
     workdir = os.path.abspath(_WORKDIR.value)
     # As given (with any `:argument`); the workers start in our working directory.
     config_path = config_flags.get_config_filename(flags.FLAGS["config"])
+    argv = worker_argv(_WORKER.value, config_path, workdir, config_overrides(sys.argv))
+    if config.elastic.enabled:
+        sys.exit(run_elastic(config, argv, workdir))
     supervisor = Supervisor(
         config,
         cluster,
-        worker_argv(_WORKER.value, config_path, workdir, config_overrides(sys.argv)),
+        argv,
         workdir,
         actions=actions,
         host_agents=_HOST_AGENTS.value,

@@ -41,6 +41,7 @@ from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.data.position import DataPosition
 from resilient_jax.data.sources import make_dataset
 from resilient_jax.data.split import holdout
+from resilient_jax.elastic import runtime as elastic_runtime
 from resilient_jax.events import EventLog
 from resilient_jax.goodput import accounting as goodput
 from resilient_jax.health import HealthMonitor, Watchdog
@@ -54,6 +55,7 @@ from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.profile import Profiler
 from resilient_jax.train.state import TrainState, init_state
+from resilient_jax.train.step import StepFn
 from resilient_jax.worker import candidates as candidates_lib
 from resilient_jax.worker.candidates import CandidateCompiler
 from resilient_jax.worker.client import SupervisorClient
@@ -250,14 +252,23 @@ def _train(
     source = rehearsal.training_source(
         config, workdir, source, replay, state.params, int(state.step), events
     )
-    loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
-    with phase(PHASE_COMPILE):
-        compiled = compile_step(ctx)
+    step_fn: StepFn
+    loader: Any
+    if config.elastic.enabled:  # gradients summed across slices; joins (and heals) here
+        with phase(PHASE_COMPILE):
+            step_fn, loader, state, session = elastic_runtime.start(ctx, source, state, position)
+        opened.append(session)
+    else:
+        loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
+        with phase(PHASE_COMPILE):
+            compiled = compile_step(ctx)
+        step_fn = (
+            wrap_step(compiled, faults) if faults is not None else without_fault_scale(compiled)
+        )
     # Not needed before the first evaluation: loaded beside training, not before it.
     eval_step = None
     if config.eval.every_steps:
         eval_step = DeferredProgram(lambda: compile_eval_step(ctx, background=True))
-    step_fn = wrap_step(compiled, faults) if faults is not None else without_fault_scale(compiled)
     hooks = build_hooks(
         ctx,
         checkpointer=checkpointer,
@@ -269,7 +280,7 @@ def _train(
         eval_datasets=eval_datasets,
         candidates=candidates,
     )
-    opened[:] = hooks
+    opened[:] = hooks + [h for h in opened if isinstance(h, elastic_runtime.ElasticSession)]
     try:
         _checked(lambda: Loop(ctx, step_fn, loader, hooks, restore).run(state))
         exit_code, reason = ExitCode.FINISHED, "finished"

@@ -105,3 +105,20 @@ def test_launcher_exits_2_with_one_line(tmp_path, flag, message):
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ") and message in line, result.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"elastic.slices": 3}, r"elastic.slices=3 is invalid: must divide global_batch_size=16"),
+        ({"elastic.timeout_s": 0.0}, r"elastic.timeout_s=0.0 is invalid: must be > 0"),
+        ({"elastic.backend": "nccl"}, r"elastic.backend='nccl' is invalid: allowed: gloo"),
+        (
+            {"model.moe.num_experts": 2},
+            r"elastic.enabled=True is invalid: elastic mode trains dense",
+        ),
+    ],
+)
+def test_elastic_mode_refuses_what_it_cannot_run(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_lib.validate(tiny_config(**{"elastic.enabled": True, **overrides}))

@@ -250,6 +250,24 @@ def default_config() -> ml_collections.ConfigDict:
     c.rehearsal.top_p = 1.0  # synthetic: 1 = all tokens
     c.rehearsal.chunk_sequences = 32  # synthetic: sequences generated (and committed) together
 
+    # Elastic data parallelism across slices (resilient_jax.elastic; the `elastic` extra, torch):
+    # each slice its own JAX runtime, gradients summed across slices by a membership that may
+    # change every step; survivors of a lost slice take over its rows. Off: one JAX runtime.
+    c.elastic = ml_collections.ConfigDict()
+    c.elastic.enabled = False  # on: launch/local_cluster.py runs the slices elastically
+    c.elastic.slices = 2  # parts of the global batch (the slices the job starts with)
+    c.elastic.backend = "gloo"  # the exchange's collective library (elastic.exchange)
+    c.elastic.host = ""  # address this slice's rendezvous store listens on; "" = the hostname
+    # a collective that has not completed after this long (a hung peer) fails and is redone
+    c.elastic.timeout_s = 5.0
+    # after a failed exchange, a connected slice that has not asked for a quorum within this
+    # (hung) is left out of the next one
+    c.elastic.join_timeout_s = 1.0
+    # how long a slice without a usable exchange group (its exchange failed, or it is starting)
+    # waits for a quorum before it exits non-zero
+    c.elastic.quorum_timeout_s = 120.0
+    c.elastic.check_every_steps = 0  # a sha256 of the parameters in every Nth step's event; 0 = off
+
     # A jax.profiler trace of some steps into <workdir>/profile/ (resilient_jax.train.profile).
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = ""  # "START:STOP": steps START..STOP-1 (steps count from 1); "" = off

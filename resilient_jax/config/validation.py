@@ -99,6 +99,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _validate_coordinator(config.coordinator)
     _validate_eval(config.eval, config.data.source)
     _validate_rehearsal(config)
+    _validate_elastic(config)
     profile_steps(config.profile.steps)
 
 
@@ -351,3 +352,23 @@ def _validate_tokenizer_and_mixture(d: ml_collections.ConfigDict) -> None:
             _fail("data.mixture", d.mixture, "data.source='arrayrecord' needs a path each")
         if path:
             _check_data_path("data.mixture", path)
+
+
+def _validate_elastic(config: ml_collections.ConfigDict) -> None:
+    e = config.elastic
+    if not e.enabled:
+        return
+    _check_positive(config, "elastic.slices")
+    for key in ("timeout_s", "join_timeout_s", "quorum_timeout_s"):
+        if not e[key] > 0:
+            _fail(f"elastic.{key}", e[key], "must be > 0")
+    if e.backend != "gloo":
+        _fail("elastic.backend", e.backend, "allowed: gloo")
+    if config.global_batch_size % e.slices:
+        _fail(
+            "elastic.slices", e.slices, f"must divide global_batch_size={config.global_batch_size}"
+        )
+    if e.check_every_steps < 0:
+        _fail("elastic.check_every_steps", e.check_every_steps, "must be >= 0 (0 = off)")
+    if config.model.moe.num_experts:
+        _fail("elastic.enabled", True, "elastic mode trains dense models (model.moe.num_experts=0)")

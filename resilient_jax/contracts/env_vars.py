@@ -23,6 +23,10 @@ SUPERVISOR_PID = "RJ_SUPERVISOR_PID"
 RUN_TOKEN = "RJ_RUN_TOKEN"  # every message carries it: a stray process cannot pose as a worker
 RUN_TOKEN_FILE = "RJ_RUN_TOKEN_FILE"  # or a file holding it (mode 0600), for agents and supervisor
 
+# Elastic mode: each slice is its own JAX runtime, joined to the others by the quorum server.
+QUORUM_ADDRESS = "RJ_QUORUM_ADDRESS"  # host:port of the quorum server (`control.quorum`)
+ELASTIC_SLICE = "RJ_ELASTIC_SLICE"  # this slice's id: which part of the global batch is its own
+
 # What the supervisor has learned that the workers' policies use.
 OBSERVED_MTBF_S = "RJ_OBSERVED_MTBF_S"  # mean time between failures seen so far (seconds)
 

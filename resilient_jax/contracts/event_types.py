@@ -72,3 +72,18 @@ class EventType(Name):
     # duration_s) of the synthetic rehearsal set; `complete` once the set is whole.
     REHEARSAL = "rehearsal"
     PROFILE = "profile"  # action (start | stop), duration_s; at stop: first_step, last_step, path
+    # Elastic mode (resilient_jax.elastic), in each slice's own event log.
+    # quorum_id, slices, rank, duration_s (forming the exchange group), from_step
+    ELASTIC_QUORUM = "elastic_quorum"
+    # The elastic supervisor's: slice, pid (a slice's worker started: at the job's start or as a
+    # replacement); slice, exit_code, failures (it exited non-zero; the others train on)
+    ELASTIC_SLICE_START = "elastic_slice_start"
+    ELASTIC_SLICE_EXIT = "elastic_slice_exit"
+    ELASTIC_EXCHANGE_FAILED = (
+        "elastic_exchange_failed"  # step, quorum_id, error: the step is redone
+    )
+    # step (the state's after healing), source_slice, bytes, duration_s, role (sent | received)
+    ELASTIC_HEAL = "elastic_heal"
+    # step, quorum_id, slices, owned (the global batch's parts this slice computed), digest
+    # (sha256 of the parameters, every elastic.check_every_steps), exchange_s
+    ELASTIC_STEP = "elastic_step"

@@ -74,6 +74,8 @@ class Quorum:
 class Exchange(Protocol):
     """Collectives among the members of the current quorum (see the module docstring)."""
 
+    store_address: str  # host:port of the rendezvous store this process hosts
+
     def configure(self, quorum: Quorum, slice_id: int) -> None:
         """Drops the current group and forms one for `quorum` (this process is `slice_id`).
         Raises ExchangeError when the members do not all show up within the timeout."""

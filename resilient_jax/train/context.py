@@ -49,7 +49,17 @@ def prepare(
     """Topology, mesh and state shapes: everything before the first step that touches no
     parameters. Raises ConfigError when the config does not fit the devices."""
     topology = mesh_lib.discover()
-    plan = topology_lib.plan_mesh(config, topology, strict=generation == 0)
+    plan = topology_lib.plan_mesh(planned_config(config), topology, strict=generation == 0)
     mesh = mesh_lib.make_mesh(plan, topology)
     events.update_common(process=jax.process_index(), slice=topology.slice_index)
     return RunContext.on_mesh(config, workdir, topology, plan, mesh, events, generation)
+
+
+def planned_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The config the mesh is planned for: in elastic mode a slice computes the global batch a
+    part at a time (`elastic.slices` parts), so its mesh and microbatches are those of one part."""
+    if not config.elastic.enabled:
+        return config
+    part = config.copy_and_resolve_references()
+    part.global_batch_size = config.global_batch_size // config.elastic.slices
+    return part

@@ -41,11 +41,11 @@ def token_loss_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).sum()
 
 
-def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStepFn:
-    """The step, jitted with the state donated and every input and output sharding fixed."""
-    model, optimizer = make_model(config), make_optimizer(config)
-    schedule = learning_rate_schedule(config)
-
+def make_gradient_sums(config: ml_collections.ConfigDict):
+    """(params, batch [microbatches, rows, seq_len + 1]) -> (token-loss sum, gradient sums, the
+    router's sums or None): the scan over microbatches, not yet divided by the token count (the
+    elastic mode adds these sums across slices before dividing)."""
+    model = make_model(config)
     moe = model.cfg.moe
     num_moe_layers = moe.num_moe_layers(model.cfg.num_layers)
     seq_len = config.data.seq_len
@@ -62,7 +62,7 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStep
         terms = moe_lib.loss_terms(router, moe, seq_len)
         return lm_loss + terms, (lm_loss, router)
 
-    def loss_and_grads(params, batch_MBL: jax.Array):
+    def gradient_sums(params, batch_MBL: jax.Array):
         def microbatch(carry, tokens_BL):
             (loss_sum, router), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens_BL)
             total_loss, total_grads, total_router = carry
@@ -76,24 +76,18 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStep
         router_zeros = router_zeros if num_moe_layers else None
         zeros = (zero, jax.tree.map(jnp.zeros_like, params), router_zeros)
         (loss_sum, grad_sum, router), _ = jax.lax.scan(microbatch, zeros, batch_MBL)
-        num_tokens = batch_MBL.shape[0] * batch_MBL.shape[1] * (batch_MBL.shape[2] - 1)
-        router_metrics = {}
-        if num_moe_layers:  # the loss without the router's terms, and the router's health
-            router_metrics = {
-                "lm_loss": router[0] / num_tokens,
-                **moe_lib.router_metrics(router[1], moe, num_tokens, seq_len, num_moe_layers),
-            }
-        grads = jax.tree.map(lambda g: g / num_tokens, grad_sum)
-        return loss_sum / num_tokens, grads, router_metrics
+        return loss_sum, grad_sum, router
 
-    def step(state: TrainState, batch: jax.Array, fault_scale: jax.Array):
-        # The mesh and the rules make the model's activation constraints (`batch` rows over the
-        # data axes) real sharding constraints; without them Flax drops them.
-        with (
-            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
-            nn.logical_axis_rules(mesh_lib.LOGICAL_AXIS_RULES),
-        ):
-            loss, grads, router_metrics = loss_and_grads(state.params, batch)
+    return gradient_sums
+
+
+def make_update(config: ml_collections.ConfigDict):
+    """(state, mean loss, mean gradients, fault_scale) -> (state, metrics): the in-band health
+    verdict, the optimizer update, and the state left as it was on a bad step."""
+    optimizer = make_optimizer(config)
+    schedule = learning_rate_schedule(config)
+
+    def update(state: TrainState, loss: jax.Array, grads, fault_scale: jax.Array):
         loss = loss * fault_scale
         grads = jax.tree.map(lambda g: g * fault_scale, grads)
         grad_norm = optax.tree.norm(grads)
@@ -113,9 +107,42 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStep
             "grad_norm": grad_norm,
             "learning_rate": schedule(state.step) * flags["lr_scale"],
             **flags,
-            **router_metrics,
         }
         return new_state, metrics
+
+    return update
+
+
+def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStepFn:
+    """The step, jitted with the state donated and every input and output sharding fixed."""
+    model = make_model(config)
+    moe = model.cfg.moe
+    num_moe_layers = moe.num_moe_layers(model.cfg.num_layers)
+    seq_len = config.data.seq_len
+    gradient_sums, update = make_gradient_sums(config), make_update(config)
+
+    def loss_and_grads(params, batch_MBL: jax.Array):
+        loss_sum, grad_sum, router = gradient_sums(params, batch_MBL)
+        num_tokens = batch_MBL.shape[0] * batch_MBL.shape[1] * (batch_MBL.shape[2] - 1)
+        router_metrics = {}
+        if num_moe_layers:  # the loss without the router's terms, and the router's health
+            router_metrics = {
+                "lm_loss": router[0] / num_tokens,
+                **moe_lib.router_metrics(router[1], moe, num_tokens, seq_len, num_moe_layers),
+            }
+        grads = jax.tree.map(lambda g: g / num_tokens, grad_sum)
+        return loss_sum / num_tokens, grads, router_metrics
+
+    def step(state: TrainState, batch: jax.Array, fault_scale: jax.Array):
+        # The mesh and the rules make the model's activation constraints (`batch` rows over the
+        # data axes) real sharding constraints; without them Flax drops them.
+        with (
+            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+            nn.logical_axis_rules(mesh_lib.LOGICAL_AXIS_RULES),
+        ):
+            loss, grads, router_metrics = loss_and_grads(state.params, batch)
+        new_state, metrics = update(state, loss, grads, fault_scale)
+        return new_state, {**metrics, **router_metrics}
 
     shardings = state_shardings(config, mesh)
     replicated = mesh_lib.replicated(mesh)

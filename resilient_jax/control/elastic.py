@@ -1,0 +1,180 @@
+"""The supervisor of elastic mode: one process per slice, each its own JAX runtime, joined by the
+quorum server; a lost slice is replaced while the others keep training.
+
+Unlike `supervisor.Supervisor`, which stops every worker at a failure and restarts the job on what
+is left, this one never stops a survivor: the survivors re-form their exchange without the lost
+slice within a step (the quorum server sees its connection close) and take over its part of the
+global batch, and the replacement, started after `restart_delay_s`, heals from a live slice at a
+step boundary and takes its part back. Each slice writes into `<workdir>/slices/<id>/` (events,
+metrics, its own checkpoints, and its output in `output.log`: no pipe through this process, so a
+slice outlives it). The job is done when every slice has exited 0; it fails when every
+slice has failed more than `max_restarts` times in all. The quorum server lives in this process;
+the workers keep their last quorum while it is away (`elastic.trainer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import IO
+
+import ml_collections
+
+from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.control import processes
+from resilient_jax.control.quorum import QuorumServer
+from resilient_jax.control.worker_env import shared_env
+from resilient_jax.events import EventLog
+
+# argv of slice `slice_id`'s worker, whose workdir is the given one
+ArgvFor = Callable[[int, str], Sequence[str]]
+
+
+def slice_workdir(workdir: str, slice_id: int) -> str:
+    return os.path.join(workdir, "slices", str(slice_id))
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticResult:
+    exit_code: int
+    reason: str
+    replacements: int
+
+
+class ElasticSupervisor:
+    def __init__(
+        self,
+        config: ml_collections.ConfigDict,
+        argv_for: ArgvFor,
+        workdir: str,
+        devices_per_process: int,
+        out: IO[str] | None = None,
+        restart_delay_s: float = 1.0,
+        max_restarts: int | None = None,
+        token: str | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        self._cwd = cwd
+        self._config = config
+        self._slices = int(config.elastic.slices)
+        self._argv_for = argv_for
+        self._workdir = workdir
+        self._restart_delay_s = restart_delay_s
+        limit = config.coordinator.max_restarts if max_restarts is None else max_restarts
+        self._max_restarts = int(limit)
+        self._token = token or secrets.token_hex(16)
+        self._out = out if out is not None else sys.stdout
+        os.makedirs(workdir, exist_ok=True)
+        self._events = EventLog(workdir, process="supervisor", source="supervisor")
+        self.quorum = QuorumServer(
+            self._token,
+            join_timeout_s=float(config.elastic.join_timeout_s),
+            expected=self._slices,
+            # the first quorum waits for every slice to have started (or this long)
+            settle_s=float(config.coordinator.startup_timeout_s),
+        )
+        env = shared_env(os.environ, "", os.getpid(), self._token, devices_per_process, {})
+        env.pop(env_vars.SUPERVISOR_ADDRESS, None)  # no heartbeats: the quorum server sees them
+        env.pop(env_vars.SUPERVISOR_PID, None)  # a slice outlives this process
+        env[env_vars.QUORUM_ADDRESS] = self.quorum.address
+        self._env = env
+        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self._restart_at: dict[int, float] = {}
+        self._done: set[int] = set()
+        self._replacements = 0
+        self._stop_signal: int | None = None
+
+    def request_stop(self, signum: int) -> None:
+        self._stop_signal = signum
+
+    def start_slice(self, slice_id: int) -> None:
+        workdir = slice_workdir(self._workdir, slice_id)
+        os.makedirs(workdir, exist_ok=True)
+        env = {**self._env, env_vars.ELASTIC_SLICE: str(slice_id)}
+        with open(os.path.join(workdir, "output.log"), "ab") as log:
+            worker = subprocess.Popen(
+                list(self._argv_for(slice_id, workdir)),
+                env=env,
+                cwd=self._cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # ended by PID with its children
+            )
+        self.workers[slice_id] = worker
+        self._events.emit(EventType.ELASTIC_SLICE_START, slice=slice_id, pid=worker.pid)
+        self._say(f"slice {slice_id} started (pid {worker.pid}, output in {workdir}/output.log)")
+
+    def run(self, time_limit_s: float | None = None, poll_s: float = 0.05) -> ElasticResult:
+        deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+        try:
+            for slice_id in range(self._slices):
+                self.start_slice(slice_id)
+            return self._watch(deadline, poll_s)
+        finally:
+            self._stop_all()
+            self.quorum.close()
+
+    def _watch(self, deadline: float | None, poll_s: float) -> ElasticResult:
+        failures = 0
+        while True:
+            now = time.monotonic()
+            for slice_id, worker in list(self.workers.items()):
+                code = worker.poll()
+                if code is None:
+                    continue
+                del self.workers[slice_id]
+                if code == 0:
+                    self._done.add(slice_id)
+                    continue
+                failures += 1
+                self._events.emit(
+                    EventType.ELASTIC_SLICE_EXIT, slice=slice_id, exit_code=code, failures=failures
+                )
+                self._say(f"slice {slice_id} exited: {processes.describe_exit(code)}")
+                if code == ExitCode.BAD_INPUT:  # a replacement would be refused alike
+                    reason = f"slice {slice_id}: {processes.describe_exit(code)}"
+                    return ElasticResult(ExitCode.BAD_INPUT, reason, self._replacements)
+                if failures > self._max_restarts:
+                    return ElasticResult(1, f"{failures} slice failures", self._replacements)
+                if not self._done:  # the job is not finished: a replacement heals and joins
+                    self._restart_at[slice_id] = now + self._restart_delay_s
+            for slice_id, when in list(self._restart_at.items()):
+                if now >= when:
+                    del self._restart_at[slice_id]
+                    self._replacements += 1
+                    self.start_slice(slice_id)
+            if not self.workers and not self._restart_at:
+                if self._done:
+                    return ElasticResult(0, "finished", self._replacements)
+                return ElasticResult(1, "every slice failed", self._replacements)
+            if self._stop_signal is not None:
+                for worker in self.workers.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(worker.pid, self._stop_signal)
+                self._stop_signal = None
+            if deadline is not None and now > deadline:
+                return ElasticResult(1, "time limit", self._replacements)
+            time.sleep(poll_s)
+
+    def _stop_all(self) -> None:
+        workers = list(self.workers.values())
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+        for worker in workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.wait(timeout=5.0)
+
+    def _say(self, text: str) -> None:
+        self._out.write(f"[elastic] {text}\n")
+        self._out.flush()

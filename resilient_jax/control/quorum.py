@@ -1,0 +1,216 @@
+"""The quorum server of elastic mode: which slices exchange gradients at the next step.
+
+Each slice's worker keeps one TCP connection open to it and, before every step, asks for the
+quorum of that step (its slice id, its state's step, the address of the rendezvous store it
+hosts). A quorum is decided, and sent to everyone who asked, when every connected slice has asked:
+the members are in lockstep (their exchange is a barrier), so this is one round trip per step. A
+slice whose connection closes (its process died) is out at once, which is what lets the survivors
+of a killed slice re-form within milliseconds. A connected slice that does not ask is left out
+only when a member asks to re-form (its exchange failed, so the silent one is dead or hung) and
+`join_timeout_s` has passed: a slow slice is waited for, never split off.
+
+A quorum keeps its id while its members, their steps and their groups stay the same, so a steady
+job forms its exchange group once; any change (a slice lost or joining, a member behind the others,
+a member whose group broke) gets a new id, unique across restarts of this server. A freshly started
+server waits up to `settle_s` for `expected` slices to connect before deciding the first quorum,
+so a restarted server does not split the job in two. The message format is JSON lines with the
+run token (`protocol.encode`); no JAX and no torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import os
+import selectors
+import socket
+import threading
+import time
+from typing import Any
+
+from resilient_jax.control import protocol
+
+MSG_QUORUM = "quorum"
+
+
+@dataclasses.dataclass
+class _Request:
+    conn: socket.socket
+    step: int
+    store: str
+    reform: bool
+
+
+class QuorumServer:
+    """Decides quorums in a background thread; `address` is where workers connect."""
+
+    def __init__(
+        self,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        join_timeout_s: float = 1.0,
+        expected: int = 0,
+        settle_s: float = 5.0,
+    ) -> None:
+        self._token = token
+        self._join_timeout_s = join_timeout_s
+        self._expected = expected
+        self._settle_until = time.monotonic() + settle_s
+        self._listener = socket.create_server((host, port))
+        self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._listener, selectors.EVENT_READ)
+        self._buffers: dict[socket.socket, bytes] = {}
+        self._slice_of: dict[socket.socket, int] = {}
+        self._pending: dict[int, _Request] = {}
+        self._first_pending_at = 0.0
+        # Unique across restarts: quorum ids name rendezvous keys in the members' stores.
+        self._nonce = f"{os.getpid():x}-{time.time_ns():x}"
+        self._count = 0
+        self._last: tuple[str, tuple[tuple[int, int], ...]] | None = None
+        self._lock = threading.Lock()
+        self.decided: list[dict[str, Any]] = []  # every quorum sent: time, id, slices, steps
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="rj-quorum", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        host, port = self._listener.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def connected_slices(self) -> list[int]:
+        with self._lock:
+            return sorted(set(self._slice_of.values()))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        for conn in list(self._buffers):
+            conn.close()
+        self._listener.close()
+        self._selector.close()
+
+    # The server thread.
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(timeout=0.01):
+                if key.fileobj is self._listener:
+                    self._accept()
+                else:
+                    self._read(key.fileobj)  # type: ignore[arg-type]
+            self._maybe_decide()
+
+    def _accept(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        conn.setblocking(False)
+        self._buffers[conn] = b""
+        self._selector.register(conn, selectors.EVENT_READ)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self._selector.unregister(conn)
+        self._buffers.pop(conn, None)
+        with self._lock:
+            slice_id = self._slice_of.pop(conn, None)
+        request = self._pending.get(slice_id) if slice_id is not None else None
+        if request is not None and request.conn is conn:
+            del self._pending[slice_id]
+        conn.close()
+
+    def _read(self, conn: socket.socket) -> None:
+        try:
+            data = conn.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        buffer = self._buffers[conn] + data
+        *lines, rest = buffer.split(b"\n")
+        self._buffers[conn] = rest
+        for line in lines:
+            if not self._handle(conn, line):
+                self._drop(conn)
+                return
+
+    def _handle(self, conn: socket.socket, line: bytes) -> bool:
+        try:
+            message = json.loads(line)
+            if not hmac.compare_digest(str(message.get("token", "")), self._token):
+                return False
+            if message.get("type") != MSG_QUORUM:
+                return False
+            slice_id, step = int(message["slice"]), int(message["step"])
+            request = _Request(conn, step, str(message["store"]), bool(message.get("reform")))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return False
+        with self._lock:
+            self._slice_of[conn] = slice_id
+        if not self._pending:
+            self._first_pending_at = time.monotonic()
+        self._pending[slice_id] = request
+        return True
+
+    def _maybe_decide(self) -> None:
+        if not self._pending:
+            return
+        now = time.monotonic()
+        with self._lock:
+            connected = set(self._slice_of.values())
+        first = self._last is None
+        if first and now < self._settle_until and len(connected) < self._expected:
+            return  # a fresh server: wait for the job's slices to (re)connect
+        if connected <= set(self._pending):
+            self._decide()
+            return
+        reform = any(r.reform for r in self._pending.values())
+        if reform and now - self._first_pending_at >= self._join_timeout_s:
+            self._decide()
+
+    def _decide(self) -> None:
+        members = sorted(self._pending.items())
+        shape = tuple((slice_id, r.step) for slice_id, r in members)
+        steps = {r.step for _, r in members}
+        same = (
+            self._last is not None
+            and tuple(s for s, _ in self._last[1]) == tuple(s for s, _ in shape)
+            and len(steps) == 1
+            and not any(r.reform for _, r in members)
+        )
+        if same:
+            assert self._last is not None
+            quorum_id = self._last[0]
+        else:
+            self._count += 1
+            quorum_id = f"{self._nonce}-{self._count}"
+        self._last = (quorum_id, shape)
+        quorum = {
+            "quorum_id": quorum_id,
+            "members": [
+                {"slice": slice_id, "step": r.step, "store": r.store} for slice_id, r in members
+            ],
+        }
+        reply = protocol.encode({"type": MSG_QUORUM, "quorum": quorum})
+        if not same:
+            self.decided.append(
+                {"time": time.time(), "quorum_id": quorum_id, "slices": [s for s, _ in shape]}
+            )
+        requests = [r for _, r in members]
+        self._pending.clear()
+        for request in requests:
+            try:
+                request.conn.setblocking(True)
+                request.conn.settimeout(1.0)
+                request.conn.sendall(reply)
+                request.conn.setblocking(False)
+            except OSError:
+                if request.conn in self._buffers:
+                    self._drop(request.conn)

@@ -1,0 +1,67 @@
+"""Starting a slice in elastic mode: the exchange, the quorum client, the elastic step, the join.
+
+`start` is what `run.py` calls instead of compiling the single-runtime step and opening the batch
+loader; it returns the loop's step function and loader with the state the slice trains from (its
+own, or the newest one a live slice sent it). `ElasticSession` closes the exchange and the
+connection to the quorum server at the end of the run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from resilient_jax.config import BadInput
+from resilient_jax.contracts import env_vars
+from resilient_jax.data.position import DataPosition
+from resilient_jax.elastic.data import StepIndex
+from resilient_jax.elastic.exchange import make_exchange
+from resilient_jax.elastic.quorum_client import QuorumClient
+from resilient_jax.elastic.trainer import ElasticStep
+from resilient_jax.train.context import RunContext
+from resilient_jax.train.hooks import Hook
+from resilient_jax.train.state import TrainState
+
+
+class ElasticSession(Hook):
+    def __init__(self, exchange: Any, client: QuorumClient) -> None:
+        self._exchange, self._client = exchange, client
+
+    def close(self) -> None:
+        self._client.close()
+        self._exchange.close()
+
+
+def start(
+    ctx: RunContext,
+    source: Any,
+    state: TrainState,
+    position: DataPosition,
+    environ: Mapping[str, str] = os.environ,
+) -> tuple[ElasticStep, StepIndex, TrainState, ElasticSession]:
+    """The step function, the loader and the state to train from; joins the quorum first."""
+    address = environ.get(env_vars.QUORUM_ADDRESS)
+    slice_text = environ.get(env_vars.ELASTIC_SLICE)
+    if not address or slice_text is None or not slice_text.isdigit():
+        raise BadInput(
+            f"elastic.enabled: {env_vars.QUORUM_ADDRESS} and {env_vars.ELASTIC_SLICE} must be set "
+            "(start the job with launch/local_cluster.py)"
+        )
+    if jax.process_count() > 1:
+        raise BadInput("elastic.enabled: a slice is one process (its own JAX runtime) for now")
+    e = ctx.config.elastic
+    slice_id = int(slice_text)
+    exchange = make_exchange(e.backend, e.host or socket.gethostname(), float(e.timeout_s))
+    client = QuorumClient(address, environ.get(env_vars.RUN_TOKEN, ""), slice_id)
+    session = ElasticSession(exchange, client)
+    try:
+        step = ElasticStep(ctx, source, exchange, exchange.store_address, client, slice_id)
+        state, position = step.join(state, position)
+    except BaseException:
+        session.close()
+        raise
+    return step, StepIndex(position), state, session

@@ -1,0 +1,109 @@
+"""The two compiled halves of an elastic step, and the train state as one host buffer.
+
+`gradient_sums` runs on one part of the global batch (the rows of one of `elastic.slices` parts,
+scanned in microbatches) and returns its token-loss sum and gradient sums as one flat float32
+vector `[num_params + 1]` on the host's side of the exchange. `apply` takes the sum of every part's
+vector and makes the update the single-runtime step makes (`train.step.make_update`: in-band
+health, optimizer, a bad step leaves the state as it was). Both are compiled once per slice shape:
+a lost or returning slice changes how many parts a slice computes, never a shape.
+
+`state_bytes` / `state_from_bytes` turn the state into one uint8 buffer and back, for a joining
+slice to heal from a live one (device to host, the exchange's broadcast, host to device).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from resilient_jax import mesh as mesh_lib
+from resilient_jax.train.context import RunContext
+from resilient_jax.train.state import TrainState
+from resilient_jax.train.step import Metrics, make_gradient_sums, make_update
+
+
+def part_rows(ctx: RunContext) -> int:
+    """Rows of one part of the global batch."""
+    return ctx.config.global_batch_size // ctx.config.elastic.slices
+
+
+def part_shape(ctx: RunContext) -> tuple[int, int, int]:
+    """[microbatches, rows per microbatch, seq_len + 1] of one part, as this slice computes it."""
+    microbatches = ctx.plan.microbatches
+    return (microbatches, part_rows(ctx) // microbatches, ctx.config.data.seq_len + 1)
+
+
+def compile_gradient_sums(ctx: RunContext):
+    """(params, part batch) -> flat [num_params + 1] float32: gradient sums, then the loss sum."""
+    gradient_sums = make_gradient_sums(ctx.config)
+    mesh = ctx.mesh
+
+    def fn(params, batch):
+        with (
+            jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+            nn.logical_axis_rules(mesh_lib.LOGICAL_AXIS_RULES),
+        ):
+            loss_sum, grad_sum, _ = gradient_sums(params, batch)
+        flat, _ = ravel_pytree(grad_sum)
+        return jnp.concatenate([flat.astype(jnp.float32), loss_sum[None].astype(jnp.float32)])
+
+    batch = jax.ShapeDtypeStruct(part_shape(ctx), jnp.int32, sharding=mesh_lib.batch_sharding(mesh))
+    params = ctx.abstract_state.params
+    shardings = jax.tree.map(lambda a: a.sharding, params)
+    jitted = jax.jit(
+        fn,
+        in_shardings=(shardings, mesh_lib.batch_sharding(mesh)),
+        out_shardings=mesh_lib.replicated(mesh),
+    )
+    return jitted.lower(params, batch).compile()
+
+
+def compile_apply(ctx: RunContext):
+    """(state, summed [num_params + 1]) -> (state, metrics): the update from every part's sums."""
+    update = make_update(ctx.config)
+    config = ctx.config
+    num_tokens = config.global_batch_size * config.data.seq_len
+
+    def fn(state: TrainState, summed: jax.Array) -> tuple[TrainState, Metrics]:
+        _, unravel = ravel_pytree(state.params)
+        grads = unravel(summed[:-1] / num_tokens)
+        return update(state, summed[-1] / num_tokens, grads, jnp.float32(1.0))
+
+    shardings = jax.tree.map(lambda a: a.sharding, ctx.abstract_state)
+    replicated = mesh_lib.replicated(ctx.mesh)
+    num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(ctx.abstract_state.params))
+    summed = jax.ShapeDtypeStruct((num_params + 1,), jnp.float32, sharding=replicated)
+    jitted = jax.jit(
+        fn,
+        in_shardings=(shardings, replicated),
+        out_shardings=(shardings, replicated),
+        donate_argnums=0,
+    )
+    return jitted.lower(ctx.abstract_state, summed).compile(), num_params + 1
+
+
+def state_bytes(state: TrainState) -> np.ndarray:
+    """Every leaf of the state, in tree order, as one uint8 buffer (pulls the state to the host)."""
+    leaves = jax.device_get(jax.tree.leaves(state))
+    return np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in leaves])
+
+
+def state_nbytes(ctx: RunContext) -> int:
+    leaves = jax.tree.leaves(ctx.abstract_state)
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in leaves)
+
+
+def state_from_bytes(ctx: RunContext, buffer: np.ndarray) -> TrainState:
+    """The state `state_bytes` made, on this slice's mesh with the run's shardings."""
+    abstract = ctx.abstract_state
+    leaves, tree = jax.tree.flatten(abstract)
+    arrays, offset = [], 0
+    for a in leaves:
+        size = int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+        host = buffer[offset : offset + size].view(a.dtype).reshape(a.shape)
+        arrays.append(jax.device_put(host, a.sharding))
+        offset += size
+    return jax.tree.unflatten(tree, arrays)

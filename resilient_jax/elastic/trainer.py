@@ -1,0 +1,238 @@
+"""The elastic step: one optimizer step of a slice that trains with whichever slices are alive.
+
+Per step: ask the quorum server for the step's quorum (one round trip; a steady quorum keeps its
+id and its exchange group); re-form the group if the quorum changed, and heal a member that is
+behind by broadcasting the newest state from a member that has it; compute the gradient sums of
+the global batch's parts this slice owns (its own, and its share of the lost slices': more
+microbatches, same executable); sum every part's vector across the quorum (each part is a row of
+the exchanged buffer that exactly one member fills, so the sum is exact and the same bits whoever
+computed which part); add the parts up in part order on the host, and apply the update. Every
+member thus applies the same bits, whatever the membership: replicas stay bitwise equal, and a run
+that lost a slice computes the same function as one that did not.
+
+A failed exchange (a peer died or hung) leaves the state untouched: the step asks for a new quorum
+and is redone. Without a quorum server (the supervisor is down or restarting) a slice keeps the
+last quorum and trains on; only a failed exchange with no server to re-form through ends the run
+(after `elastic.quorum_timeout_s`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.data.position import DataPosition
+from resilient_jax.elastic import step as elastic_step
+from resilient_jax.elastic.data import PartRows, owned_parts
+from resilient_jax.elastic.exchange import Exchange, ExchangeError, Quorum
+from resilient_jax.elastic.quorum_client import QuorumClient
+from resilient_jax.train.context import RunContext
+from resilient_jax.train.state import TrainState
+from resilient_jax.train.step import Metrics
+
+
+class NoQuorum(RuntimeError):
+    """The exchange failed and no quorum server answered within `elastic.quorum_timeout_s`."""
+
+
+class ElasticStep:
+    """The loop's step function in elastic mode: `(state, batch index) -> (state, metrics)`."""
+
+    def __init__(
+        self,
+        ctx: RunContext,
+        source: Any,
+        exchange: Exchange,
+        store_address: str,
+        client: QuorumClient,
+        slice_id: int,
+    ) -> None:
+        self._ctx, self._exchange, self._client = ctx, exchange, client
+        self._store = store_address
+        self._slice = slice_id
+        self._e = ctx.config.elastic
+        self._parts = int(self._e.slices)
+        start = time.perf_counter()
+        self._gradient_sums = elastic_step.compile_gradient_sums(ctx)
+        self._apply, self._width = elastic_step.compile_apply(ctx)
+        ctx.events.emit(
+            EventType.COMPILE, duration_s=time.perf_counter() - start, program="elastic"
+        )
+        self._rows = PartRows(ctx, source, elastic_step.part_shape(ctx))
+        self._step = 0  # steps the state has applied
+        self._quorum: Quorum | None = None  # the group formed, if any
+        self._broken = True  # no usable group: the next quorum must form one
+        self._decided: tuple[int, Quorum] | None = None  # the quorum already got for a step
+        self._last_metrics: Metrics = {}
+
+    # Before the loop: the first quorum (a joining slice heals here).
+
+    def join(self, state: TrainState, position: DataPosition) -> tuple[TrainState, DataPosition]:
+        """Asks for the quorum of this state's step and adopts it: a slice behind the others
+        (a returning or replacement one) receives the newest state and data position."""
+        self._step = int(jax.device_get(state.step))
+        while True:
+            quorum = self._quorum_of(self._step)
+            try:
+                state, next_batch = self._adopt(quorum, state, position.next_batch)
+                break
+            except ExchangeError as e:
+                self._failed(e)
+        if next_batch != position.next_batch:
+            position = DataPosition(next_batch=next_batch, skips=position.skips)
+        return state, position
+
+    # The loop's step.
+
+    def __call__(self, state: TrainState, batch_index: int) -> tuple[TrainState, Metrics]:
+        # From the state, not a counter: a rollback (every member rolls back alike) resets it.
+        self._step = int(jax.device_get(state.step))
+        while True:
+            quorum = self._quorum_of(self._step)
+            try:
+                step_before = self._step
+                state, _ = self._adopt(quorum, state, batch_index)
+                if self._step != step_before:
+                    # Behind by the step in flight (its exchange completed for the others and
+                    # failed here): healed to it, which is what this call had to do.
+                    if self._step != step_before + 1:
+                        raise RuntimeError(
+                            f"healed from step {step_before} to {self._step} inside the loop"
+                        )
+                    return state, {**self._last_metrics, "healed": jax.numpy.float32(1.0)}
+                start = time.perf_counter()
+                owned = owned_parts(quorum.slices, self._slice, self._parts)
+                buffer = self._contributions(state, batch_index, owned)
+                summed = self._exchange.allreduce_sum(buffer)
+                exchange_s = time.perf_counter() - start
+            except ExchangeError as e:
+                self._failed(e)
+                continue
+            break
+        total = summed[0].copy()
+        for part in range(1, self._parts):  # in part order: the same bits on every member
+            total += summed[part]
+        state, metrics = self._apply(state, total)
+        self._step += 1
+        self._decided = None
+        self._last_metrics = metrics
+        self._report(state, quorum, owned, exchange_s)
+        return state, metrics
+
+    # Quorums.
+
+    def _quorum_of(self, step: int) -> Quorum:
+        if self._decided is not None and self._decided[0] == step:
+            return self._decided[1]
+        deadline = time.monotonic() + float(self._e.quorum_timeout_s)
+        # A group that broke asks the server to re-form without whoever stays silent; a slice
+        # that never had one (starting, joining) only waits to be let in.
+        reform = self._broken and self._quorum is not None
+        while True:
+            # The server answers once every connected slice has asked: about a step at most.
+            quorum = self._client.request(step, self._store, reform, float(self._e.timeout_s))
+            if quorum is not None:
+                self._decided = (step, quorum)
+                return quorum
+            if not self._broken and self._quorum is not None:
+                return self._quorum  # no answer: train on with the last quorum
+            if time.monotonic() > deadline:
+                raise NoQuorum(
+                    f"elastic: no quorum for step {step} within elastic.quorum_timeout_s="
+                    f"{self._e.quorum_timeout_s} (quorum server unreachable or peers silent)"
+                )
+            time.sleep(0.05)
+
+    def _adopt(self, quorum: Quorum, state: TrainState, next_batch: int) -> tuple[TrainState, int]:
+        """Forms the quorum's group if it is new, and heals whoever is behind. Returns the state
+        (replaced when this slice was behind) and the next batch index."""
+        same = self._quorum is not None and quorum.quorum_id == self._quorum.quorum_id
+        if same and not self._broken:
+            return state, next_batch
+        start = time.perf_counter()
+        self._exchange.configure(quorum, self._slice)
+        self._quorum, self._broken = quorum, False
+        rank = quorum.rank_of(self._slice)
+        self._ctx.events.emit(
+            EventType.ELASTIC_QUORUM,
+            quorum_id=quorum.quorum_id,
+            slices=list(quorum.slices),
+            rank=rank,
+            from_step=self._step,
+            duration_s=time.perf_counter() - start,
+        )
+        if all(m.step == quorum.max_step for m in quorum.members):
+            return state, next_batch
+        return self._heal(quorum, rank, state, next_batch)
+
+    def _heal(
+        self, quorum: Quorum, rank: int, state: TrainState, next_batch: int
+    ) -> tuple[TrainState, int]:
+        start = time.perf_counter()
+        source = quorum.source_rank
+        size = elastic_step.state_nbytes(self._ctx) + 8
+        if rank == source:
+            buffer = np.concatenate(
+                [elastic_step.state_bytes(state), np.asarray([next_batch], np.int64).view(np.uint8)]
+            )
+        else:
+            buffer = np.zeros(size, np.uint8)
+        received = self._exchange.broadcast(buffer, source)
+        behind = quorum.members[rank].step < quorum.max_step
+        if behind:
+            state = elastic_step.state_from_bytes(self._ctx, received[:-8])
+            next_batch = int(received[-8:].view(np.int64)[0])
+            self._step = quorum.max_step
+            self._decided = (self._step, quorum)  # this quorum goes on for the step healed to
+        if behind or rank == source:
+            self._ctx.events.emit(
+                EventType.ELASTIC_HEAL,
+                step=quorum.max_step,
+                source_slice=quorum.members[source].slice,
+                bytes=size,
+                duration_s=time.perf_counter() - start,
+                role="received" if behind else "sent",
+            )
+        return state, next_batch
+
+    def _failed(self, error: ExchangeError) -> None:
+        self._broken = True
+        self._decided = None
+        self._ctx.events.emit(
+            EventType.ELASTIC_EXCHANGE_FAILED,
+            step=self._step,
+            quorum_id=self._quorum.quorum_id if self._quorum else None,
+            error=str(error),
+        )
+
+    # The step's work.
+
+    def _contributions(self, state: TrainState, batch_index: int, owned: list[int]) -> np.ndarray:
+        """[parts, width] float32: this slice's parts filled in, zeros elsewhere."""
+        vectors = [self._gradient_sums(state.params, self._rows(batch_index, p)) for p in owned]
+        buffer = np.zeros((self._parts, self._width), np.float32)
+        for part, vector in zip(owned, vectors, strict=True):
+            buffer[part] = np.asarray(vector)
+        return buffer
+
+    def _report(self, state: TrainState, quorum: Quorum, owned: list[int], exchange_s: float):
+        every = int(self._e.check_every_steps)
+        fields: dict[str, Any] = {}
+        if every and self._step % every == 0:
+            fields["digest"] = hashlib.sha256(
+                elastic_step.state_bytes(state.params).tobytes()
+            ).hexdigest()[:16]
+        self._ctx.events.emit(
+            EventType.ELASTIC_STEP,
+            step=self._step,
+            quorum_id=quorum.quorum_id,
+            slices=list(quorum.slices),
+            owned=owned,
+            exchange_s=round(exchange_s, 5),
+            **fields,
+        )
