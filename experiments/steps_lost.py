@@ -45,10 +45,8 @@ def _events(workdir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _since_last_start(workdir: str) -> list[dict]:
-    events = _events(workdir)
-    starts = [i for i, e in enumerate(events) if e["type"] == "process_start"]
-    return events[starts[-1] :] if starts else []
+def _starts(events: list[dict]) -> list[int]:
+    return [i for i, e in enumerate(events) if e["type"] == "process_start"]
 
 
 class Run:
@@ -63,8 +61,16 @@ class Run:
         self.step_s: list[float] = []
         self._proc: subprocess.Popen | None = None
         self._killed_at: int | None = None
+        self._earlier_starts = 0  # process_start events before the current start
+
+    def _current(self) -> list[dict]:
+        """The events of the current start (none until its process_start is logged)."""
+        events = _events(self.workdir)
+        starts = _starts(events)
+        return events[starts[-1] :] if len(starts) > self._earlier_starts else []
 
     def start(self) -> None:
+        self._earlier_starts = len(_starts(_events(self.workdir)))
         argv = [
             sys.executable,
             "launch/train.py",
@@ -91,7 +97,7 @@ class Run:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise SystemExit(f"run every{self.cadence} exited ({self._proc.returncode})")
-            events = _since_last_start(self.workdir)
+            events = self._current()
             steps = [e for e in events if e["type"] == "step"]
             if target is None and (steps or self._killed_at is None):
                 if self._killed_at is not None:
@@ -107,7 +113,7 @@ class Run:
         time.sleep(rng.uniform(0.0, statistics.median(durations) if durations else 0.5))
         self._proc.send_signal(signal.SIGKILL)
         self._proc.wait(timeout=30)
-        steps = [e for e in _since_last_start(self.workdir) if e["type"] == "step"]
+        steps = [e for e in self._current() if e["type"] == "step"]
         self._killed_at = steps[-1]["step"]
         self.step_s += [e["duration_s"] for e in steps[2:]]
 
@@ -127,7 +133,7 @@ class Run:
         deadline = time.monotonic() + _TIMEOUT_S
         try:
             while time.monotonic() < deadline:
-                events = _since_last_start(self.workdir)
+                events = self._current()
                 if any(e["type"] in ("restore", "step") for e in events):
                     self._count_restore(events)
                     return
