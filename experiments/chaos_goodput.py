@@ -61,6 +61,7 @@ from resilient_jax.contracts.faults import FaultKind  # noqa: E402
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
 from resilient_jax.goodput import accounting as goodput  # noqa: E402
+from resilient_jax.goodput.timeline import CATEGORY_COLOURS  # noqa: E402
 
 _MINUTES = flags.DEFINE_float("minutes", 10.0, "Wall-clock length of each run.")
 _SEED = flags.DEFINE_integer("seed", 1, "Seed of the failure trace.")
@@ -80,21 +81,6 @@ _OUT = flags.DEFINE_string(
 )
 
 CONFIG_FILE = "configs/tiny_cpu.py"
-# Productive green, then one distinct colour per badput category in goodput.BADPUT order.
-COLOURS = (
-    "#2ca02c",
-    "#7f7f7f",
-    "#ff7f0e",
-    "#bcbd22",
-    "#1f77b4",
-    "#9467bd",
-    "#d62728",
-    "#8c564b",
-    "#e377c2",
-    "#ff9896",
-    "#17becf",
-    "#f0f0f0",
-)
 CLUSTER = ClusterSpec(num_slices=2, processes_per_slice=2, devices_per_process=1)
 COMMON = {
     "total_steps": 1_000_000,  # the run is cut by the time limit
@@ -273,7 +259,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     from matplotlib.patches import Patch
 
     categories = [goodput.PRODUCTIVE, *goodput.BADPUT]
-    colours = dict(zip(categories, COLOURS, strict=True))
+    colours = CATEGORY_COLOURS
     names = list(results["variants"])
     fig, ax = plt.subplots(figsize=(12, 1.0 + 0.7 * len(names)))
     for row, name in enumerate(names):

@@ -18,7 +18,7 @@ from resilient_jax.goodput.accounting import (
     event_lane,
 )
 
-_CATEGORY_COLOURS = {
+CATEGORY_COLOURS = {
     PRODUCTIVE: "#2ca02c",
     "initialisation": "#7f7f7f",
     "compilation": "#ff7f0e",
@@ -84,7 +84,7 @@ def plot_timeline(events: Sequence[dict[str, Any]], result: Goodput, path: str) 
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.5 * len(rows)))
     for start, end, category in result.segments:
         ax.broken_barh(
-            [(start - t0, end - start)], (-0.4, 0.8), color=_CATEGORY_COLOURS[category], lw=0
+            [(start - t0, end - start)], (-0.4, 0.8), color=CATEGORY_COLOURS[category], lw=0
         )
     for row, lane in enumerate(lanes, start=1):
         mine = [e for e in events if event_lane(e) == lane]
@@ -98,7 +98,7 @@ def plot_timeline(events: Sequence[dict[str, Any]], result: Goodput, path: str) 
                 bars[_LANE_BARS[e["type"]]].append((start - t0, end - start))
             previous_end = float(e["time"])
         for category, spans in bars.items():
-            ax.broken_barh(spans, (row - 0.35, 0.7), color=_CATEGORY_COLOURS[category], lw=0)
+            ax.broken_barh(spans, (row - 0.35, 0.7), color=CATEGORY_COLOURS[category], lw=0)
         for typ, (marker, colour) in _LANE_MARKS.items():
             xs = [float(e["time"]) - t0 for e in mine if e["type"] == typ]
             if xs:
@@ -112,7 +112,7 @@ def plot_timeline(events: Sequence[dict[str, Any]], result: Goodput, path: str) 
     ax.set_xlabel("seconds since the run began")
     ax.set_title(f"goodput {100 * result.goodput:.1f}% of {result.wall_s:.1f} s")
     used = [c for c in (PRODUCTIVE, *BADPUT) if result.seconds[c] > 1e-3 * result.wall_s]
-    handles = [Patch(color=_CATEGORY_COLOURS[c], label=LABELS[c]) for c in used]
+    handles = [Patch(color=CATEGORY_COLOURS[c], label=LABELS[c]) for c in used]
     seen: dict[str, Any] = {}
     for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
         seen.setdefault(label, handle)
