@@ -52,7 +52,7 @@ def _argv(workdir: str) -> list[str]:
     ]
 
 
-def _supervise(workdir: str, during=None, time_limit_s: float = 400):
+def _supervise(workdir: str, during=None, time_limit_s: float = 400, restart_delay_s: float = 1.0):
     """Runs the elastic supervisor (in a thread) until done; `during(supervisor)` is called
     every 50 ms meanwhile and returns True once it has done its part."""
     import runpy
@@ -67,6 +67,7 @@ def _supervise(workdir: str, during=None, time_limit_s: float = 400):
         workdir,
         devices_per_process=2,
         out=io.StringIO(),
+        restart_delay_s=restart_delay_s,
         cwd=REPO,
     )
     result = {}
@@ -109,7 +110,9 @@ def test_a_killed_slice_is_taken_over_with_the_same_parameters(undisturbed, tmp_
         os.kill(killed["pid"], signal.SIGKILL)
         return True
 
-    result = _supervise(workdir, during=kill_slice_1)
+    # No delay: the replacement starts before the survivor can finish (a replacement still
+    # waiting when a slice has finished the run is never started).
+    result = _supervise(workdir, during=kill_slice_1, restart_delay_s=0.0)
     assert result.exit_code == 0, result.reason
     assert killed and result.replacements == 1
     survivor = _events(workdir, 0, "elastic_step")

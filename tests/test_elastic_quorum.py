@@ -118,3 +118,28 @@ def test_owned_parts_cover_the_global_batch_once(members, parts, expected):
     owned = {m: owned_parts(members, m, parts) for m in members}
     assert owned == expected
     assert sorted(p for ps in owned.values() for p in ps) == list(range(parts))
+
+
+def test_a_replacement_still_waiting_when_a_slice_finishes_the_run_is_never_started(tmp_path):
+    """Slice 1 fails; before its replacement's delay is over, slice 0 finishes the run: the job
+    is done, and no replacement trains the whole run again alone."""
+    import io
+    import sys
+
+    from resilient_jax.config import default_config
+    from resilient_jax.control.elastic import ElasticSupervisor
+
+    config = default_config()
+    config.elastic.slices = 2
+    config.coordinator.startup_timeout_s = 1.0
+    outcomes = {0: "import time; time.sleep(0.5)", 1: "raise SystemExit(1)"}
+    supervisor = ElasticSupervisor(
+        config,
+        lambda slice_id, _: [sys.executable, "-c", outcomes[slice_id]],
+        str(tmp_path),
+        devices_per_process=1,
+        out=io.StringIO(),
+        restart_delay_s=3.0,
+    )
+    result = supervisor.run(time_limit_s=30)
+    assert (result.exit_code, result.replacements) == (0, 0), result

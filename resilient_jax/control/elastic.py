@@ -135,6 +135,9 @@ class ElasticSupervisor:
                 del self.workers[slice_id]
                 if code == 0:
                     self._done.add(slice_id)
+                    # The run's last step is trained: a replacement still waiting to start would
+                    # find no live slice to heal from and train the whole run again alone.
+                    self._restart_at.clear()
                     continue
                 failures += 1
                 self._events.emit(
