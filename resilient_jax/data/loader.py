@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from resilient_jax.data.mixture import example_stream
-from resilient_jax.data.position import DataPosition
+from resilient_jax.data.position import DataPosition, skip_forward
 from resilient_jax.mesh import batch_sharding
 from resilient_jax.topology import MeshPlan
 
@@ -80,7 +80,7 @@ class BatchLoader:
         """
         self.close()
         self._skips = tuple(sorted(position.skips))
-        self._next = self._skip_forward(position.next_batch)
+        self._next = skip_forward(position.next_batch, self._skips)
         batches = grain.MapDataset.range(self._next, _HORIZON).map(self.rows_of_batch)
         self._iter = iter(batches.to_iter_dataset(self._read))
 
@@ -89,12 +89,6 @@ class BatchLoader:
         if self._iter is not None:
             self._iter.close()
             self._iter = None
-
-    def _skip_forward(self, batch_index: int) -> int:
-        for first, end in self._skips:
-            if first <= batch_index < end:
-                batch_index = end
-        return batch_index
 
     @property
     def position(self) -> DataPosition:
@@ -115,6 +109,6 @@ class BatchLoader:
 
         batch_index = self._next
         self._next += 1
-        if self._skip_forward(self._next) != self._next:
+        if skip_forward(self._next, self._skips) != self._next:
             self.seek(self.position)
         return batch_index, jax.make_array_from_callback(self._shape, self._sharding, shard)

@@ -29,3 +29,11 @@ class DataPosition:
             return cls()
         skips = tuple(sorted((int(a), int(b)) for a, b in value.get("skips", [])))
         return cls(next_batch=int(value["next_batch"]), skips=skips)
+
+
+def skip_forward(batch_index: int, skips: tuple[tuple[int, int], ...]) -> int:
+    """The first batch index at or after `batch_index` that no skip window covers."""
+    for first, end in skips:
+        if first <= batch_index < end:
+            batch_index = end
+    return batch_index

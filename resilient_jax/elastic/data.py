@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from resilient_jax.data.mixture import example_stream
-from resilient_jax.data.position import DataPosition
+from resilient_jax.data.position import DataPosition, skip_forward
 from resilient_jax.mesh import batch_sharding
 from resilient_jax.train.context import RunContext
 
@@ -57,13 +57,7 @@ class StepIndex:
 
     def seek(self, position: DataPosition) -> None:
         self._skips = tuple(sorted(position.skips))
-        self._next = self._skip_forward(position.next_batch)
-
-    def _skip_forward(self, batch_index: int) -> int:
-        for first, end in self._skips:
-            if first <= batch_index < end:
-                batch_index = end
-        return batch_index
+        self._next = skip_forward(position.next_batch, self._skips)
 
     @property
     def position(self) -> DataPosition:
@@ -71,7 +65,7 @@ class StepIndex:
 
     def next(self) -> tuple[int, int]:
         batch_index = self._next
-        self._next = self._skip_forward(self._next + 1)
+        self._next = skip_forward(self._next + 1, self._skips)
         return batch_index, batch_index
 
     def close(self) -> None:
