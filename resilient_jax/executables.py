@@ -164,9 +164,23 @@ def _digest(parts: list[str]) -> str:
     return f"{digest}-p{jax.process_index()}"
 
 
+def _prepare_custom_calls() -> None:
+    """Loads what a deserialized executable's custom calls need but only lowering sets up.
+
+    On CPU, jax's linear algebra (the SVD of GaLore's basis refresh, eigh, qr, ...) calls LAPACK
+    through FFI targets whose function pointers are filled in on the first lowering of such an
+    op (`prepare_lapack_call`). A process that loads its step from this cache lowers nothing, and
+    the first such call jumped through an empty pointer: SIGSEGV.
+    """
+    from jax._src.lib import lapack  # no public entry point does only this
+
+    lapack._lapack.initialize()
+
+
 def _load(path: epath.Path, devices: list[jax.Device], events: EventLog | None) -> Any | None:
     try:
         payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+        _prepare_custom_calls()
         # The devices it runs on, not all of the backend's: a mesh over some of them (a test, a
         # shrunk job) would otherwise abort the process in XLA's sharding check.
         return serialize_executable.deserialize_and_load(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import types
 
 import jax
 import numpy as np
 import pytest
-from conftest import run_context, tiny_config
+from conftest import REPO, run_context, tiny_config
 
 from resilient_jax import executables
 from resilient_jax.contracts.event_types import EventType
@@ -149,3 +151,37 @@ def test_a_hit_loads_without_tracing_and_steps_bitwise_alike(ctx, tmp_path, monk
     b, _ = loaded(copy, batch, scale)
     same = jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b)
     assert all(jax.tree.leaves(same))
+
+
+_SVD_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from resilient_jax import executables
+directory, key = sys.argv[1], "svd"
+f = jax.jit(lambda x: jnp.linalg.svd(x, full_matrices=False)[1])
+x = jnp.arange(12.0).reshape(4, 3)
+compiled, hit = executables.load_or_compile(
+    key, lambda: f.lower(x), jax.devices()[:1], directory
+)
+print("hit" if hit else "miss", np.asarray(compiled(x)).tolist())
+"""
+
+
+def test_a_loaded_executable_runs_linear_algebra_in_a_process_that_lowered_nothing(tmp_path):
+    """On CPU the LAPACK behind an SVD is set up by lowering; a process that only loads its step
+    from the cache must still run it (it once died of SIGSEGV at GaLore's first basis refresh)."""
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", _SVD_PROGRAM, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    first, second = (run.stdout.split(" ", 1) for run in runs)
+    assert (first[0], second[0]) == ("miss", "hit")
+    assert first[1] == second[1]  # the same singular values
