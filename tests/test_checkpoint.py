@@ -532,6 +532,29 @@ def test_sigterm_saves_and_stops_with_preempted_exit_code(tmp_path, state0):
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_saves_leave_jax_preemption_sync_point_to_the_train_loop(tmp_path, state0, monkeypatch):
+    # JAX's sync manager keeps one call counter per process, set by every call: Orbax's save and
+    # finalize threads calling it with the step being saved moved it back, the processes agreed on
+    # a step already past, and a preemption notice went unheeded for the rest of the run.
+    from jax.experimental import multihost_utils
+
+    calls = []
+    monkeypatch.setattr(
+        multihost_utils, "reached_preemption_sync_point", lambda step: calls.append(step) or False
+    )
+    workdir = str(tmp_path)
+    ctx = run_context(checkpoint_config(**{"checkpoint.every_steps": 2}), workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    try:
+        ck.on_start(ctx, state0)
+        step_through(ck, ctx, state0, 1, 4)
+        ck.wait_until_finished()
+    finally:
+        ck.close()
+    assert persistent_step_dirs(workdir) == ["2", "4"]
+    assert calls == []
+
+
 def test_a_finished_run_gives_its_ram_disk_copies_back(tmp_path, local_root, state0):
     workdir = str(tmp_path / "run")
     config = checkpoint_config(

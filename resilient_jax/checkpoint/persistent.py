@@ -45,6 +45,21 @@ def read_run_id(directory: str | epath.Path) -> str | None:
     return path.read_text().strip() if path.exists() else None
 
 
+class _Manager(ocp.CheckpointManager):
+    """Orbax's manager, minus its own look at JAX's preemption sync point.
+
+    JAX's preemption sync manager keeps one call counter per process, set by every call to
+    `reached_preemption_sync_point`, and agrees on the sync point as the largest counter + 1.
+    Orbax calls it from its save and finalize threads with the step being saved, which moves the
+    counter back while the train loop is further on: the agreed step could then lie in the past,
+    no process ever reached it, and a preemption notice went unheeded for the rest of the run.
+    The train loop (`checkpoint.preemption`) is the only caller, once per step.
+    """
+
+    def reached_preemption(self, step: int) -> bool:
+        return False
+
+
 @dataclasses.dataclass
 class PendingSave:
     step: int
@@ -118,7 +133,7 @@ class PersistentTier:
         try:
             if not read_only:
                 self.directory.mkdir(parents=True, exist_ok=True)
-            self._manager = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+            self._manager = _Manager(self.directory, item_names=ITEMS, options=options)
         except Exception as e:
             raise CheckpointError(
                 f"checkpoint dir {self.directory} cannot be used: {_one_line(e)}"
