@@ -8,18 +8,16 @@ waits for the slowest. Here each process stores its own executables
 (`jax.experimental.serialize_executable`) under `<jax_compilation_cache_dir>/executables/` (a
 path or gs:// URL), one file per key, and loads them on the next start.
 
-Two ways to key an entry:
-
-- `program_key` (the train and eval steps): computed without tracing or lowering anything, so a
-  hit costs only the load. It covers everything the compiled program depends on: the whole config
-  (model, optimizer, batch, schedule, health thresholds, ...), the code (a hash of every source
-  file of this package), the mesh (axis names, shape, device ids in order) and the process's place
-  (index and count), the JAX and jaxlib versions, the backend, its version and the device kind,
-  JAX's configuration flags and the XLA flags in the environment. Changing any of them changes
-  the key (`tests/test_executables.py`); what is not in that list cannot change the program. The
-  mesh plan (microbatches, slices) follows from config and topology, and is in the key as well.
-- `compile_cached` (small helper programs such as the checkpoint digests): the key is the lowered
-  program's text plus the same runtime, for callers whose program has no config to name it.
+Entries are keyed by `program_key` (the train and eval steps), computed without tracing or
+lowering anything, so a hit costs only the load. The key covers everything the compiled program
+depends on: the whole config (model, optimizer, batch, schedule, health thresholds, ...), the
+code (a hash of every source file of this package), the mesh (axis names, shape, device ids in
+order) and the process's place (index and count), the JAX and jaxlib versions, the backend, its
+version and the device kind, JAX's configuration flags and the XLA flags in the environment.
+Changing any of them changes the key (`tests/test_executables.py`); what is not in that list
+cannot change the program. The mesh plan (microbatches, slices) follows from config and
+topology, and is in the key as well. A process that uses this cache turns JAX's own off
+(`supersede_jax_cache`): an executable JAX loaded from its cache does not serialize whole.
 
 A file that cannot be read or loaded is reported and replaced by a fresh compile: the cache never
 decides correctness, and a loaded executable is the one compiled before, so resumed runs stay
@@ -60,6 +58,21 @@ def default_dir() -> str | None:
     """The cache directory under JAX's compilation cache directory, or None when that is unset."""
     root = jax.config.jax_compilation_cache_dir
     return os.path.join(root, SUBDIR) if root else None
+
+
+def supersede_jax_cache() -> None:
+    """Turns JAX's own persistent compilation cache off in this process when this cache is on.
+
+    On XLA:CPU, an executable that JAX loaded from its cache serializes into an entry that lacks
+    its kernels: the process that loads that entry fails at its first call into one ("NOT_FOUND:
+    Function add_reduce_fusion not found"), and so does every restart after it. JAX's cache is
+    written by JAX process 0 of any job, the compile-ahead helper's included, so a restarted
+    worker could hit it and store such an entry. With JAX's cache off, everything stored here
+    comes from a compile. What this cache does not hold (initialisation, small helpers) compiles
+    in milliseconds. Call before the process's first compile: JAX decides once per process.
+    """
+    if default_dir():
+        jax.config.update("jax_enable_compilation_cache", False)
 
 
 @functools.cache
@@ -143,20 +156,6 @@ def compile_ahead(key: str, lower: Callable[[], jax.stages.Lowered], directory: 
 
 def entry_path(directory: str, key: str) -> epath.Path:
     return epath.Path(directory) / f"{key}.bin"
-
-
-def compile_cached(
-    lowered: jax.stages.Lowered,
-    devices: Iterable[jax.Device],
-    directory: str | None,
-    events: EventLog | None = None,
-) -> tuple[Any, bool]:
-    """`lowered` compiled, from this process's cache in `directory` when it holds it (None: no
-    cache), keyed by the lowered program's text. `devices`: the device assignment it runs on.
-    Returns (compiled, hit)."""
-    devices = list(devices)
-    parts = [lowered.as_text(), ",".join(str(d.id) for d in devices), *runtime_parts()]
-    return load_or_compile(_digest(parts), lambda: lowered, devices, directory, events)
 
 
 def _digest(parts: list[str]) -> str:

@@ -41,6 +41,7 @@ def compile_candidate(config: ml_collections.ConfigDict, workdir: str) -> dict[s
     directory = executables.default_dir()
     if not directory:
         raise ValueError("no executable cache: JAX_COMPILATION_CACHE_DIR is unset")
+    executables.supersede_jax_cache()
     events = EventLog(os.path.join(workdir, SUBDIR), process=os.environ.get("RJ_PROCESS_ID"))
     # A peer whose worker died before starting its helper must not hold this one for the run's
     # whole start-up budget (the config itself stays as it is: it is part of the key).

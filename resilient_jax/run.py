@@ -29,7 +29,7 @@ import jax
 import ml_collections
 
 from resilient_jax import config as config_lib
-from resilient_jax import rehearsal
+from resilient_jax import executables, rehearsal
 from resilient_jax.chaos.hook import ChaosHook
 from resilient_jax.chaos.step import wrap_step
 from resilient_jax.checkpoint import Checkpointer, CheckpointError
@@ -172,6 +172,7 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
     docstring); anything else it raises is unexpected.
     """
     config_lib.validate(config)
+    executables.supersede_jax_cache()
     faults = ChaosHook(chaos) if chaos else None
     read_env()  # a launcher's worker environment that does not add up is refused here, early
     check_workdir(workdir)

@@ -99,9 +99,9 @@ def test_executable_cache_round_trip(persistent_base):
     lowered = jax.jit(lambda x: x * 3 + 1).lower(
         jax.ShapeDtypeStruct((len(devices) * 2,), "float32", sharding=sharding)
     )
-    compiled, hit = executables.compile_cached(lowered, devices, directory)
+    compiled, hit = executables.load_or_compile("x3", lambda: lowered, devices, directory)
     assert not hit and len(list(epath.Path(directory).iterdir())) == 1
-    loaded, hit = executables.compile_cached(lowered, devices, directory)
+    loaded, hit = executables.load_or_compile("x3", lambda: lowered, devices, directory)
     assert hit
     x = jax.device_put(jax.numpy.arange(len(devices) * 2, dtype="float32"), sharding)
     assert (loaded(x) == compiled(x)).all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import types
@@ -185,3 +186,42 @@ def test_a_loaded_executable_runs_linear_algebra_in_a_process_that_lowered_nothi
     first, second = (run.stdout.split(" ", 1) for run in runs)
     assert (first[0], second[0]) == ("miss", "hit")
     assert first[1] == second[1]  # the same singular values
+
+
+_CACHED_PROGRAM = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from resilient_jax import executables
+role, directory = sys.argv[1], sys.argv[2]
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+f = jax.jit(lambda x: (x ** 3 * 2.0).sum(axis=0))
+x = jnp.arange(12.0).reshape(4, 3)
+if role == "jax":  # any process of a job that fills JAX's own cache, as JAX process 0 does
+    print("jax", np.asarray(f(x)).tolist())
+else:  # a worker: its first compile misses this cache, its restart loads what it stored
+    executables.supersede_jax_cache()
+    compiled, hit = executables.load_or_compile("sum", lambda: f.lower(x), jax.devices()[:1],
+                                                executables.default_dir())
+    print("hit" if hit else "miss", np.asarray(compiled(x)).tolist())
+"""
+
+
+def test_an_entry_stored_after_jax_cached_the_program_runs_when_loaded(tmp_path):
+    """On CPU an executable JAX took from its own cache serializes without its kernels: a restart
+    that loaded such an entry failed ("Function ... not found"), again at every restart."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    outputs = []
+    for role in ("jax", "worker", "worker"):
+        run = subprocess.run(
+            [sys.executable, "-c", _CACHED_PROGRAM, role, str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+            env=env,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        outputs.append(run.stdout.split(" ", 1))
+    assert [tag for tag, _ in outputs] == ["jax", "miss", "hit"]
+    assert len({values for _, values in outputs}) == 1  # the same sums everywhere
