@@ -1,24 +1,42 @@
-"""Elastic mode against the single-runtime mode: what a lost slice costs the survivors.
+"""Elastic mode against the single-runtime mode: what a lost slice costs the survivors, how a
+replacement heals and joins, and goodput under a slice kill a minute.
 
-    python experiments/elastic.py [--total_steps=40] [--fault_step=15]
+    python experiments/elastic.py [--total_steps=60] [--fault_step=15]
+    python experiments/elastic.py --mode=chaos [--chaos_s=180] [--fault_every_s=60]
 
 Runs the real trainer (`launch/train.py`, configs/tiny_cpu.py: the 3.7M-parameter model, batch
-16 x 128 tokens) on 2 slices x 1 process x 2 CPU devices, three ways, one after the other:
+16 x 128 tokens) on 2 slices x 1 process x 2 CPU devices.
+
+`--mode=kill` (default), three runs one after the other:
 
 - `single_runtime`: today's default, the supervisor and one JAX runtime over both slices,
   undisturbed: the step time the elastic mode is compared with.
 - `elastic`: `elastic.enabled`, undisturbed: its step time (gradient sums through the gloo
   exchange on the host) and its per-step parameter digests.
 - `elastic_kill`: as `elastic`, slice 1's worker SIGKILLed once slice 0 has logged `fault_step`;
-  the elastic supervisor starts a replacement 1 s later, which compiles, heals from slice 0 and
-  joins. Measured from slice 0's events: the survivor's stall (from the kill to its next step;
-  and that step interval less the median one), the steps redone (exchanges that failed), the
-  replacement's time from its start to the heal and the heal's own transfer time, the survivor's
-  pause at the join (the interval of the join step less the median), and whether every step's
-  parameters equal the undisturbed run's bit for bit.
+  the elastic supervisor starts a replacement at once, which starts up (its steps loaded from the
+  job's executable cache), heals from slice 0 and joins. Measured from the events, in that one
+  run: the survivor's stall (from the kill to its next step; and that step interval less the
+  median one), the steps redone (exchanges that failed), the replacement's time from its spawn to
+  the heal and to its first step in the quorum, the heal's own transfer time, and the survivor's
+  step intervals around the join against its median step with 2 slices (the pause at the join);
+  and whether every step's parameters, on both slices, equal the undisturbed run's bit for bit.
 
-Writes experiments/results/elastic.json and .png and prints a table. Times are wall clock on a
-shared 2-core machine: compare the scenarios of one run, not absolute numbers across runs.
+`--mode=chaos`, two runs of `--chaos_s` seconds of training each (from each run's first step;
+the whole run is cut by the supervisor's time limit), one after the other:
+
+- `undisturbed`: elastic mode, no faults.
+- `kill_a_minute`: elastic mode, slice 1 SIGKILLed every `--fault_every_s` seconds (the first at
+  half that), a replacement started at once each time, healing from slice 0 and joining.
+
+Goodput ratio: the steps the job completed in the window against the undisturbed run's (the job's
+progress is the newest step any slice completed). Also the goodput accounting
+(`resilient_jax.goodput.accounting`) of slice 0, the slice that is never killed: productive time
+over the window, badput by category (the survivor's slower steps alone show as stragglers).
+
+Writes experiments/results/elastic.json and .png (kill) or elastic_chaos.json (chaos) and prints
+a table. Times are wall clock on a shared 2-core machine: compare the scenarios of one run, not
+absolute numbers across runs.
 """
 
 from __future__ import annotations
@@ -44,8 +62,11 @@ sys.path.insert(0, REPO)
 from resilient_jax.control import ClusterSpec, Supervisor  # noqa: E402
 from resilient_jax.control.elastic import ElasticSupervisor  # noqa: E402
 
-_STEPS = flags.DEFINE_integer("total_steps", 40, "Steps per run.")
+_MODE = flags.DEFINE_enum("mode", "kill", ["kill", "chaos"], "What to measure (module doc).")
+_STEPS = flags.DEFINE_integer("total_steps", 60, "Steps per run (kill mode).")
 _FAULT = flags.DEFINE_integer("fault_step", 15, "Slice 1 is killed once slice 0 logged this step.")
+_CHAOS_S = flags.DEFINE_float("chaos_s", 180.0, "Seconds of training per run (chaos mode).")
+_EVERY_S = flags.DEFINE_float("fault_every_s", 60.0, "Seconds between kills (chaos mode).")
 _ANALYZE = flags.DEFINE_string(
     "analyze", "", "Only read the runs in this directory (a previous run's root) again."
 )
@@ -116,20 +137,29 @@ def single_runtime_result(workdir: str, exit_code: int) -> dict[str, Any]:
     return {"exit_code": exit_code, "median_step_s": statistics.median(times)}
 
 
-ELASTIC = {"elastic.enabled": True, "elastic.check_every_steps": 1}
+# The job's executable cache on (its default): a replacement loads its steps, as in production.
+ELASTIC = {
+    "elastic.enabled": True,
+    "elastic.check_every_steps": 1,
+    "coordinator.compilation_cache_dir": ".jax_cache",
+}
 
 
-def run_elastic(workdir: str, during=None) -> Any:
+def run_elastic(
+    workdir: str, during=None, extra: dict[str, Any] | None = None, time_limit_s: float = 900
+) -> Any:
+    flat = {**ELASTIC, **(extra or {})}
     supervisor = ElasticSupervisor(
-        load_config(ELASTIC),
-        lambda slice_id, slice_dir: argv(slice_dir, ELASTIC),
+        load_config(flat),
+        lambda slice_id, slice_dir: argv(slice_dir, flat),
         workdir,
         devices_per_process=2,
         out=io.StringIO(),
+        restart_delay_s=0.0,  # a replacement starts at once
         cwd=REPO,
     )
     result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(900)))
+    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(time_limit_s)))
     thread.start()
     while thread.is_alive():
         if during is not None and during(supervisor):
@@ -214,22 +244,186 @@ def analyze_kill(workdir: str, reference: dict[int, str]) -> dict[str, Any]:
         and all(reference[s] == d for s, d in replacement.items()),
         "rejoined": any(e["slices"] == [0, 1] for e in after),
     }
-    heals = slice_events(workdir, 1, "elastic_heal")
-    if out["rejoined"] and heals:
-        rejoin = next(e for e in after if e["slices"] == [0, 1])
-        previous = survivor[survivor.index(rejoin) - 1]
-        starts = read(os.path.join(workdir, "events.jsonl"))
-        start = [e for e in starts if e["type"] == "elastic_slice_start"][-1]["time"]
-        out["replacement_start_to_heal_s"] = heals[-1]["time"] - start
-        out["heal_transfer_s"] = heals[-1]["duration_s"]
-        out["heal_bytes"] = heals[-1]["bytes"]
-        out["join_pause_s"] = rejoin["time"] - previous["time"] - median
+    out.update(analyze_join(workdir, survivor, median))
     return out
+
+
+def analyze_join(workdir: str, survivor: list[dict[str, Any]], median: float) -> dict[str, Any]:
+    """The replacement's heal and join, and the survivor's step intervals around it."""
+    starts = [e for e in read(os.path.join(workdir, "events.jsonl"))]
+    spawned = [e for e in starts if e["type"] == "elastic_slice_start" and e["slice"] == 1][-1]
+    pid = spawned["pid"]
+    heals = [e for e in slice_events(workdir, 1, "elastic_heal") if e["pid"] == pid]
+    steps = [e for e in slice_events(workdir, 1, "elastic_step") if e["pid"] == pid]
+    if not heals or not steps:
+        return {"rejoined": False}
+    heal = heals[-1]
+    compiles = [e for e in slice_events(workdir, 1, "compile") if e["pid"] == pid]
+    inits = [e for e in slice_events(workdir, 1, "init") if e["pid"] == pid]
+    # The survivor's step intervals: the last ones alone, the join step, the first ones after.
+    joined = heal["step"]
+    by_step = {e["step"]: e for e in survivor}
+    intervals = {
+        s: by_step[s]["time"] - by_step[s - 1]["time"]
+        for s in range(joined - 2, joined + 4)
+        if s in by_step and s - 1 in by_step
+    }
+    after = [by_step[s]["time"] - by_step[s - 1]["time"] for s in by_step if s - 1 in by_step]
+    after = after[joined + 3 :]  # steps are 1..N: index s-2 is step s; from joined + 5 on
+    replacement_digests = {e["step"]: e["digest"] for e in steps}
+    survivor_digests = {e["step"]: e["digest"] for e in survivor}
+    return {
+        "rejoined": True,
+        "joined_at_step": joined,
+        "replacement_spawn_to_heal_s": heal["time"] - spawned["time"],
+        "replacement_spawn_to_first_step_s": steps[0]["time"] - spawned["time"],
+        "replacement_init_s": inits[-1]["duration_s"] if inits else None,
+        "replacement_compile_s": compiles[-1]["duration_s"] if compiles else None,
+        "replacement_compile_cache": compiles[-1].get("cache") if compiles else None,
+        "heal_transfer_s": heal["duration_s"],
+        "heal_bytes": heal["bytes"],
+        "survivor_step_intervals_around_join_s": {str(k): v for k, v in intervals.items()},
+        "median_step_after_join_s": statistics.median(after) if after else None,
+        "join_pause_s": intervals.get(joined + 1, float("nan")) - median,
+        "join_pause_in_steps": intervals.get(joined + 1, float("nan")) / median,
+        "replicas_bitwise_equal_after_join": all(
+            survivor_digests.get(s) == d for s, d in replacement_digests.items()
+        ),
+    }
+
+
+# ------------------------------------------------------------------ chaos: a kill a minute
+
+
+def job_progress(workdir: str) -> list[tuple[float, int]]:
+    """(time, step) of every step the job completed first (any slice), in time order."""
+    rows = sorted(
+        (e["time"], e["step"]) for s in (0, 1) for e in slice_events(workdir, s, "elastic_step")
+    )
+    progress, newest = [], 0
+    for t, step in rows:
+        if step > newest:
+            progress.append((t, step))
+            newest = step
+    return progress
+
+
+def chaos_run(workdir: str, kill: bool) -> dict[str, Any]:
+    """`--chaos_s` seconds of training from the first step; with `kill`, slice 1 SIGKILLed every
+    `--fault_every_s` seconds (the first at half that)."""
+    every, window = _EVERY_S.value, _CHAOS_S.value
+    kills: list[float] = []
+    state: dict[str, float] = {}
+
+    def during(supervisor) -> bool:
+        first = slice_events(workdir, 0, "elastic_step")[:1]
+        if not first:
+            return False
+        state.setdefault("first", first[0]["time"])
+        due = state["first"] + every / 2 + every * len(kills)
+        if due < state["first"] + window and time.time() >= due and 1 in supervisor.workers:
+            os.kill(supervisor.workers[1].pid, signal.SIGKILL)
+            kills.append(time.time())
+        return False
+
+    # Startup (compile) before the first step is not in the window: the limit leaves it room.
+    result = run_elastic(
+        workdir,
+        during=during if kill else None,
+        extra={"total_steps": 100_000},
+        time_limit_s=window + 120,
+    )
+    del result  # ended by the time limit, as intended
+    with open(os.path.join(workdir, "kills.json"), "w") as f:
+        json.dump(kills, f)
+    return analyze_chaos(workdir, kills)
+
+
+def analyze_chaos(workdir: str, kills: list[float]) -> dict[str, Any]:
+    from resilient_jax.goodput import accounting
+
+    progress = job_progress(workdir)
+    start = progress[0][0]
+    end = start + _CHAOS_S.value
+    if progress[-1][0] < end - 1.0:
+        raise RuntimeError(f"{workdir}: the run ended {end - progress[-1][0]:.0f} s early")
+    steps = max(step for t, step in progress if t <= end) - progress[0][1]
+    events = [
+        e
+        for e in read(os.path.join(workdir, "slices", "0", "events.jsonl"))
+        if start <= e["time"] <= end
+    ]
+    goodput = accounting.compute(events)
+    joins = [
+        e["time"]
+        for e in slice_events(workdir, 1, "elastic_heal")
+        if e["role"] == "received" and start <= e["time"] <= end
+    ]
+    return {
+        "window_s": _CHAOS_S.value,
+        "kills": len([k for k in kills if k <= end]),
+        "joins": len(joins),
+        "steps_in_window": steps,
+        "steps_per_s": steps / _CHAOS_S.value,
+        "kill_to_join_s": [j - k for k, j in zip(sorted(kills), sorted(joins), strict=False)],
+        "steps_redone": len(
+            [e for e in slice_events(workdir, 0, "elastic_exchange_failed") if e["time"] <= end]
+        ),
+        "slice0_goodput": goodput.goodput,
+        "slice0_badput_s": {
+            k: round(v, 2) for k, v in goodput.to_json()["badput_s"].items() if v > 0.005
+        },
+    }
+
+
+def chaos_main(root: str) -> None:
+    results: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "config": "configs/tiny_cpu.py (3.7M params), 2 slices x 1 process x 2 CPU devices, "
+        "elastic mode, executable cache on",
+        "window_s": _CHAOS_S.value,
+        "fault_every_s": _EVERY_S.value,
+    }
+    for name, kill in (("undisturbed", False), ("kill_a_minute", True)):
+        workdir = os.path.join(root, name)
+        if _ANALYZE.value:
+            kill_file = os.path.join(workdir, "kills.json")
+            kills = []
+            if os.path.exists(kill_file):
+                with open(kill_file) as f:
+                    kills = json.load(f)
+            results[name] = analyze_chaos(workdir, kills)
+        else:
+            results[name] = chaos_run(workdir, kill)
+    base, chaos = results["undisturbed"], results["kill_a_minute"]
+    results["goodput_ratio"] = chaos["steps_in_window"] / base["steps_in_window"]
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "elastic_chaos.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    print(
+        f"{'run':<14} {'steps':>6} {'steps/s':>8} {'kills':>5} {'joins':>5} {'slice0 goodput':>15}"
+    )
+    for name in ("undisturbed", "kill_a_minute"):
+        r = results[name]
+        print(
+            f"{name:<14} {r['steps_in_window']:>6} {r['steps_per_s']:>8.3f} {r['kills']:>5} "
+            f"{r['joins']:>5} {r['slice0_goodput']:>15.3f}"
+        )
+    print(
+        f"goodput ratio (steps in {_CHAOS_S.value:.0f} s against undisturbed): "
+        f"{results['goodput_ratio']:.3f}"
+    )
+    print(f"kill to join: {[round(x, 1) for x in chaos['kill_to_join_s']]} s")
+    print(f"slice 0 badput (s): {chaos['slice0_badput_s']}")
 
 
 def main(argv_: list[str]) -> None:
     del argv_
     root = _ANALYZE.value or tempfile.mkdtemp(prefix="elastic_")
+    print(f"runs under {root}")
+    if _MODE.value == "chaos":
+        chaos_main(root)
+        return
     results: dict[str, Any] = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "config": "configs/tiny_cpu.py (3.7M params), 2 slices x 1 process x 2 CPU devices",
@@ -272,14 +466,26 @@ def plot(results: dict[str, Any]) -> None:
         "step alone\n(both parts)",
         "fault -> quorum\nre-formed",
         "fault -> next step",
+        "heal transfer",
+        "survivor's\nstep at join",
     ]
-    values = [k["median_step_s"], k["median_step_alone_s"] or 0.0, k["reform_s"], k["stall_s"]]
-    colors = ["grey", "grey", "tab:green", "tab:red"]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    join_step = k.get("survivor_step_intervals_around_join_s", {}).get(
+        str(k.get("joined_at_step", 0) + 1), 0.0
+    )
+    values = [
+        k["median_step_s"],
+        k["median_step_alone_s"] or 0.0,
+        k["reform_s"],
+        k["stall_s"],
+        k.get("heal_transfer_s", 0.0),
+        join_step,
+    ]
+    colors = ["grey", "grey", "tab:green", "tab:red", "tab:green", "tab:orange"]
+    fig, ax = plt.subplots(figsize=(9, 3.8))
     ax.bar(labels, values, color=colors)
     ax.axhline(0.5, color="black", linestyle="--", linewidth=1, label="target 0.5 s")
     ax.set_ylabel("seconds")
-    ax.set_title("Elastic mode: slice 1 SIGKILLed, slice 0 trains on (tiny_cpu, 2 slices)")
+    ax.set_title("Elastic mode: slice 1 SIGKILLed and replaced (tiny_cpu, 2 slices)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "elastic.png"), dpi=120)

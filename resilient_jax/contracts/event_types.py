@@ -76,7 +76,8 @@ class EventType(Name):
     # quorum_id, slices, rank, duration_s (forming the exchange group), from_step
     ELASTIC_QUORUM = "elastic_quorum"
     # The elastic supervisor's: slice, pid (a slice's worker started: at the job's start or as a
-    # replacement); slice, exit_code, failures (it exited non-zero; the others train on)
+    # replacement); slice, exit_code, failures (it exited non-zero; the others train on), or
+    # slice, exit_code, reason (ended by the supervisor: the run finished before it joined)
     ELASTIC_SLICE_START = "elastic_slice_start"
     ELASTIC_SLICE_EXIT = "elastic_slice_exit"
     ELASTIC_EXCHANGE_FAILED = (

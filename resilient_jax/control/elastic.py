@@ -30,7 +30,7 @@ import ml_collections
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.control import processes
+from resilient_jax.control import compile_cache, processes
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.worker_env import shared_env
 from resilient_jax.events import EventLog
@@ -82,7 +82,10 @@ class ElasticSupervisor:
             # the first quorum waits for every slice to have started (or this long)
             settle_s=float(config.coordinator.startup_timeout_s),
         )
-        env = shared_env(os.environ, "", os.getpid(), self._token, devices_per_process, {})
+        # One executable cache for the job's slices (they compile the same programs for the
+        # same local devices): a replacement loads its steps instead of compiling them.
+        cache = compile_cache.cache_env(config.coordinator, workdir)
+        env = shared_env(os.environ, "", os.getpid(), self._token, devices_per_process, cache)
         env.pop(env_vars.SUPERVISOR_ADDRESS, None)  # no heartbeats: the quorum server sees them
         env.pop(env_vars.SUPERVISOR_PID, None)  # a slice outlives this process
         env[env_vars.QUORUM_ADDRESS] = self.quorum.address
@@ -135,9 +138,11 @@ class ElasticSupervisor:
                 del self.workers[slice_id]
                 if code == 0:
                     self._done.add(slice_id)
-                    # The run's last step is trained: a replacement still waiting to start would
-                    # find no live slice to heal from and train the whole run again alone.
+                    # The run's last step is trained: a replacement still waiting to start, or
+                    # started but not yet joined, would find no live slice to heal from and
+                    # train the whole run again alone.
                     self._restart_at.clear()
+                    self._stop_unjoined()
                     continue
                 failures += 1
                 self._events.emit(
@@ -168,6 +173,25 @@ class ElasticSupervisor:
             if deadline is not None and now > deadline:
                 return ElasticResult(1, "time limit", self._replacements)
             time.sleep(poll_s)
+
+    def _stop_unjoined(self) -> None:
+        """Ends the slices that are not in the last quorum (replacements still starting)."""
+        last = self.quorum.decided[-1]["slices"] if self.quorum.decided else []
+        for slice_id, worker in list(self.workers.items()):
+            if slice_id in last:
+                continue
+            del self.workers[slice_id]
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.wait(timeout=5.0)
+            self._events.emit(
+                EventType.ELASTIC_SLICE_EXIT,
+                slice=slice_id,
+                exit_code=worker.returncode,
+                reason="the run finished before it joined",
+            )
+            self._say(f"slice {slice_id} stopped: the run finished before it joined")
 
     def _stop_all(self) -> None:
         workers = list(self.workers.values())

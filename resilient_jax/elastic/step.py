@@ -5,7 +5,9 @@ scanned in microbatches) and returns its token-loss sum and gradient sums as one
 vector `[num_params + 1]` on the host's side of the exchange. `apply` takes the sum of every part's
 vector and makes the update the single-runtime step makes (`train.step.make_update`: in-band
 health, optimizer, a bad step leaves the state as it was). Both are compiled once per slice shape:
-a lost or returning slice changes how many parts a slice computes, never a shape.
+a lost or returning slice changes how many parts a slice computes, never a shape. They go through
+the per-process executable cache (`resilient_jax.executables`, keyed like the train step), so a
+replacement slice loads what the slice it replaces compiled instead of compiling it again.
 
 `state_bytes` / `state_from_bytes` turn the state into one uint8 buffer and back, for a joining
 slice to heal from a live one (device to host, the exchange's broadcast, host to device).
@@ -19,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from resilient_jax import executables
 from resilient_jax import mesh as mesh_lib
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.state import TrainState
@@ -36,8 +39,17 @@ def part_shape(ctx: RunContext) -> tuple[int, int, int]:
     return (microbatches, part_rows(ctx) // microbatches, ctx.config.data.seq_len + 1)
 
 
-def compile_gradient_sums(ctx: RunContext):
-    """(params, part batch) -> flat [num_params + 1] float32: gradient sums, then the loss sum."""
+def _load_or_compile(ctx: RunContext, program: str, lower) -> tuple[object, bool]:
+    """`lower()` compiled, or loaded from this process's executable cache; (compiled, hit)."""
+    key = executables.program_key(program, ctx.config, ctx.mesh, ctx.plan.describe())
+    return executables.load_or_compile(
+        key, lower, ctx.mesh.devices.flat, executables.default_dir(), ctx.events
+    )
+
+
+def compile_gradient_sums(ctx: RunContext) -> tuple[object, bool]:
+    """(params, part batch) -> flat [num_params + 1] float32: gradient sums, then the loss sum.
+    Returns (compiled, loaded from the cache)."""
     gradient_sums = make_gradient_sums(ctx.config)
     mesh = ctx.mesh
 
@@ -58,11 +70,16 @@ def compile_gradient_sums(ctx: RunContext):
         in_shardings=(shardings, mesh_lib.batch_sharding(mesh)),
         out_shardings=mesh_lib.replicated(mesh),
     )
-    return jitted.lower(params, batch).compile()
+    return _load_or_compile(ctx, "elastic_gradient_sums", lambda: jitted.lower(params, batch))
 
 
-def compile_apply(ctx: RunContext):
-    """(state, summed [num_params + 1]) -> (state, metrics): the update from every part's sums."""
+def num_params(ctx: RunContext) -> int:
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(ctx.abstract_state.params))
+
+
+def compile_apply(ctx: RunContext) -> tuple[object, bool]:
+    """(state, summed [num_params + 1]) -> (state, metrics): the update from every part's sums.
+    Returns (compiled, loaded from the cache)."""
     update = make_update(ctx.config)
     config = ctx.config
     num_tokens = config.global_batch_size * config.data.seq_len
@@ -74,15 +91,14 @@ def compile_apply(ctx: RunContext):
 
     shardings = jax.tree.map(lambda a: a.sharding, ctx.abstract_state)
     replicated = mesh_lib.replicated(ctx.mesh)
-    num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(ctx.abstract_state.params))
-    summed = jax.ShapeDtypeStruct((num_params + 1,), jnp.float32, sharding=replicated)
+    summed = jax.ShapeDtypeStruct((num_params(ctx) + 1,), jnp.float32, sharding=replicated)
     jitted = jax.jit(
         fn,
         in_shardings=(shardings, replicated),
         out_shardings=(shardings, replicated),
         donate_argnums=0,
     )
-    return jitted.lower(ctx.abstract_state, summed).compile(), num_params + 1
+    return _load_or_compile(ctx, "elastic_apply", lambda: jitted.lower(ctx.abstract_state, summed))
 
 
 def state_bytes(state: TrainState) -> np.ndarray:

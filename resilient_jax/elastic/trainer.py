@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from resilient_jax import executables
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data.position import DataPosition
 from resilient_jax.elastic import step as elastic_step
@@ -58,10 +59,14 @@ class ElasticStep:
         self._e = ctx.config.elastic
         self._parts = int(self._e.slices)
         start = time.perf_counter()
-        self._gradient_sums = elastic_step.compile_gradient_sums(ctx)
-        self._apply, self._width = elastic_step.compile_apply(ctx)
+        self._gradient_sums, sums_hit = elastic_step.compile_gradient_sums(ctx)
+        self._apply, apply_hit = elastic_step.compile_apply(ctx)
+        self._width = elastic_step.num_params(ctx) + 1
+        fields: dict[str, Any] = {}
+        if executables.default_dir():
+            fields["cache"] = "hit" if sums_hit and apply_hit else "miss"
         ctx.events.emit(
-            EventType.COMPILE, duration_s=time.perf_counter() - start, program="elastic"
+            EventType.COMPILE, duration_s=time.perf_counter() - start, program="elastic", **fields
         )
         self._rows = PartRows(ctx, source, elastic_step.part_shape(ctx))
         self._step = 0  # steps the state has applied
