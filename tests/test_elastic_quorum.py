@@ -143,3 +143,34 @@ def test_a_replacement_still_waiting_when_a_slice_finishes_the_run_is_never_star
     )
     result = supervisor.run(time_limit_s=30)
     assert (result.exit_code, result.replacements) == (0, 0), result
+
+
+def test_a_slice_not_in_the_last_quorum_when_the_run_finishes_is_ended(tmp_path):
+    """Slice 0 finishes the run while slice 1 (a replacement still starting up: in no quorum) is
+    alive: the supervisor ends slice 1 instead of letting it train the whole run again alone."""
+    import io
+    import json
+    import sys
+    import time
+
+    from resilient_jax.config import default_config
+    from resilient_jax.control.elastic import ElasticSupervisor
+
+    config = default_config()
+    config.elastic.slices = 2
+    config.coordinator.startup_timeout_s = 1.0
+    outcomes = {0: "import time; time.sleep(0.5)", 1: "import time; time.sleep(60)"}
+    supervisor = ElasticSupervisor(
+        config,
+        lambda slice_id, _: [sys.executable, "-c", outcomes[slice_id]],
+        str(tmp_path),
+        devices_per_process=1,
+        out=io.StringIO(),
+    )
+    start = time.monotonic()
+    result = supervisor.run(time_limit_s=30)
+    assert (result.exit_code, result.replacements) == (0, 0), result
+    assert time.monotonic() - start < 20
+    with open(tmp_path / "events.jsonl") as f:
+        exits = [e for e in map(json.loads, f) if e["type"] == "elastic_slice_exit"]
+    assert [(e["slice"], e["reason"]) for e in exits] == [(1, "the run finished before it joined")]

@@ -132,6 +132,8 @@ class ElasticSupervisor:
         while True:
             now = time.monotonic()
             for slice_id, worker in list(self.workers.items()):
+                if slice_id not in self.workers:
+                    continue  # ended by `_stop_unjoined` in this round
                 code = worker.poll()
                 if code is None:
                     continue
