@@ -23,13 +23,13 @@ import dataclasses
 import hmac
 import json
 import os
-import selectors
 import socket
 import threading
 import time
 from typing import Any
 
 from resilient_jax.control import protocol
+from resilient_jax.control.line_server import LineServer
 
 MSG_QUORUM = "quorum"
 
@@ -42,7 +42,7 @@ class _Request:
     reform: bool
 
 
-class QuorumServer:
+class QuorumServer(LineServer):
     """Decides quorums in a background thread; `address` is where workers connect."""
 
     def __init__(
@@ -54,15 +54,11 @@ class QuorumServer:
         expected: int = 0,
         settle_s: float = 5.0,
     ) -> None:
+        super().__init__(host, port, name="rj-quorum", poll_s=0.01)
         self._token = token
         self._join_timeout_s = join_timeout_s
         self._expected = expected
         self._settle_until = time.monotonic() + settle_s
-        self._listener = socket.create_server((host, port))
-        self._listener.setblocking(False)
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ)
-        self._buffers: dict[socket.socket, bytes] = {}
         self._slice_of: dict[socket.socket, int] = {}
         self._pending: dict[int, _Request] = {}
         self._first_pending_at = 0.0
@@ -72,76 +68,25 @@ class QuorumServer:
         self._last: tuple[str, tuple[tuple[int, int], ...]] | None = None
         self._lock = threading.Lock()
         self.decided: list[dict[str, Any]] = []  # every quorum sent: time, id, slices, steps
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="rj-quorum", daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> str:
-        host, port = self._listener.getsockname()[:2]
-        return f"{host}:{port}"
+        self._start()
 
     def connected_slices(self) -> list[int]:
         with self._lock:
             return sorted(set(self._slice_of.values()))
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-        for conn in list(self._buffers):
-            conn.close()
-        self._listener.close()
-        self._selector.close()
-
     # The server thread.
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            for key, _ in self._selector.select(timeout=0.01):
-                if key.fileobj is self._listener:
-                    self._accept()
-                else:
-                    self._read(key.fileobj)  # type: ignore[arg-type]
-            self._maybe_decide()
-
-    def _accept(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:
-            return
-        conn.setblocking(False)
-        self._buffers[conn] = b""
-        self._selector.register(conn, selectors.EVENT_READ)
-
-    def _drop(self, conn: socket.socket) -> None:
-        self._selector.unregister(conn)
-        self._buffers.pop(conn, None)
+    def _on_drop(self, conn: socket.socket) -> None:
         with self._lock:
             slice_id = self._slice_of.pop(conn, None)
         request = self._pending.get(slice_id) if slice_id is not None else None
         if request is not None and request.conn is conn:
             del self._pending[slice_id]
-        conn.close()
 
-    def _read(self, conn: socket.socket) -> None:
-        try:
-            data = conn.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._drop(conn)
-            return
-        buffer = self._buffers[conn] + data
-        *lines, rest = buffer.split(b"\n")
-        self._buffers[conn] = rest
-        for line in lines:
-            if not self._handle(conn, line):
-                self._drop(conn)
-                return
+    def _tick(self) -> None:
+        self._maybe_decide()
 
-    def _handle(self, conn: socket.socket, line: bytes) -> bool:
+    def _handle_line(self, conn: socket.socket, line: bytes) -> bool:
         try:
             message = json.loads(line)
             if not hmac.compare_digest(str(message.get("token", "")), self._token):
@@ -206,11 +151,5 @@ class QuorumServer:
         requests = [r for _, r in members]
         self._pending.clear()
         for request in requests:
-            try:
-                request.conn.setblocking(True)
-                request.conn.settimeout(1.0)
-                request.conn.sendall(reply)
-                request.conn.setblocking(False)
-            except OSError:
-                if request.conn in self._buffers:
-                    self._drop(request.conn)
+            if not self._send(request.conn, reply):
+                self._drop(request.conn)

@@ -12,7 +12,6 @@ connection, which `send` answers on; `on_disconnect` hears when such a connectio
 from __future__ import annotations
 
 import dataclasses
-import selectors
 import socket
 import threading
 import time
@@ -20,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from resilient_jax.control import protocol
+from resilient_jax.control.line_server import LineServer, peer_of
 
 
 @dataclasses.dataclass
@@ -43,7 +43,7 @@ class WorkerReport:
     arrivals: dict[int, float] = dataclasses.field(default_factory=dict)
 
 
-class HeartbeatServer:
+class HeartbeatServer(LineServer):
     """Listens on `host:port` (port 0: any free port) until `close()`."""
 
     def __init__(
@@ -56,27 +56,15 @@ class HeartbeatServer:
         on_refused: Callable[[str, str], None] | None = None,
         on_disconnect: Callable[[socket.socket], None] | None = None,
     ) -> None:
+        super().__init__(host, port, name="rj-heartbeat-server", poll_s=0.1)
         self._token = token
         self._on_agent = on_agent
         self._on_refused = on_refused
         self._on_disconnect = on_disconnect
-        self._send_lock = threading.Lock()
         self._clock = clock
         self._lock = threading.Lock()
         self._reports: dict[tuple[int, int], WorkerReport] = {}
-        self._listener = socket.create_server((host, port))
-        self._listener.setblocking(False)
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ, None)
-        self._buffers: dict[socket.socket, bytes] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="rj-heartbeat-server", daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> str:
-        host, port = self._listener.getsockname()[:2]
-        return f"{host}:{port}"
+        self._start()
 
     def reports(self, generation: int) -> dict[int, WorkerReport]:
         """Copies of the records of `generation`'s workers, by process id."""
@@ -89,78 +77,30 @@ class HeartbeatServer:
 
     def send(self, conn: socket.socket, message: dict[str, Any]) -> bool:
         """Sends one line to an agent's connection; False when it is gone (closed on the way)."""
-        try:
-            with self._send_lock:
-                conn.sendall(protocol.encode(message))
-        except OSError:
-            return False
-        return True
+        return self._send(conn, protocol.encode(message))
 
     def forget_before(self, generation: int) -> None:
         with self._lock:
             for key in [k for k in self._reports if k[0] < generation]:
                 del self._reports[key]
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2.0)
-        for key in list(self._selector.get_map().values()):
-            key.fileobj.close()  # type: ignore[union-attr]
-        self._selector.close()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            for key, _ in self._selector.select(timeout=0.1):
-                if key.fileobj is self._listener:
-                    self._accept()
-                else:
-                    self._read(key.fileobj)  # type: ignore[arg-type]
-
-    def _accept(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:
-            return
-        # Reads happen only when the selector says data is there; the timeout bounds `send`.
-        conn.settimeout(1.0)
-        self._buffers[conn] = b""
-        self._selector.register(conn, selectors.EVENT_READ, None)
-
-    def _drop(self, conn: socket.socket) -> None:
-        self._selector.unregister(conn)
-        self._buffers.pop(conn, None)
+    def _on_drop(self, conn: socket.socket) -> None:
         if self._on_disconnect is not None:
             self._on_disconnect(conn)
-        conn.close()
 
-    def _read(self, conn: socket.socket) -> None:
+    def _handle_line(self, conn: socket.socket, line: bytes) -> bool:
         try:
-            data = conn.recv(65536)
-        except (BlockingIOError, InterruptedError, TimeoutError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._drop(conn)
-            return
-        *lines, rest = (self._buffers[conn] + data).split(b"\n")
-        if len(rest) > protocol.MAX_LINE_BYTES:
-            self._drop(conn)
-            return
-        self._buffers[conn] = rest
-        for line in lines:
-            try:
-                message = protocol.decode(line, self._token)
-            except protocol.ProtocolError as e:
-                if self._on_refused is not None:
-                    self._on_refused(_peer(conn), str(e))
-                self._drop(conn)
-                return
-            if "host" in message:
-                if self._on_agent is not None:
-                    self._on_agent(conn, message)
-            else:
-                self._record(message)
+            message = protocol.decode(line, self._token)
+        except protocol.ProtocolError as e:
+            if self._on_refused is not None:
+                self._on_refused(peer_of(conn), str(e))
+            return False
+        if "host" in message:
+            if self._on_agent is not None:
+                self._on_agent(conn, message)
+        else:
+            self._record(message)
+        return True
 
     def _record(self, message: dict[str, Any]) -> None:
         now = self._clock()
@@ -201,14 +141,6 @@ class HeartbeatServer:
             _merge_arrivals(report.arrivals, message.get("arrivals"))
             report.last_seen = now
             report.said_bye = report.said_bye or message["type"] == protocol.MSG_BYE
-
-
-def _peer(conn: socket.socket) -> str:
-    try:
-        host, port = conn.getpeername()[:2]
-    except OSError:
-        return "?"
-    return f"{host}:{port}"
 
 
 def _merge_arrivals(arrivals: dict[int, float], reported: Any) -> None:
