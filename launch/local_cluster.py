@@ -13,9 +13,10 @@ RJ_RUN_TOKEN or RJ_RUN_TOKEN_FILE (mode 0600), else a fresh one is made for loca
 output is merged here (and kept in DIR/logs/<host>/workers.log), each line prefixed with
 `[g<generation> s<slice> p<process>]`. With `--config.elastic.enabled=true` each slice is
 its own single-process JAX runtime (`resilient_jax.control.elastic`, DIR/slices/<id>/), and a
-lost slice is replaced while the others train on. Ctrl-C asks the workers to save and stop. Exits
-0 only when training completed; otherwise non-zero with a one-line reason on stderr. Events:
-DIR/events.jsonl.
+lost slice is replaced while the others train on; if this process dies, the slices train on, and
+the same command (with the same run token) takes them over. Ctrl-C asks the workers to save and
+stop. Exits 0 only when training completed; otherwise non-zero with a one-line reason on stderr.
+Events: DIR/events.jsonl.
 """
 
 from __future__ import annotations
@@ -97,7 +98,14 @@ def run_elastic(config, argv: list[str], workdir: str) -> int:
     def argv_for(slice_id: int, slice_dir: str) -> list[str]:
         return [f"--workdir={slice_dir}" if a.startswith("--workdir=") else a for a in argv]
 
-    supervisor = ElasticSupervisor(config, argv_for, workdir, _DEVICES.value)
+    try:  # a supervisor started again takes over the slices still running in `workdir`
+        supervisor = ElasticSupervisor(config, argv_for, workdir, _DEVICES.value)
+    except ValueError as e:  # another run token, or a bad one
+        print(f"error: {e}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    except OSError as e:  # the job's quorum address is taken (its supervisor still runs?)
+        print(f"error: cannot listen for the slices' quorum clients: {e}", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGINT, lambda signum, _: supervisor.request_stop(signal.SIGTERM))
     result = supervisor.run(time_limit_s=_TIME_LIMIT.value or None)
     if result.exit_code:

@@ -27,12 +27,13 @@ def server():
         s.close()
 
 
-def _ask_all(clients, steps, reform=False, timeout_s=3.0):
-    """Every client asks at once (each from its own thread); their answers by index."""
+def _ask_all(clients, steps, reform=False, timeout_s=3.0, last=None):
+    """Every client asks at once (each from its own thread, training on `last` if given); their
+    answers by index."""
     out = [None] * len(clients)
 
     def ask(i):
-        out[i] = clients[i].request(steps[i], f"127.0.0.1:{1000 + i}", reform, timeout_s)
+        out[i] = clients[i].request(steps[i], f"127.0.0.1:{1000 + i}", reform, timeout_s, last)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(clients))]
     for t in threads:
@@ -90,6 +91,50 @@ def test_a_fresh_server_waits_for_the_expected_slices(server):
     clients[0] = QuorumClient(s.address, TOKEN, 0)
     both = _ask_all(clients, [3, 3])
     assert both[0].slices == (0, 1)
+
+
+def _restart(server, old):
+    """Closes `old` (its process died) and starts a server on the same address."""
+    host, port = old.address.split(":")
+    old.close()
+    return server(host=host, port=int(port), expected=2, settle_s=10.0)
+
+
+def test_a_restarted_server_rebuilds_the_quorum_from_its_slices_without_stalling_them(server):
+    s = server(expected=2, settle_s=10.0)
+    clients = [QuorumClient(s.address, TOKEN, i, retry_s=0.0) for i in range(2)]
+    steady = _ask_all(clients, [0, 0])[0]
+    s = _restart(server, s)
+    # The first asks after the restart find the old connections closed: train on.
+    assert _ask_all(clients, [1, 1], last=steady) == [None, None]
+    # Slice 0 is back, slice 1 not yet: slice 0 (training on `steady`) is answered at once.
+    start = time.monotonic()
+    assert clients[0].request(2, "127.0.0.1:1000", False, 5.0, steady) is None
+    assert time.monotonic() - start < 0.5
+    # Slice 1 comes back at step 2 or 3: told the same as slice 0 for the same step, and at the
+    # step after, the quorum both train on is taken over, id and all (no re-forming).
+    assert clients[1].request(2, "127.0.0.1:1001", False, 1.0, steady) is None
+    for step in (3, 4):
+        again = _ask_all(clients, [step, step], last=steady)
+        assert again[0] == again[1]
+        if again[0] is not None:
+            break
+    assert again[0].slices == (0, 1) and again[0].quorum_id == steady.quorum_id
+    assert s.decided[0]["carried_over"] and s.last_slices() == [0, 1]
+
+
+def test_a_restarted_server_leaves_out_a_member_that_died_meanwhile(server):
+    s = server(expected=2, settle_s=10.0, join_timeout_s=0.3)
+    clients = [QuorumClient(s.address, TOKEN, i, retry_s=0.0) for i in range(2)]
+    steady = _ask_all(clients, [0, 0])[0]
+    s = _restart(server, s)
+    clients[1].close()  # slice 1 died while the server was away
+    assert clients[0].request(1, "127.0.0.1:1000", False, 1.0, steady) is None
+    assert clients[0].request(1, "127.0.0.1:1000", False, 1.0, steady) is None  # not yet
+    # Its exchange with the dead slice failed: it asks to re-form, and goes on alone.
+    quorum = clients[0].request(1, "127.0.0.1:1000", True, timeout_s=3.0)
+    assert quorum is not None and quorum.slices == (0,)
+    assert quorum.quorum_id != steady.quorum_id
 
 
 def test_no_server_is_none_within_the_bound():
@@ -174,3 +219,79 @@ def test_a_slice_not_in_the_last_quorum_when_the_run_finishes_is_ended(tmp_path)
     with open(tmp_path / "events.jsonl") as f:
         exits = [e for e in map(json.loads, f) if e["type"] == "elastic_slice_exit"]
     assert [(e["slice"], e["reason"]) for e in exits] == [(1, "the run finished before it joined")]
+
+
+# A slice stand-in: runs for a while, then writes the `stop` event a finished worker writes.
+_FINISHING_SLICE = (
+    "import json, os, sys, time; time.sleep(float(sys.argv[2])); "
+    "f = open(os.path.join(sys.argv[1], 'events.jsonl'), 'a'); "
+    "f.write(json.dumps({'type': 'stop', 'pid': os.getpid(), 'exit_code': 0}) + '\\n')"
+)
+
+
+def _elastic_supervisor(workdir, token, sleep_s=2.0):
+    import io
+    import sys
+
+    from resilient_jax.config import default_config
+    from resilient_jax.control.elastic import ElasticSupervisor
+
+    config = default_config()
+    config.elastic.slices = 2
+    config.coordinator.startup_timeout_s = 1.0
+    return ElasticSupervisor(
+        config,
+        lambda slice_id, slice_dir: [
+            sys.executable,
+            "-c",
+            _FINISHING_SLICE,
+            slice_dir,
+            str(sleep_s),
+        ],
+        str(workdir),
+        devices_per_process=1,
+        out=io.StringIO(),
+        token=token,
+    )
+
+
+def test_a_supervisor_started_again_takes_over_the_running_slices(tmp_path):
+    """The supervisor's process dies with its slices running: one started again on the workdir
+    listens on the same quorum address, adopts both (none restarted) and sees them finish."""
+    import json
+
+    first = _elastic_supervisor(tmp_path, TOKEN)
+    first.start_slice(0)
+    first.start_slice(1)
+    pids = {s: w.pid for s, w in first.workers.items()}
+    address = first.quorum.address
+    first.quorum.close()  # its process died: nothing else of it runs
+    second = _elastic_supervisor(tmp_path, TOKEN)
+    assert second.quorum.address == address
+    result = second.run(time_limit_s=30)
+    for worker in first.workers.values():
+        worker.wait(timeout=5)  # reaped here: in the test, this process is still their parent
+    assert (result.exit_code, result.replacements) == (0, 0), result
+    assert second.adopted == [0, 1]
+    with open(tmp_path / "events.jsonl") as f:
+        events = [e for e in map(json.loads, f) if e["type"].startswith("elastic_slice")]
+    assert [(e["type"], e["slice"], e["pid"]) for e in events] == [
+        ("elastic_slice_start", 0, pids[0]),
+        ("elastic_slice_start", 1, pids[1]),
+        ("elastic_slice_adopted", 0, pids[0]),
+        ("elastic_slice_adopted", 1, pids[1]),
+    ]
+
+
+def test_a_supervisor_with_another_token_does_not_take_over(tmp_path):
+    from resilient_jax.control.elastic import TakeoverError
+
+    first = _elastic_supervisor(tmp_path, TOKEN, sleep_s=30.0)
+    first.start_slice(0)
+    first.quorum.close()
+    try:
+        with pytest.raises(TakeoverError, match="another run token"):
+            _elastic_supervisor(tmp_path, "u" * 32)
+    finally:
+        first.workers[0].kill()
+        first.workers[0].wait(timeout=5)

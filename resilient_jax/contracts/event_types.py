@@ -80,6 +80,11 @@ class EventType(Name):
     # slice, exit_code, reason (ended by the supervisor: the run finished before it joined)
     ELASTIC_SLICE_START = "elastic_slice_start"
     ELASTIC_SLICE_EXIT = "elastic_slice_exit"
+    # slice, pid: a restarted elastic supervisor took over a slice still running (not restarted)
+    ELASTIC_SLICE_ADOPTED = "elastic_slice_adopted"
+    # slices, quorum_id, carried_over (the slices' own quorum kept: no group re-formed), after_s
+    # (from listening again to the first quorum): the adopted slices are back in a quorum
+    ELASTIC_RECONNECTED = "elastic_reconnected"
     ELASTIC_EXCHANGE_FAILED = (
         "elastic_exchange_failed"  # step, quorum_id, error: the step is redone
     )

@@ -9,7 +9,9 @@ step boundary and takes its part back. Each slice writes into `<workdir>/slices/
 metrics, its own checkpoints, and its output in `output.log`: no pipe through this process, so a
 slice outlives it). The job is done when every slice has exited 0; it fails when every
 slice has failed more than `max_restarts` times in all. The quorum server lives in this process;
-the workers keep their last quorum while it is away (`elastic.trainer`).
+the workers keep their last quorum while it is away (`elastic.trainer`). Started again on the same
+workdir with the same run token (`RJ_RUN_TOKEN` or `RJ_RUN_TOKEN_FILE`), it takes over the slices
+still running (`elastic_state`): same quorum address, no slice restarted.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import ml_collections
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.control import compile_cache, processes
+from resilient_jax.control import agent_protocol, compile_cache, elastic_state, processes, protocol
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.worker_env import shared_env
 from resilient_jax.events import EventLog
@@ -48,6 +50,10 @@ class ElasticResult:
     exit_code: int
     reason: str
     replacements: int
+
+
+class TakeoverError(ValueError):
+    """The slices still running in the workdir cannot be taken over (another run token)."""
 
 
 class ElasticSupervisor:
@@ -71,12 +77,28 @@ class ElasticSupervisor:
         self._restart_delay_s = restart_delay_s
         limit = config.coordinator.max_restarts if max_restarts is None else max_restarts
         self._max_restarts = int(limit)
-        self._token = token or secrets.token_hex(16)
+        self._token = token or agent_protocol.read_token(os.environ) or secrets.token_hex(16)
         self._out = out if out is not None else sys.stdout
         os.makedirs(workdir, exist_ok=True)
         self._events = EventLog(workdir, process="supervisor", source="supervisor")
+        # A job whose supervisor died: its running slices are taken over, on the same address.
+        self._previous = elastic_state.read_state(workdir)
+        self._adoptable = self._previous.running() if self._previous else {}
+        if self._adoptable:
+            assert self._previous is not None
+            if self._previous.token_sha256 != elastic_state.token_digest(self._token):
+                raise TakeoverError(
+                    f"slices {sorted(self._adoptable)} of {workdir} run with another run token: "
+                    "start the supervisor again with the job's RJ_RUN_TOKEN or RJ_RUN_TOKEN_FILE"
+                )
+        host, port = "127.0.0.1", 0
+        if self._adoptable:
+            assert self._previous is not None
+            host, port = protocol.split_address(self._previous.address)
         self.quorum = QuorumServer(
             self._token,
+            host,
+            port,
             join_timeout_s=float(config.elastic.join_timeout_s),
             expected=self._slices,
             # the first quorum waits for every slice to have started (or this long)
@@ -90,7 +112,10 @@ class ElasticSupervisor:
         env.pop(env_vars.SUPERVISOR_PID, None)  # a slice outlives this process
         env[env_vars.QUORUM_ADDRESS] = self.quorum.address
         self._env = env
-        self.workers: dict[int, subprocess.Popen[bytes]] = {}
+        self.workers: dict[int, subprocess.Popen[bytes] | elastic_state.AdoptedWorker] = {}
+        self.adopted: list[int] = []
+        self._listening_since = time.monotonic()
+        self._reconnected = False
         self._restart_at: dict[int, float] = {}
         self._done: set[int] = set()
         self._replacements = 0
@@ -114,14 +139,17 @@ class ElasticSupervisor:
                 start_new_session=True,  # ended by PID with its children
             )
         self.workers[slice_id] = worker
+        self._save_state()
         self._events.emit(EventType.ELASTIC_SLICE_START, slice=slice_id, pid=worker.pid)
         self._say(f"slice {slice_id} started (pid {worker.pid}, output in {workdir}/output.log)")
 
     def run(self, time_limit_s: float | None = None, poll_s: float = 0.05) -> ElasticResult:
         deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         try:
+            self._take_over()
             for slice_id in range(self._slices):
-                self.start_slice(slice_id)
+                if slice_id not in self.workers and slice_id not in self._done:
+                    self.start_slice(slice_id)
             return self._watch(deadline, poll_s)
         finally:
             self._stop_all()
@@ -140,12 +168,14 @@ class ElasticSupervisor:
                 del self.workers[slice_id]
                 if code == 0:
                     self._done.add(slice_id)
+                    self._save_state()
                     # The run's last step is trained: a replacement still waiting to start, or
                     # started but not yet joined, would find no live slice to heal from and
                     # train the whole run again alone.
                     self._restart_at.clear()
                     self._stop_unjoined()
                     continue
+                self._save_state()
                 failures += 1
                 self._events.emit(
                     EventType.ELASTIC_SLICE_EXIT, slice=slice_id, exit_code=code, failures=failures
@@ -163,6 +193,8 @@ class ElasticSupervisor:
                     del self._restart_at[slice_id]
                     self._replacements += 1
                     self.start_slice(slice_id)
+            if self.adopted and not self._reconnected and self.quorum.decided:
+                self._report_reconnected()
             if not self.workers and not self._restart_at:
                 if self._done:
                     return ElasticResult(0, "finished", self._replacements)
@@ -178,11 +210,12 @@ class ElasticSupervisor:
 
     def _stop_unjoined(self) -> None:
         """Ends the slices that are not in the last quorum (replacements still starting)."""
-        last = self.quorum.decided[-1]["slices"] if self.quorum.decided else []
+        last = self.quorum.last_slices() or self.adopted
         for slice_id, worker in list(self.workers.items()):
             if slice_id in last:
                 continue
             del self.workers[slice_id]
+            self._save_state()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -194,6 +227,50 @@ class ElasticSupervisor:
                 reason="the run finished before it joined",
             )
             self._say(f"slice {slice_id} stopped: the run finished before it joined")
+
+    def _take_over(self) -> None:
+        """Adopts the slices of an earlier supervisor of this job still running; one that
+        finished the run (its worker's `stop` event says exit 0) stays done."""
+        if not self._adoptable:
+            self._save_state()
+            return
+        assert self._previous is not None
+        self._done.update(self._previous.done)
+        for slice_id, record in sorted(self._previous.slices.items()):
+            slice_dir = slice_workdir(self._workdir, slice_id)
+            if slice_id in self._adoptable:
+                self.workers[slice_id] = elastic_state.AdoptedWorker(record, slice_dir)
+                self.adopted.append(slice_id)
+                self._events.emit(EventType.ELASTIC_SLICE_ADOPTED, slice=slice_id, pid=record.pid)
+                self._say(f"slice {slice_id} adopted (pid {record.pid}, still running)")
+            elif elastic_state.stop_exit_code(slice_dir, record.pid) == 0:
+                self._done.add(slice_id)
+        self._save_state()
+
+    def _report_reconnected(self) -> None:
+        self._reconnected = True
+        first = self.quorum.decided[0]
+        after_s = first["monotonic"] - self._listening_since
+        self._events.emit(
+            EventType.ELASTIC_RECONNECTED,
+            slices=first["slices"],
+            quorum_id=first["quorum_id"],
+            carried_over=first["carried_over"],
+            after_s=after_s,
+        )
+        self._say(f"slices {first['slices']} back in a quorum {after_s:.2f} s after the takeover")
+
+    def _save_state(self) -> None:
+        elastic_state.write_state(
+            self._workdir,
+            elastic_state.ElasticState(
+                address=self.quorum.address,
+                supervisor_pid=os.getpid(),
+                token_sha256=elastic_state.token_digest(self._token),
+                slices=elastic_state.slice_records(self.workers),
+                done=sorted(self._done),
+            ),
+        )
 
     def _stop_all(self) -> None:
         workers = list(self.workers.values())

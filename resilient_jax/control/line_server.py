@@ -43,6 +43,8 @@ class LineServer:
         return f"{host}:{port}"
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return  # closed already
         self._stop.set()
         self._thread.join(timeout=2.0)
         for key in list(self._selector.get_map().values()):

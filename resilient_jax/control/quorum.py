@@ -11,10 +11,15 @@ only when a member asks to re-form (its exchange failed, so the silent one is de
 
 A quorum keeps its id while its members, their steps and their groups stay the same, so a steady
 job forms its exchange group once; any change (a slice lost or joining, a member behind the others,
-a member whose group broke) gets a new id, unique across restarts of this server. A freshly started
-server waits up to `settle_s` for `expected` slices to connect before deciding the first quorum,
-so a restarted server does not split the job in two. The message format is JSON lines with the
-run token (`protocol.encode`); no JAX and no torch here.
+a member whose group broke) gets a new id, unique across restarts of this server.
+
+A freshly started server decides nothing until the job's slices are back: `expected` of them, and
+every member of the quorum that a training slice says it is on (its request carries that quorum).
+Until then (at most `settle_s`) a slice that is training on a quorum gets "no quorum" at once and
+trains on with it, and a starting one waits; so a restarted server neither splits the job in two
+nor stalls it. Once they are all back, a quorum that every one of them is on, at one step, is
+taken over with its id: the slices' exchange group stays as it is. The message format is JSON
+lines with the run token (`protocol.encode`); no JAX and no torch here.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class _Request:
     step: int
     store: str
     reform: bool
+    # The quorum a slice is training on (id, slices), None when it has none that works.
+    last: tuple[str, tuple[int, ...]] | None
 
 
 class QuorumServer(LineServer):
@@ -66,6 +73,8 @@ class QuorumServer(LineServer):
         self._nonce = f"{os.getpid():x}-{time.time_ns():x}"
         self._count = 0
         self._last: tuple[str, tuple[tuple[int, int], ...]] | None = None
+        self._known: set[int] = set()  # before the first quorum: members of the slices' quorums
+        self._deferred = -1  # before the first quorum: the last step answered "no quorum yet"
         self._lock = threading.Lock()
         self.decided: list[dict[str, Any]] = []  # every quorum sent: time, id, slices, steps
         self._start()
@@ -73,6 +82,14 @@ class QuorumServer(LineServer):
     def connected_slices(self) -> list[int]:
         with self._lock:
             return sorted(set(self._slice_of.values()))
+
+    def last_slices(self) -> list[int]:
+        """The slices of the last quorum sent; before the first, those of the quorum the
+        slices that asked are training on (a restarted server learns it from them)."""
+        with self._lock:
+            if self._last is not None:
+                return [slice_id for slice_id, _ in self._last[1]]
+            return sorted(self._known)
 
     # The server thread.
 
@@ -94,11 +111,17 @@ class QuorumServer(LineServer):
             if message.get("type") != MSG_QUORUM:
                 return False
             slice_id, step = int(message["slice"]), int(message["step"])
-            request = _Request(conn, step, str(message["store"]), bool(message.get("reform")))
+            last = message.get("last")
+            if last is not None:
+                last = (str(last["quorum_id"]), tuple(sorted(int(s) for s in last["slices"])))
+            reform = bool(message.get("reform"))
+            request = _Request(conn, step, str(message["store"]), reform, last)
         except (ValueError, KeyError, TypeError, AttributeError):
             return False
         with self._lock:
             self._slice_of[conn] = slice_id
+            if self._last is None and last is not None:
+                self._known.update(last[1])
         if not self._pending:
             self._first_pending_at = time.monotonic()
         self._pending[slice_id] = request
@@ -110,46 +133,67 @@ class QuorumServer(LineServer):
         now = time.monotonic()
         with self._lock:
             connected = set(self._slice_of.values())
-        first = self._last is None
-        if first and now < self._settle_until and len(connected) < self._expected:
-            return  # a fresh server: wait for the job's slices to (re)connect
-        if connected <= set(self._pending):
-            self._decide()
-            return
+            missing = len(connected) < self._expected or not self._known <= connected
         reform = any(r.reform for r in self._pending.values())
         if reform and now - self._first_pending_at >= self._join_timeout_s:
             self._decide()
+            return
+        waiting = self._last is None and now < self._settle_until and missing
+        if self._last is None:
+            # A fresh server: until the job's slices are back, those training on a quorum go on
+            # with it. Whoever asks for a step at which one was told so is told so too: its
+            # peers will not ask again before that step's exchange.
+            for slice_id, request in list(self._pending.items()):
+                if request.last is not None and (waiting or request.step <= self._deferred):
+                    self._deferred = max(self._deferred, request.step)
+                    self._answer(self._pending.pop(slice_id), None)
+        if waiting or not self._pending:
+            return
+        if connected <= set(self._pending):
+            self._decide()
+
+    def _answer(self, request: _Request, quorum: dict[str, Any] | None) -> None:
+        if not self._send(request.conn, protocol.encode({"type": MSG_QUORUM, "quorum": quorum})):
+            self._drop(request.conn)
 
     def _decide(self) -> None:
         members = sorted(self._pending.items())
         shape = tuple((slice_id, r.step) for slice_id, r in members)
+        slices = tuple(slice_id for slice_id, _ in shape)
         steps = {r.step for _, r in members}
-        same = (
-            self._last is not None
-            and tuple(s for s, _ in self._last[1]) == tuple(s for s, _ in shape)
-            and len(steps) == 1
-            and not any(r.reform for _, r in members)
-        )
-        if same:
-            assert self._last is not None
-            quorum_id = self._last[0]
+        steady = len(steps) == 1 and not any(r.reform for _, r in members)
+        if self._last is not None:
+            last_slices = tuple(s for s, _ in self._last[1])
+            same_id = self._last[0] if steady and last_slices == slices else None
+        else:  # the first quorum of this server: the one every member is on, if any
+            lasts = {r.last for _, r in members}
+            carried = lasts.pop() if len(lasts) == 1 else None
+            fits = steady and carried is not None and carried[1] == slices
+            same_id = carried[0] if fits and carried is not None else None
+        if same_id is not None:
+            quorum_id = same_id
         else:
             self._count += 1
             quorum_id = f"{self._nonce}-{self._count}"
-        self._last = (quorum_id, shape)
+        with self._lock:
+            first = self._last is None
+            self._last = (quorum_id, shape)
         quorum = {
             "quorum_id": quorum_id,
             "members": [
                 {"slice": slice_id, "step": r.step, "store": r.store} for slice_id, r in members
             ],
         }
-        reply = protocol.encode({"type": MSG_QUORUM, "quorum": quorum})
-        if not same:
+        if same_id is None or first:
             self.decided.append(
-                {"time": time.time(), "quorum_id": quorum_id, "slices": [s for s, _ in shape]}
+                {
+                    "time": time.time(),
+                    "monotonic": time.monotonic(),
+                    "quorum_id": quorum_id,
+                    "slices": list(slices),
+                    "carried_over": same_id is not None,
+                }
             )
-        requests = [r for _, r in members]
         self._pending.clear()
-        for request in requests:
-            if not self._send(request.conn, reply):
-                self._drop(request.conn)
+        for _, request in members:
+            self._answer(request, quorum)

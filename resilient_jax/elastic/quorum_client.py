@@ -3,7 +3,9 @@
 One connection, kept open (the server takes a closed one for a dead slice). Every wait is bounded;
 an unreachable server is not an error here but `None`, so that the caller can keep training on its
 last quorum while the supervisor is away, and reconnection is tried again at most every
-`retry_s`, so that an absent server costs a step nothing.
+`retry_s`, so that an absent server costs a step nothing. A slice training on a quorum says which
+(`last`): a restarted server rebuilds the membership from what the slices tell it, and answers
+"no quorum yet" (None here) at once until they are all back.
 """
 
 from __future__ import annotations
@@ -27,9 +29,12 @@ class QuorumClient:
         self._buffer = b""
         self._next_attempt = 0.0
 
-    def request(self, step: int, store: str, reform: bool, timeout_s: float) -> Quorum | None:
+    def request(
+        self, step: int, store: str, reform: bool, timeout_s: float, last: Quorum | None = None
+    ) -> Quorum | None:
         """The quorum of `step` (this slice's state has applied `step` steps), or None when the
-        server cannot be reached or does not answer within `timeout_s`."""
+        server cannot be reached, does not answer within `timeout_s`, or (to a slice training on
+        `last`) has no quorum yet."""
         if self._sock is None and not self._connect():
             return None
         assert self._sock is not None
@@ -41,6 +46,8 @@ class QuorumClient:
             "store": store,
             "reform": reform,
         }
+        if last is not None:
+            message["last"] = {"quorum_id": last.quorum_id, "slices": list(last.slices)}
         deadline = time.monotonic() + timeout_s
         try:
             self._sock.settimeout(timeout_s)
@@ -59,7 +66,7 @@ class QuorumClient:
             return None
         line, _, self._buffer = self._buffer.partition(b"\n")
         reply = json.loads(line)
-        return Quorum.from_json(reply["quorum"])
+        return None if reply["quorum"] is None else Quorum.from_json(reply["quorum"])
 
     def _connect(self) -> bool:
         now = time.monotonic()

@@ -140,7 +140,10 @@ class ElasticStep:
         reform = self._broken and self._quorum is not None
         while True:
             # The server answers once every connected slice has asked: about a step at most.
-            quorum = self._client.request(step, self._store, reform, float(self._e.timeout_s))
+            # A slice training on a quorum says which: a restarted server rebuilds from that.
+            last = None if self._broken else self._quorum
+            timeout_s = float(self._e.timeout_s)
+            quorum = self._client.request(step, self._store, reform, timeout_s, last)
             if quorum is not None:
                 self._decided = (step, quorum)
                 return quorum
