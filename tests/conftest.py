@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import socket
 import subprocess
 import sys
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -259,6 +261,61 @@ def supervise_tiny_cpu(
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     return result.exit_code, events
+
+
+def supervise_elastic(
+    workdir: str, overrides: dict, during=None, restart_delay_s: float = 1.0, time_limit_s=400
+):
+    """`configs/tiny_cpu.py` with `overrides` in elastic mode under the elastic supervisor (in a
+    thread; one single-process slice of 2 devices per part): its result, once done.
+    `during(supervisor)` is called every 50 ms meanwhile and returns True once it has acted."""
+    import io
+    import runpy
+    import threading
+
+    from resilient_jax.control.elastic import ElasticSupervisor
+
+    config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
+    config.update_from_flattened_dict(overrides)
+
+    def argv(slice_id: int, slice_dir: str) -> list[str]:
+        flags = as_flags(overrides)
+        return [
+            sys.executable,
+            "launch/train.py",
+            "--config=configs/tiny_cpu.py",
+            f"--workdir={slice_dir}",
+            *flags,
+        ]
+
+    supervisor = ElasticSupervisor(
+        config,
+        argv,
+        workdir,
+        devices_per_process=2,
+        out=io.StringIO(),
+        restart_delay_s=restart_delay_s,
+        cwd=REPO,
+    )
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(time_limit_s)))
+    thread.start()
+    while thread.is_alive():
+        if during is not None and during(supervisor):
+            during = None
+        time.sleep(0.05)
+    thread.join()
+    return result["r"]
+
+
+def slice_events(workdir: str, slice_id: int, kind: str) -> list[dict]:
+    """The events of one type of one slice of an elastic run (complete lines only)."""
+    path = os.path.join(workdir, "slices", str(slice_id), "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.endswith("\n")]
+    return [e for e in rows if e["type"] == kind]
 
 
 def events_of(workdir: str, kind: str) -> list[dict]:

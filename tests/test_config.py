@@ -113,6 +113,9 @@ def test_launcher_exits_2_with_one_line(tmp_path, flag, message):
         ({"elastic.slices": 3}, r"elastic.slices=3 is invalid: must divide global_batch_size=16"),
         ({"elastic.timeout_s": 0.0}, r"elastic.timeout_s=0.0 is invalid: must be > 0"),
         ({"elastic.backend": "nccl"}, r"elastic.backend='nccl' is invalid: allowed: gloo"),
+        ({"elastic.sync_every_steps": 0}, r"elastic.sync_every_steps=0 is invalid: must be an"),
+        ({"elastic.outer_learning_rate": 0.0}, r"elastic.outer_learning_rate=0.0 is invalid"),
+        ({"elastic.outer_momentum": 1.0}, r"elastic.outer_momentum=1.0 is invalid: must be in"),
         (
             {"model.moe.num_experts": 2},
             r"elastic.enabled=True is invalid: elastic mode trains dense",
@@ -122,3 +125,8 @@ def test_launcher_exits_2_with_one_line(tmp_path, flag, message):
 def test_elastic_mode_refuses_what_it_cannot_run(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config_lib.validate(tiny_config(**{"elastic.enabled": True, **overrides}))
+
+
+def test_a_sync_interval_needs_elastic_mode():
+    with pytest.raises(ConfigError, match=r"elastic.sync_every_steps=4 is invalid: needs elastic"):
+        config_lib.validate(tiny_config(**{"elastic.sync_every_steps": 4}))

@@ -270,6 +270,13 @@ def default_config() -> ml_collections.ConfigDict:
     # waits for a quorum before it exits non-zero
     c.elastic.quorum_timeout_s = 120.0
     c.elastic.check_every_steps = 0  # a sha256 of the parameters in every Nth step's event; 0 = off
+    # Sync interval (DiLoCo): every slice takes this many inner steps with its own optimizer on
+    # its share of each global batch, then the slices average their parameter deltas and an outer
+    # optimizer (SGD, Nesterov momentum) moves the shared parameters. 1 = exchange the gradients
+    # of every step (the same bits as without the key).
+    c.elastic.sync_every_steps = 1
+    c.elastic.outer_learning_rate = 0.7  # the outer optimizer's learning rate (DiLoCo's 0.7)
+    c.elastic.outer_momentum = 0.9  # its Nesterov momentum, in [0, 1)
 
     # A jax.profiler trace of some steps into <workdir>/profile/ (resilient_jax.train.profile).
     c.profile = ml_collections.ConfigDict()

@@ -356,8 +356,17 @@ def _validate_tokenizer_and_mixture(d: ml_collections.ConfigDict) -> None:
 
 def _validate_elastic(config: ml_collections.ConfigDict) -> None:
     e = config.elastic
+    every = e.sync_every_steps
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        _fail("elastic.sync_every_steps", e.sync_every_steps, "must be an integer >= 1")
     if not e.enabled:
+        if e.sync_every_steps != 1:
+            _fail("elastic.sync_every_steps", e.sync_every_steps, "needs elastic.enabled=true")
         return
+    if not e.outer_learning_rate > 0:
+        _fail("elastic.outer_learning_rate", e.outer_learning_rate, "must be > 0")
+    if not 0 <= e.outer_momentum < 1:
+        _fail("elastic.outer_momentum", e.outer_momentum, "must be in [0, 1)")
     _check_positive(config, "elastic.slices")
     for key in ("timeout_s", "join_timeout_s", "quorum_timeout_s"):
         if not e[key] > 0:

@@ -93,3 +93,7 @@ class EventType(Name):
     # step, quorum_id, slices, owned (the global batch's parts this slice computed), digest
     # (sha256 of the parameters, every elastic.check_every_steps), exchange_s
     ELASTIC_STEP = "elastic_step"
+    # With a sync interval: step, from_step, quorum_id, owned (a failed sync's round, trained
+    # again from its start under the new quorum); elastic_step then carries synced (the round's
+    # outer step was made)
+    ELASTIC_ROUND_REDONE = "elastic_round_redone"

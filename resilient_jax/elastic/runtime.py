@@ -19,6 +19,7 @@ from resilient_jax.config import BadInput
 from resilient_jax.contracts import env_vars
 from resilient_jax.data.position import DataPosition
 from resilient_jax.elastic.data import StepIndex
+from resilient_jax.elastic.diloco import SyncIntervalStep
 from resilient_jax.elastic.exchange import make_exchange
 from resilient_jax.elastic.quorum_client import QuorumClient
 from resilient_jax.elastic.trainer import ElasticStep
@@ -59,7 +60,8 @@ def start(
     client = QuorumClient(address, environ.get(env_vars.RUN_TOKEN, ""), slice_id)
     session = ElasticSession(exchange, client)
     try:
-        step = ElasticStep(ctx, source, exchange, exchange.store_address, client, slice_id)
+        kind = SyncIntervalStep if int(e.sync_every_steps) > 1 else ElasticStep
+        step = kind(ctx, source, exchange, exchange.store_address, client, slice_id)
         state, position = step.join(state, position)
     except BaseException:
         session.close()

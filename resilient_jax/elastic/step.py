@@ -9,6 +9,9 @@ a lost or returning slice changes how many parts a slice computes, never a shape
 the per-process executable cache (`resilient_jax.executables`, keyed like the train step), so a
 replacement slice loads what the slice it replaces compiled instead of compiling it again.
 
+With a sync interval (`elastic.sync_every_steps` > 1) the slices exchange, every H steps, the
+delta of their parameters from the outer ones (`delta`), and `outer` makes the outer step.
+
 `state_bytes` / `state_from_bytes` turn the state into one uint8 buffer and back, for a joining
 slice to heal from a live one (device to host, the exchange's broadcast, host to device).
 """
@@ -24,6 +27,7 @@ from jax.flatten_util import ravel_pytree
 from resilient_jax import executables
 from resilient_jax import mesh as mesh_lib
 from resilient_jax.train.context import RunContext
+from resilient_jax.train.outer import nesterov_step
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import Metrics, make_gradient_sums, make_update
 
@@ -123,3 +127,54 @@ def state_from_bytes(ctx: RunContext, buffer: np.ndarray) -> TrainState:
         arrays.append(jax.device_put(host, a.sharding))
         offset += size
     return jax.tree.unflatten(tree, arrays)
+
+
+def compile_delta(ctx: RunContext):
+    """state -> flat float32 [num_params]: the outer parameters minus this slice's inner ones
+    (the sync interval's "outer gradient"; `train.outer`)."""
+
+    def fn(state: TrainState) -> jax.Array:
+        delta = jax.tree.map(
+            lambda outer, inner: outer.astype(jnp.float32) - inner.astype(jnp.float32),
+            state.opt_state.params,
+            state.params,
+        )
+        return ravel_pytree(delta)[0]
+
+    shardings = jax.tree.map(lambda a: a.sharding, ctx.abstract_state)
+    jitted = jax.jit(fn, in_shardings=(shardings,), out_shardings=mesh_lib.replicated(ctx.mesh))
+    return jitted.lower(ctx.abstract_state).compile()
+
+
+def compile_outer(ctx: RunContext):
+    """(state, mean delta [num_params]) -> state: the outer step (Nesterov SGD), and the inner
+    parameters restarted from the new outer ones."""
+    e = ctx.config.elastic
+    learning_rate, beta = float(e.outer_learning_rate), float(e.outer_momentum)
+
+    def fn(state: TrainState, mean_delta: jax.Array) -> TrainState:
+        o = state.opt_state
+        _, unravel = ravel_pytree(o.params)
+        outer, momentum = nesterov_step(
+            o.params, o.momentum, unravel(mean_delta), learning_rate, beta
+        )
+        return state.replace(params=outer, opt_state=o._replace(params=outer, momentum=momentum))
+
+    shardings = jax.tree.map(lambda a: a.sharding, ctx.abstract_state)
+    replicated = mesh_lib.replicated(ctx.mesh)
+    num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(ctx.abstract_state.params))
+    mean = jax.ShapeDtypeStruct((num_params,), jnp.float32, sharding=replicated)
+    jitted = jax.jit(
+        fn, in_shardings=(shardings, replicated), out_shardings=shardings, donate_argnums=0
+    )
+    return jitted.lower(ctx.abstract_state, mean).compile()
+
+
+def host_copy(state: TrainState) -> TrainState:
+    """The state on the host, in arrays of its own (the device's may be donated later)."""
+    return jax.tree.map(lambda a: np.array(a, copy=True), jax.device_get(state))
+
+
+def to_device(ctx: RunContext, host: TrainState) -> TrainState:
+    """A `host_copy` back on this slice's mesh with the run's shardings."""
+    return jax.device_put(host, jax.tree.map(lambda a: a.sharding, ctx.abstract_state))

@@ -228,9 +228,11 @@ class ElasticStep:
             buffer[part] = np.asarray(vector)
         return buffer
 
-    def _report(self, state: TrainState, quorum: Quorum, owned: list[int], exchange_s: float):
+    def _report(
+        self, state: TrainState, quorum: Quorum, owned: list[int], exchange_s: float, **extra: Any
+    ):
         every = int(self._e.check_every_steps)
-        fields: dict[str, Any] = {}
+        fields: dict[str, Any] = dict(extra)
         if every and self._step % every == 0:
             fields["digest"] = hashlib.sha256(
                 elastic_step.state_bytes(state.params).tobytes()

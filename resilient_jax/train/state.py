@@ -21,6 +21,7 @@ from resilient_jax import mesh as mesh_lib
 from resilient_jax.model import ModelConfig, Transformer
 from resilient_jax.train.galore import galore
 from resilient_jax.train.in_band import HealthStats
+from resilient_jax.train.outer import with_outer_state
 
 
 @flax.struct.dataclass
@@ -103,7 +104,9 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
             mask=_decay_mask,
         )
     if o.grad_clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
+        adamw = optax.chain(optax.clip_by_global_norm(o.grad_clip_norm), adamw)
+    if config.elastic.enabled and config.elastic.sync_every_steps > 1:
+        return with_outer_state(adamw)  # the inner optimizer; the outer state rides beside it
     return adamw
 
 
