@@ -40,7 +40,7 @@ def test_the_outer_step_is_nesterov_sgd_on_the_mean_delta(tmp_path):
         },
     )
     ctx = run_context(config, str(tmp_path), devices=2)
-    outer_step = compile_outer(ctx)
+    outer_step, _ = compile_outer(ctx)
     state = init_state(config, ctx.mesh)
     flat = lambda tree: np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])
     outer, momentum = flat(state.opt_state.params), np.zeros_like(flat(state.params))

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from resilient_jax import executables
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.elastic import step as elastic_step
 from resilient_jax.elastic.data import owned_parts
@@ -51,10 +52,16 @@ class SyncIntervalStep(ElasticStep):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         start = time.perf_counter()
-        self._delta = elastic_step.compile_delta(self._ctx)
-        self._outer = elastic_step.compile_outer(self._ctx)
+        self._delta, delta_hit = elastic_step.compile_delta(self._ctx)
+        self._outer, outer_hit = elastic_step.compile_outer(self._ctx)
+        fields: dict[str, Any] = {}
+        if executables.default_dir():
+            fields["cache"] = "hit" if delta_hit and outer_hit else "miss"
         self._ctx.events.emit(
-            EventType.COMPILE, duration_s=time.perf_counter() - start, program="elastic_outer"
+            EventType.COMPILE,
+            duration_s=time.perf_counter() - start,
+            program="elastic_outer",
+            **fields,
         )
         self._every = int(self._e.sync_every_steps)
         self._round: _Round | None = None

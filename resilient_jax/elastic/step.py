@@ -129,9 +129,10 @@ def state_from_bytes(ctx: RunContext, buffer: np.ndarray) -> TrainState:
     return jax.tree.unflatten(tree, arrays)
 
 
-def compile_delta(ctx: RunContext):
+def compile_delta(ctx: RunContext) -> tuple[object, bool]:
     """state -> flat float32 [num_params]: the outer parameters minus this slice's inner ones
-    (the sync interval's "outer gradient"; `train.outer`)."""
+    (the sync interval's "outer gradient"; `train.outer`). Returns (compiled, loaded from the
+    cache)."""
 
     def fn(state: TrainState) -> jax.Array:
         delta = jax.tree.map(
@@ -143,12 +144,12 @@ def compile_delta(ctx: RunContext):
 
     shardings = jax.tree.map(lambda a: a.sharding, ctx.abstract_state)
     jitted = jax.jit(fn, in_shardings=(shardings,), out_shardings=mesh_lib.replicated(ctx.mesh))
-    return jitted.lower(ctx.abstract_state).compile()
+    return _load_or_compile(ctx, "elastic_delta", lambda: jitted.lower(ctx.abstract_state))
 
 
-def compile_outer(ctx: RunContext):
+def compile_outer(ctx: RunContext) -> tuple[object, bool]:
     """(state, mean delta [num_params]) -> state: the outer step (Nesterov SGD), and the inner
-    parameters restarted from the new outer ones."""
+    parameters restarted from the new outer ones. Returns (compiled, loaded from the cache)."""
     e = ctx.config.elastic
     learning_rate, beta = float(e.outer_learning_rate), float(e.outer_momentum)
 
@@ -162,12 +163,11 @@ def compile_outer(ctx: RunContext):
 
     shardings = jax.tree.map(lambda a: a.sharding, ctx.abstract_state)
     replicated = mesh_lib.replicated(ctx.mesh)
-    num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(ctx.abstract_state.params))
-    mean = jax.ShapeDtypeStruct((num_params,), jnp.float32, sharding=replicated)
+    mean = jax.ShapeDtypeStruct((num_params(ctx),), jnp.float32, sharding=replicated)
     jitted = jax.jit(
         fn, in_shardings=(shardings, replicated), out_shardings=shardings, donate_argnums=0
     )
-    return jitted.lower(ctx.abstract_state, mean).compile()
+    return _load_or_compile(ctx, "elastic_outer", lambda: jitted.lower(ctx.abstract_state, mean))
 
 
 def host_copy(state: TrainState) -> TrainState:
