@@ -64,6 +64,11 @@ class ElasticStrategy:
         return self.step_s * self.slices / live + self.exchange_s + self.save_s_per_step
 
 
+def _rounds(seconds: float, round_s: float, to_int) -> float:
+    """Whole rounds in `seconds` (rounded by `to_int`, at least 0); inf stays inf."""
+    return math.inf if math.isinf(seconds) else max(0, to_int(seconds / round_s))
+
+
 class _ElasticRun:
     def __init__(
         self, s: ElasticStrategy, cluster: Cluster, rng: np.random.Generator, horizon_s: float
@@ -88,9 +93,9 @@ class _ElasticRun:
             ready = min(self.ready, default=math.inf)
             # Whole rounds before each event: a failure strikes inside round k_fail + 1; a ready
             # replacement joins at the first boundary after it is ready.
-            k_fail = max(0, math.floor((self.next_failure_t - self.t) / round_s))
-            k_join = max(0, math.ceil((ready - self.t) / round_s)) if self.ready else math.inf
-            k_end = max(1, math.ceil((self.horizon_s - self.t) / round_s))
+            k_fail = _rounds(self.next_failure_t - self.t, round_s, math.floor)
+            k_join = _rounds(ready - self.t, round_s, math.ceil)
+            k_end = max(1, _rounds(self.horizon_s - self.t, round_s, math.ceil))
             k = min(k_fail, k_join, k_end)
             self._train(k * s.round_steps)
             if k == k_end and k < min(k_fail + 1, k_join + 1):
