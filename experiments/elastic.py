@@ -355,6 +355,16 @@ def analyze_chaos(workdir: str, kills: list[float]) -> dict[str, Any]:
         if start <= e["time"] <= end
     ]
     goodput = accounting.compute(events)
+    # The run's own rate with both slices (steps of the window in a quorum of both, not the
+    # first one after a join): what the window would have trained without faults, under the same
+    # background load as the faults met.
+    own = [e for e in slice_events(workdir, 0, "elastic_step") if start <= e["time"] <= end]
+    together = [
+        b["time"] - a["time"]
+        for a, b in itertools.pairwise(own)
+        if a["slices"] == b["slices"] == [0, 1] and a["quorum_id"] == b["quorum_id"]
+    ]
+    median_together = statistics.median(together)
     joins = [
         e["time"]
         for e in slice_events(workdir, 1, "elastic_heal")
@@ -366,6 +376,8 @@ def analyze_chaos(workdir: str, kills: list[float]) -> dict[str, Any]:
         "joins": len(joins),
         "steps_in_window": steps,
         "steps_per_s": steps / _CHAOS_S.value,
+        "median_step_both_slices_s": median_together,
+        "goodput_vs_own_rate": steps * median_together / _CHAOS_S.value,
         "kill_to_join_s": [j - k for k, j in zip(sorted(kills), sorted(joins), strict=False)],
         "steps_redone": len(
             [e for e in slice_events(workdir, 0, "elastic_exchange_failed") if e["time"] <= end]
@@ -398,21 +410,25 @@ def chaos_main(root: str) -> None:
             results[name] = chaos_run(workdir, kill)
     base, chaos = results["undisturbed"], results["kill_a_minute"]
     results["goodput_ratio"] = chaos["steps_in_window"] / base["steps_in_window"]
+    results["goodput_ratio_own_rate"] = chaos["goodput_vs_own_rate"] / base["goodput_vs_own_rate"]
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "elastic_chaos.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(
-        f"{'run':<14} {'steps':>6} {'steps/s':>8} {'kills':>5} {'joins':>5} {'slice0 goodput':>15}"
+        f"{'run':<14} {'steps':>6} {'steps/s':>8} {'step (2 slices) s':>18} "
+        f"{'vs own rate':>11} {'kills':>5} {'joins':>5} {'slice0 goodput':>15}"
     )
     for name in ("undisturbed", "kill_a_minute"):
         r = results[name]
         print(
-            f"{name:<14} {r['steps_in_window']:>6} {r['steps_per_s']:>8.3f} {r['kills']:>5} "
-            f"{r['joins']:>5} {r['slice0_goodput']:>15.3f}"
+            f"{name:<14} {r['steps_in_window']:>6} {r['steps_per_s']:>8.3f} "
+            f"{r['median_step_both_slices_s']:>18.3f} {r['goodput_vs_own_rate']:>11.3f} "
+            f"{r['kills']:>5} {r['joins']:>5} {r['slice0_goodput']:>15.3f}"
         )
     print(
         f"goodput ratio (steps in {_CHAOS_S.value:.0f} s against undisturbed): "
-        f"{results['goodput_ratio']:.3f}"
+        f"{results['goodput_ratio']:.3f}; against the run's own rate with both slices, relative "
+        f"to the undisturbed run's: {results['goodput_ratio_own_rate']:.3f}"
     )
     print(f"kill to join: {[round(x, 1) for x in chaos['kill_to_join_s']]} s")
     print(f"slice 0 badput (s): {chaos['slice0_badput_s']}")

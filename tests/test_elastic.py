@@ -21,8 +21,9 @@ from tests.conftest import REPO, SMALL, as_flags
 pytest.importorskip("torch")
 
 # Long enough for a replacement to start (imports, init, its steps loaded from the executable
-# cache: about 15 s on a busy 2-core host) while the survivor trains on alone (about 30 ms a step).
-STEPS = 1200
+# cache: 15 to 20 s on a busy 2-core host, it joined at steps 324 and 498 of 1200 in two runs)
+# while the survivor trains on alone (about 30 ms a step).
+STEPS = 2000
 KILL_AT = 5
 OVERRIDES = {
     **SMALL,
