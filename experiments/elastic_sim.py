@@ -212,7 +212,7 @@ def measured(failures: int, seed: int) -> dict[str, Any]:
     cluster = gm.Cluster(chips=2, chip_mtbf_s=120.0, host_loss_fraction=0.0, replicas=2)
     single = point(framework, cluster, failures, seed)
     kill = el["elastic_kill"]
-    replace = kill.get("replacement_start_to_heal_s")
+    replace = kill.get("replacement_spawn_to_heal_s")
     heal = kill.get("heal_transfer_s")
     local = framework.local
     assert local is not None
@@ -239,7 +239,7 @@ def measured(failures: int, seed: int) -> dict[str, Any]:
         "inputs": {
             "elastic": "results/elastic.json: elastic.median_step_s, elastic_kill.reform_s; "
             + (
-                "replacement_start_to_heal_s, heal_transfer_s"
+                "replacement_spawn_to_heal_s, heal_transfer_s"
                 if replace is not None and heal is not None
                 else "no replacement heal measured there yet: replace_s = the single "
                 "runtime's measured restart + compile, heal_s = 0"
