@@ -308,14 +308,14 @@ def supervise_elastic(
     return result["r"]
 
 
-def slice_events(workdir: str, slice_id: int, kind: str) -> list[dict]:
-    """The events of one type of one slice of an elastic run (complete lines only)."""
+def slice_events(workdir: str, slice_id: int, kind: str | None = None) -> list[dict]:
+    """The events (of one type, if given) of one slice of an elastic run (complete lines only)."""
     path = os.path.join(workdir, "slices", str(slice_id), "events.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.endswith("\n")]
-    return [e for e in rows if e["type"] == kind]
+    return [e for e in rows if kind is None or e["type"] == kind]
 
 
 def events_of(workdir: str, kind: str) -> list[dict]:

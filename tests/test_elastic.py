@@ -6,17 +6,12 @@ of the undisturbed run."""
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import signal
-import sys
-import threading
-import time
 
 import pytest
 
-from tests.conftest import REPO, SMALL, as_flags
+from tests.conftest import SMALL, slice_events, supervise_elastic
 
 pytest.importorskip("torch")
 
@@ -36,55 +31,15 @@ OVERRIDES = {
 
 
 def _events(workdir: str, slice_id: int, kind: str | None = None) -> list[dict]:
-    path = os.path.join(workdir, "slices", str(slice_id), "events.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.endswith("\n")]
-    return [e for e in rows if kind is None or e["type"] == kind]
+    return slice_events(workdir, slice_id, kind)
 
 
 def _digests(workdir: str, slice_id: int) -> dict[int, str]:
     return {e["step"]: e["digest"] for e in _events(workdir, slice_id, "elastic_step")}
 
 
-def _argv(workdir: str) -> list[str]:
-    return [
-        sys.executable,
-        "launch/train.py",
-        "--config=configs/tiny_cpu.py",
-        f"--workdir={workdir}",
-        *as_flags(OVERRIDES),
-    ]
-
-
-def _supervise(workdir: str, during=None, time_limit_s: float = 400, restart_delay_s: float = 1.0):
-    """Runs the elastic supervisor (in a thread) until done; `during(supervisor)` is called
-    every 50 ms meanwhile and returns True once it has done its part."""
-    import runpy
-
-    from resilient_jax.control.elastic import ElasticSupervisor
-
-    config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
-    config.update_from_flattened_dict(OVERRIDES)
-    supervisor = ElasticSupervisor(
-        config,
-        lambda slice_id, slice_dir: _argv(slice_dir),
-        workdir,
-        devices_per_process=2,
-        out=io.StringIO(),
-        restart_delay_s=restart_delay_s,
-        cwd=REPO,
-    )
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(time_limit_s)))
-    thread.start()
-    while thread.is_alive():
-        if during is not None and during(supervisor):
-            during = None
-        time.sleep(0.05)
-    thread.join()
-    return result["r"]
+def _supervise(workdir: str, during=None, restart_delay_s: float = 1.0):
+    return supervise_elastic(workdir, OVERRIDES, during=during, restart_delay_s=restart_delay_s)
 
 
 @pytest.fixture(scope="module")
