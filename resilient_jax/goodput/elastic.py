@@ -28,7 +28,7 @@ import math
 import numpy as np
 
 from resilient_jax.goodput.model import Cluster
-from resilient_jax.goodput.simulation import MonteCarlo, SimResult
+from resilient_jax.goodput.simulation import MonteCarlo, SimResult, summarize
 
 # Wall-time categories of an elastic run (they sum to the wall time).
 ELASTIC_CATEGORIES = (
@@ -170,11 +170,4 @@ def monte_carlo_elastic(
         simulate_elastic(strategy, cluster, horizon_s=horizon, seed=seed + r)
         for r in range(replicas)
     ]
-    values = [r.goodput for r in runs]
-    stderr = float(np.std(values, ddof=1) / math.sqrt(replicas)) if replicas > 1 else 0.0
-    return MonteCarlo(
-        goodput=float(np.mean(values)),
-        stderr=stderr,
-        failures=sum(r.failures for r in runs),
-        wall_s=sum(r.wall_s for r in runs),
-    )
+    return summarize(runs)

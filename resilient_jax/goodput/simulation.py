@@ -449,8 +449,14 @@ def monte_carlo(
         simulate(strategy, cluster, intervals, seed=seed + r, horizon_s=horizon)
         for r in range(replicas)
     ]
+    return summarize(runs)
+
+
+def summarize(runs: list[SimResult]) -> MonteCarlo:
+    """The mean goodput of seeded replica runs, with its standard error."""
     values = [r.goodput for r in runs]
-    stderr = float(np.std(values, ddof=1) / math.sqrt(replicas)) if replicas > 1 else 0.0
+    n = len(runs)
+    stderr = float(np.std(values, ddof=1) / math.sqrt(n)) if n > 1 else 0.0
     return MonteCarlo(
         goodput=float(np.mean(values)),
         stderr=stderr,
