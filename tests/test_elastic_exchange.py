@@ -46,10 +46,13 @@ def _run(slice_id: int, n: int, to_parent, from_parent) -> None:
     exchange.close()
 
 
-def _gather(queue, kind: str, n: int) -> dict[int, tuple]:
+def _gather(queues, kind: str, slices) -> dict[int, tuple]:
+    """One message of `kind` from each of `slices`, each on its own queue: a process killed
+    right after its last message can die holding its queue's write lock, which would block every
+    other writer of a shared queue for good."""
     out = {}
-    while len(out) < n:
-        message = queue.get(timeout=30)
+    for s in slices:
+        message = queues[s].get(timeout=30)
         assert message[0] == kind, message
         out[message[1]] = message[2:]
     return out
@@ -65,30 +68,30 @@ def _gather(queue, kind: str, n: int) -> dict[int, tuple]:
 def test_exchange_sums_aborts_on_a_dead_peer_and_reforms(fault):
     n = 3
     ctx = mp.get_context("spawn")
-    to_parent = ctx.Queue()
+    to_parent = [ctx.Queue() for _ in range(n)]
     from_parent = [ctx.Queue() for _ in range(n)]
-    procs = [ctx.Process(target=_run, args=(s, n, to_parent, from_parent[s])) for s in range(n)]
+    procs = [ctx.Process(target=_run, args=(s, n, to_parent[s], from_parent[s])) for s in range(n)]
     for p in procs:
         p.start()
     try:
-        stores = {s: v[0] for s, v in _gather(to_parent, "store", n).items()}
+        stores = {s: v[0] for s, v in _gather(to_parent, "store", range(n)).items()}
         for q in from_parent:
             q.put(stores)
-        sums = _gather(to_parent, "sum", n)
+        sums = _gather(to_parent, "sum", range(n))
         expected = sum(np.full(1000, 0.1 * (s + 1), np.float32) for s in range(n))
         bits = {v[0] for v in sums.values()}
         assert len(bits) == 1  # the same bits on every member
         np.testing.assert_allclose(np.frombuffer(bits.pop(), np.float32), expected, rtol=1e-6)
         assert all(v[1] == [0, 2, 4, 6, 8] for v in sums.values())  # rank 1's buffer
         os.kill(procs[-1].pid, fault)
-        aborted = _gather(to_parent, "dead_peer", n - 1)
+        aborted = _gather(to_parent, "dead_peer", range(n - 1))
         for outcome, waited_s in aborted.values():
             assert outcome.startswith("failed"), outcome
             # A killed peer resets its connections (at once); a hung one times out.
             bound = 0.5 if fault == signal.SIGKILL else TIMEOUT_S + 1.0
             assert waited_s < bound, waited_s
             print(f"aborted after {waited_s:.3f} s")
-        reformed = _gather(to_parent, "reformed", n - 1)
+        reformed = _gather(to_parent, "reformed", range(n - 1))
         assert [v[0] for v in reformed.values()] == [pytest.approx([0.3] * 3)] * (n - 1)
     finally:
         if procs[-1].is_alive():
