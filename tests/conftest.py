@@ -308,6 +308,21 @@ def supervise_elastic(
     return result["r"]
 
 
+# An elastic run of the SMALL model that writes a parameter digest every step, no checkpoints.
+ELASTIC_SMALL = {
+    **SMALL,
+    "elastic.enabled": True,
+    "elastic.check_every_steps": 1,
+    "checkpoint.every_steps": 0,
+    "checkpoint.local_every_steps": 0,
+}
+
+
+def slice_digests(workdir: str, slice_id: int) -> dict[int, str]:
+    """The parameter digest of each step of one slice of an elastic run, by step."""
+    return {e["step"]: e["digest"] for e in slice_events(workdir, slice_id, "elastic_step")}
+
+
 def slice_events(workdir: str, slice_id: int, kind: str | None = None) -> list[dict]:
     """The events (of one type, if given) of one slice of an elastic run (complete lines only)."""
     path = os.path.join(workdir, "slices", str(slice_id), "events.jsonl")

@@ -10,8 +10,7 @@ import os
 import signal
 
 import pytest
-
-from tests.conftest import SMALL, slice_events, supervise_elastic
+from conftest import ELASTIC_SMALL, slice_digests, slice_events, supervise_elastic
 
 pytest.importorskip("torch")
 
@@ -20,22 +19,7 @@ pytest.importorskip("torch")
 # while the survivor trains on alone (about 30 ms a step).
 STEPS = 2000
 KILL_AT = 5
-OVERRIDES = {
-    **SMALL,
-    "total_steps": STEPS,
-    "elastic.enabled": True,
-    "elastic.check_every_steps": 1,
-    "checkpoint.every_steps": 0,
-    "checkpoint.local_every_steps": 0,
-}
-
-
-def _events(workdir: str, slice_id: int, kind: str | None = None) -> list[dict]:
-    return slice_events(workdir, slice_id, kind)
-
-
-def _digests(workdir: str, slice_id: int) -> dict[int, str]:
-    return {e["step"]: e["digest"] for e in _events(workdir, slice_id, "elastic_step")}
+OVERRIDES = {**ELASTIC_SMALL, "total_steps": STEPS}
 
 
 def _supervise(workdir: str, during=None, restart_delay_s: float = 1.0):
@@ -52,15 +36,15 @@ def undisturbed(tmp_path_factory):
 
 @pytest.mark.slow
 def test_replicas_are_bitwise_equal_at_every_step(undisturbed):
-    digests = [_digests(undisturbed, s) for s in (0, 1)]
+    digests = [slice_digests(undisturbed, s) for s in (0, 1)]
     assert sorted(digests[0]) == list(range(1, STEPS + 1))
     assert digests[0] == digests[1]
-    assert len({e["quorum_id"] for e in _events(undisturbed, 0, "elastic_step")}) == 1
-    assert not _events(undisturbed, 0, "elastic_exchange_failed")
+    assert len({e["quorum_id"] for e in slice_events(undisturbed, 0, "elastic_step")}) == 1
+    assert not slice_events(undisturbed, 0, "elastic_exchange_failed")
 
 
 def _pids(workdir: str, slice_id: int) -> set[int]:
-    return {e["pid"] for e in _events(workdir, slice_id)}
+    return {e["pid"] for e in slice_events(workdir, slice_id)}
 
 
 @pytest.mark.slow
@@ -69,7 +53,7 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
     killed = {}
 
     def kill_slice_1(supervisor) -> bool:
-        if max(_digests(workdir, 1), default=0) < KILL_AT:
+        if max(slice_digests(workdir, 1), default=0) < KILL_AT:
             return False
         killed["pid"] = supervisor.workers[1].pid
         os.kill(killed["pid"], signal.SIGKILL)
@@ -82,12 +66,12 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
     # The survivor was never stopped: one process, every step once and in order, nothing
     # restored; at most the step in flight at the kill redone (its exchange failed, nothing was
     # applied; a kill while the survivor waits for its quorum costs none).
-    survivor = _events(workdir, 0, "elastic_step")
+    survivor = slice_events(workdir, 0, "elastic_step")
     assert len(_pids(workdir, 0)) == 1
     assert [e["step"] for e in survivor] == list(range(1, STEPS + 1))
-    assert len(_events(workdir, 0, "elastic_exchange_failed")) <= 1
+    assert len(slice_events(workdir, 0, "elastic_exchange_failed")) <= 1
     for slice_id in (0, 1):
-        assert not _events(workdir, slice_id, "restore")
+        assert not slice_events(workdir, slice_id, "restore")
 
     # Alone, it took over slice 1's part.
     alone = [e for e in survivor if e["slices"] == [0]]
@@ -96,13 +80,15 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
     # The replacement healed from the survivor (the state over the exchange) and joined at the
     # step it received; from there both train their own part again, together.
     replacement_pid = (_pids(workdir, 1) - {killed["pid"]}).pop()
-    heals = [e for e in _events(workdir, 1, "elastic_heal") if e["pid"] == replacement_pid]
+    heals = [e for e in slice_events(workdir, 1, "elastic_heal") if e["pid"] == replacement_pid]
     assert len(heals) == 1 and heals[0]["role"] == "received" and heals[0]["source_slice"] == 0
     joined_at = heals[0]["step"]
     assert KILL_AT < joined_at < STEPS, "the replacement did not join before the run ended"
-    sent = _events(workdir, 0, "elastic_heal")
+    sent = slice_events(workdir, 0, "elastic_heal")
     assert [(e["role"], e["step"]) for e in sent] == [("sent", joined_at)]
-    replacement = [e for e in _events(workdir, 1, "elastic_step") if e["pid"] == replacement_pid]
+    replacement = [
+        e for e in slice_events(workdir, 1, "elastic_step") if e["pid"] == replacement_pid
+    ]
     assert [e["step"] for e in replacement] == list(range(joined_at + 1, STEPS + 1))
     together = [e for e in survivor if e["step"] > joined_at]
     assert all(e["slices"] == [0, 1] and e["owned"] == [0] for e in together)
@@ -110,13 +96,13 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
 
     # Every step of every slice bitwise the undisturbed run's: the batch of a step is a function
     # of the step, every part is trained once whoever computes it, and the sums go in part order.
-    reference = _digests(undisturbed, 0)
-    assert _digests(workdir, 0) == reference
+    reference = slice_digests(undisturbed, 0)
+    assert slice_digests(workdir, 0) == reference
     healed = {e["step"]: e["digest"] for e in replacement}
     assert healed == {step: reference[step] for step in range(joined_at + 1, STEPS + 1)}
     before_kill = {
         e["step"]: e["digest"]
-        for e in _events(workdir, 1, "elastic_step")
+        for e in slice_events(workdir, 1, "elastic_step")
         if e["pid"] == killed["pid"]
     }
     assert before_kill and all(reference[step] == d for step, d in before_kill.items())

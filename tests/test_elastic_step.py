@@ -6,8 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
-from tests.conftest import events_of, run_context, tiny_config
+from conftest import events_of, run_context, tiny_config
 
 pytest.importorskip("torch")
 

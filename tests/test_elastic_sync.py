@@ -9,11 +9,11 @@ import signal
 import jax
 import numpy as np
 import pytest
-
-from tests.conftest import (
+from conftest import (
     SMALL,
     events_of,
     run_context,
+    slice_digests,
     slice_events,
     supervise_elastic,
     tiny_config,
@@ -198,10 +198,6 @@ TWO_SLICES = {
 }
 
 
-def _digests(workdir: str, slice_id: int) -> dict[int, str]:
-    return {e["step"]: e["digest"] for e in slice_events(workdir, slice_id, "elastic_step")}
-
-
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory):
     pytest.importorskip("torch")
@@ -217,10 +213,10 @@ def undisturbed(tmp_path_factory):
 @pytest.mark.slow
 def test_two_slices_sync_every_h_steps_to_the_same_bits_in_every_run(undisturbed):
     first, second = undisturbed
-    digests = [_digests(first, s) for s in (0, 1)]
+    digests = [slice_digests(first, s) for s in (0, 1)]
     assert sorted(digests[0]) == list(range(1, STEPS + 1))
     # A fixed membership trains the same bits every time, on each slice.
-    assert digests == [_digests(second, s) for s in (0, 1)]
+    assert digests == [slice_digests(second, s) for s in (0, 1)]
     for step in range(1, STEPS + 1):
         # Each slice's own inner steps between syncs; the same outer parameters after each.
         assert (digests[0][step] == digests[1][step]) == (step % EVERY == 0), step
@@ -242,7 +238,7 @@ def test_a_killed_slice_is_taken_over_round_by_round_and_its_replacement_joins(t
 
     def kill_slice_1_mid_round(supervisor) -> bool:
         # Early in a round (the kill lands inside it unless the round ends first).
-        step = max(_digests(workdir, 1), default=0)
+        step = max(slice_digests(workdir, 1), default=0)
         if step < EVERY or step % EVERY not in (1, 2):
             return False
         killed["pid"] = supervisor.workers[1].pid
@@ -279,6 +275,6 @@ def test_a_killed_slice_is_taken_over_round_by_round_and_its_replacement_joins(t
     joined = [e for e in slice_events(workdir, 1, "elastic_step") if e["pid"] == replacement_pid]
     assert joined[0]["step"] == heals[0]["step"] + 1 and joined[-1]["step"] == LONG_STEPS
     # From then on both slices make the same outer step: bitwise equal after every sync.
-    digests = [_digests(workdir, s) for s in (0, 1)]
+    digests = [slice_digests(workdir, s) for s in (0, 1)]
     after = [e["step"] for e in joined if e["synced"]]
     assert after and all(digests[0][step] == digests[1][step] for step in after)

@@ -8,7 +8,6 @@ run (the membership never changed)."""
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -16,38 +15,16 @@ import sys
 import time
 
 import pytest
+from conftest import ELASTIC_SMALL, REPO, as_flags, slice_digests, slice_events
 
-from tests.conftest import REPO, SMALL, as_flags
+from resilient_jax.events import read_events
 
 pytest.importorskip("torch")
 
 STEPS = 1200
 KILL_AT = 50
 AWAY_S = 3.0  # the supervisor stays dead this long before it is started again
-OVERRIDES = {
-    **SMALL,
-    "total_steps": STEPS,
-    "elastic.enabled": True,
-    "elastic.check_every_steps": 1,
-    "checkpoint.every_steps": 0,
-    "checkpoint.local_every_steps": 0,
-}
-
-
-def _events(path: str, kind: str | None = None) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        rows = [json.loads(line) for line in f if line.endswith("\n")]
-    return [e for e in rows if kind is None or e["type"] == kind]
-
-
-def _slice_events(workdir: str, slice_id: int, kind: str | None = None) -> list[dict]:
-    return _events(os.path.join(workdir, "slices", str(slice_id), "events.jsonl"), kind)
-
-
-def _digests(workdir: str, slice_id: int) -> dict[int, str]:
-    return {e["step"]: e["digest"] for e in _slice_events(workdir, slice_id, "elastic_step")}
+OVERRIDES = {**ELASTIC_SMALL, "total_steps": STEPS}
 
 
 def _supervisor(workdir: str) -> subprocess.Popen[bytes]:
@@ -82,44 +59,44 @@ def test_slices_train_on_while_the_supervisor_is_away_and_are_taken_over(tmp_pat
     os.makedirs(workdir)
     first = _supervisor(workdir)
     deadline = time.monotonic() + 300
-    while max(_digests(workdir, 0), default=0) < KILL_AT:
+    while max(slice_digests(workdir, 0), default=0) < KILL_AT:
         assert first.poll() is None and time.monotonic() < deadline, "no step in time"
         time.sleep(0.05)
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=10)
     killed_at = time.time()
-    step_at_kill = max(_digests(workdir, 0))
+    step_at_kill = max(slice_digests(workdir, 0))
     time.sleep(AWAY_S)
-    step_at_return = max(_digests(workdir, 0))
+    step_at_return = max(slice_digests(workdir, 0))
     assert step_at_return < STEPS, "the run ended before the supervisor came back"
     second = _supervisor(workdir)
     assert _wait(second, workdir) == 0
 
     # The slices trained on meanwhile, and were never restarted: one process each, all along.
     assert step_at_return - step_at_kill >= 10, (step_at_kill, step_at_return)
-    supervisor_events = _events(os.path.join(workdir, "events.jsonl"))
+    supervisor_events = list(read_events(workdir))
     kinds = [(e["type"], e.get("slice")) for e in supervisor_events if "slice" in e]
     started = [("elastic_slice_start", 0), ("elastic_slice_start", 1)]
     adopted = [("elastic_slice_adopted", 0), ("elastic_slice_adopted", 1)]
     assert sorted(kinds) == sorted(started + adopted), kinds
     for slice_id in (0, 1):
-        assert len({e["pid"] for e in _slice_events(workdir, slice_id)}) == 1
-        assert not _slice_events(workdir, slice_id, "elastic_exchange_failed")
+        assert len({e["pid"] for e in slice_events(workdir, slice_id)}) == 1
+        assert not slice_events(workdir, slice_id, "elastic_exchange_failed")
     # Back in their own quorum: no group re-formed, the membership never changed.
     (back,) = [e for e in supervisor_events if e["type"] == "elastic_reconnected"]
     assert back["carried_over"] and back["slices"] == [0, 1], back
     for slice_id in (0, 1):
-        assert len({e["quorum_id"] for e in _slice_events(workdir, slice_id, "elastic_step")}) == 1
+        assert len({e["quorum_id"] for e in slice_events(workdir, slice_id, "elastic_step")}) == 1
     # Every step, on both slices, bitwise the undisturbed run's.
-    expected = _digests(undisturbed, 0)
+    expected = slice_digests(undisturbed, 0)
     assert sorted(expected) == list(range(1, STEPS + 1))
-    assert _digests(workdir, 0) == expected
-    assert _digests(workdir, 1) == expected
+    assert slice_digests(workdir, 0) == expected
+    assert slice_digests(workdir, 1) == expected
     # What it cost: steps trained while the supervisor was away, time to be back in a quorum.
-    steps = _slice_events(workdir, 0, "elastic_step")
+    steps = slice_events(workdir, 0, "elastic_step")
     away = [e for e in steps if killed_at <= e["time"] <= back["time"] - back["after_s"]]
     after = [e["time"] for e in steps if e["time"] >= killed_at]
-    calm = [e["time"] for e in _slice_events(undisturbed, 0, "elastic_step")]
+    calm = [e["time"] for e in slice_events(undisturbed, 0, "elastic_step")]
     print(
         f"\nsupervisor away {back['time'] - back['after_s'] - killed_at:.2f} s: "
         f"{len(away)} steps trained meanwhile; slices back in their quorum "
