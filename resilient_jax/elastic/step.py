@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from resilient_jax import executables
 from resilient_jax import mesh as mesh_lib
+from resilient_jax.train.compile import load_or_compile_program
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.outer import nesterov_step
 from resilient_jax.train.state import TrainState
@@ -41,14 +41,6 @@ def part_shape(ctx: RunContext) -> tuple[int, int, int]:
     """[microbatches, rows per microbatch, seq_len + 1] of one part, as this slice computes it."""
     microbatches = ctx.plan.microbatches
     return (microbatches, part_rows(ctx) // microbatches, ctx.config.data.seq_len + 1)
-
-
-def _load_or_compile(ctx: RunContext, program: str, lower) -> tuple[object, bool]:
-    """`lower()` compiled, or loaded from this process's executable cache; (compiled, hit)."""
-    key = executables.program_key(program, ctx.config, ctx.mesh, ctx.plan.describe())
-    return executables.load_or_compile(
-        key, lower, ctx.mesh.devices.flat, executables.default_dir(), ctx.events
-    )
 
 
 def compile_gradient_sums(ctx: RunContext) -> tuple[object, bool]:
@@ -74,7 +66,9 @@ def compile_gradient_sums(ctx: RunContext) -> tuple[object, bool]:
         in_shardings=(shardings, mesh_lib.batch_sharding(mesh)),
         out_shardings=mesh_lib.replicated(mesh),
     )
-    return _load_or_compile(ctx, "elastic_gradient_sums", lambda: jitted.lower(params, batch))
+    return load_or_compile_program(
+        ctx, "elastic_gradient_sums", lambda: jitted.lower(params, batch)
+    )
 
 
 def num_params(ctx: RunContext) -> int:
@@ -102,7 +96,9 @@ def compile_apply(ctx: RunContext) -> tuple[object, bool]:
         out_shardings=(shardings, replicated),
         donate_argnums=0,
     )
-    return _load_or_compile(ctx, "elastic_apply", lambda: jitted.lower(ctx.abstract_state, summed))
+    return load_or_compile_program(
+        ctx, "elastic_apply", lambda: jitted.lower(ctx.abstract_state, summed)
+    )
 
 
 def state_bytes(state: TrainState) -> np.ndarray:
@@ -144,7 +140,7 @@ def compile_delta(ctx: RunContext) -> tuple[object, bool]:
 
     shardings = jax.tree.map(lambda a: a.sharding, ctx.abstract_state)
     jitted = jax.jit(fn, in_shardings=(shardings,), out_shardings=mesh_lib.replicated(ctx.mesh))
-    return _load_or_compile(ctx, "elastic_delta", lambda: jitted.lower(ctx.abstract_state))
+    return load_or_compile_program(ctx, "elastic_delta", lambda: jitted.lower(ctx.abstract_state))
 
 
 def compile_outer(ctx: RunContext) -> tuple[object, bool]:
@@ -167,7 +163,9 @@ def compile_outer(ctx: RunContext) -> tuple[object, bool]:
     jitted = jax.jit(
         fn, in_shardings=(shardings, replicated), out_shardings=shardings, donate_argnums=0
     )
-    return _load_or_compile(ctx, "elastic_outer", lambda: jitted.lower(ctx.abstract_state, mean))
+    return load_or_compile_program(
+        ctx, "elastic_outer", lambda: jitted.lower(ctx.abstract_state, mean)
+    )
 
 
 def host_copy(state: TrainState) -> TrainState:

@@ -81,15 +81,26 @@ def _compile(
     background: bool = False,
 ) -> Any:
     directory = cache_dir or executables.default_dir()
-    key = executables.program_key(program, ctx.config, ctx.mesh, ctx.plan.describe())
-    compiled, hit = executables.load_or_compile(
-        key, lower, ctx.mesh.devices.flat, directory, ctx.events
-    )
+    compiled, hit = load_or_compile_program(ctx, program, lower, directory)
     fields: dict[str, Any] = {"duration_s": time.perf_counter() - start, "program": program}
     if directory:
         fields["cache"] = "hit" if hit else "miss"
     ctx.events.emit(EventType.COMPILE_BACKGROUND if background else EventType.COMPILE, **fields)
     return compiled
+
+
+def load_or_compile_program(
+    ctx: RunContext,
+    program: str,
+    lower: Callable[[], jax.stages.Lowered],
+    directory: str | None = None,
+) -> tuple[Any, bool]:
+    """`lower()` compiled for the context's mesh, or loaded from the executable cache in
+    `directory` (default: `executables.default_dir()`) under the key `program` has there.
+    Returns (compiled, hit)."""
+    key = executables.program_key(program, ctx.config, ctx.mesh, ctx.plan.describe())
+    directory = directory or executables.default_dir()
+    return executables.load_or_compile(key, lower, ctx.mesh.devices.flat, directory, ctx.events)
 
 
 def without_fault_scale(compiled: ScaledStepFn) -> StepFn:
