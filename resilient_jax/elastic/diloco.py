@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from resilient_jax import executables
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.elastic import step as elastic_step
 from resilient_jax.elastic.data import owned_parts
@@ -54,15 +53,7 @@ class SyncIntervalStep(ElasticStep):
         start = time.perf_counter()
         self._delta, delta_hit = elastic_step.compile_delta(self._ctx)
         self._outer, outer_hit = elastic_step.compile_outer(self._ctx)
-        fields: dict[str, Any] = {}
-        if executables.default_dir():
-            fields["cache"] = "hit" if delta_hit and outer_hit else "miss"
-        self._ctx.events.emit(
-            EventType.COMPILE,
-            duration_s=time.perf_counter() - start,
-            program="elastic_outer",
-            **fields,
-        )
+        self._report_compile("elastic_outer", start, delta_hit and outer_hit)
         self._every = int(self._e.sync_every_steps)
         self._round: _Round | None = None
 
@@ -91,13 +82,7 @@ class SyncIntervalStep(ElasticStep):
         return state, metrics
 
     def _begin_round(self, state: TrainState, batch_index: int) -> TrainState:
-        while True:
-            quorum = self._quorum_of(self._step)
-            try:
-                state, _ = self._adopt(quorum, state, batch_index)
-                break
-            except ExchangeError as e:
-                self._failed(e)
+        quorum, state, _ = self._adopt_quorum(state, batch_index)
         owned = owned_parts(quorum.slices, self._slice, self._parts)
         self._round = _Round(self._step, quorum, elastic_step.host_copy(state), owned, [])
         return state
@@ -144,13 +129,7 @@ class SyncIntervalStep(ElasticStep):
         assert r is not None
         state = elastic_step.to_device(self._ctx, r.snapshot)
         self._step = r.start
-        while True:
-            quorum = self._quorum_of(self._step)
-            try:
-                state, _ = self._adopt(quorum, state, r.batches[0])
-                break
-            except ExchangeError as e:
-                self._failed(e)
+        quorum, state, _ = self._adopt_quorum(state, r.batches[0])
         done = r.start + len(r.batches)
         if self._step != r.start:
             if self._step != done:

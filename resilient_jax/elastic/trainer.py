@@ -62,12 +62,7 @@ class ElasticStep:
         self._gradient_sums, sums_hit = elastic_step.compile_gradient_sums(ctx)
         self._apply, apply_hit = elastic_step.compile_apply(ctx)
         self._width = elastic_step.num_params(ctx) + 1
-        fields: dict[str, Any] = {}
-        if executables.default_dir():
-            fields["cache"] = "hit" if sums_hit and apply_hit else "miss"
-        ctx.events.emit(
-            EventType.COMPILE, duration_s=time.perf_counter() - start, program="elastic", **fields
-        )
+        self._report_compile("elastic", start, sums_hit and apply_hit)
         self._rows = PartRows(ctx, source, elastic_step.part_shape(ctx))
         self._step = 0  # steps the state has applied
         self._quorum: Quorum | None = None  # the group formed, if any
@@ -81,13 +76,7 @@ class ElasticStep:
         """Asks for the quorum of this state's step and adopts it: a slice behind the others
         (a returning or replacement one) receives the newest state and data position."""
         self._step = int(jax.device_get(state.step))
-        while True:
-            quorum = self._quorum_of(self._step)
-            try:
-                state, next_batch = self._adopt(quorum, state, position.next_batch)
-                break
-            except ExchangeError as e:
-                self._failed(e)
+        _, state, next_batch = self._adopt_quorum(state, position.next_batch)
         if next_batch != position.next_batch:
             position = DataPosition(next_batch=next_batch, skips=position.skips)
         return state, position
@@ -129,7 +118,27 @@ class ElasticStep:
         self._report(state, quorum, owned, exchange_s)
         return state, metrics
 
+    def _report_compile(self, program: str, start: float, hit: bool) -> None:
+        """The `compile` event of programs compiled (or loaded, `hit`) since `start`."""
+        fields: dict[str, Any] = {}
+        if executables.default_dir():
+            fields["cache"] = "hit" if hit else "miss"
+        self._ctx.events.emit(
+            EventType.COMPILE, duration_s=time.perf_counter() - start, program=program, **fields
+        )
+
     # Quorums.
+
+    def _adopt_quorum(self, state: TrainState, batch_index: int) -> tuple[Quorum, TrainState, int]:
+        """The quorum of this slice's step, adopted (`_adopt`), asking again until an adoption
+        goes through. Returns (quorum, state, next batch index)."""
+        while True:
+            quorum = self._quorum_of(self._step)
+            try:
+                state, next_batch = self._adopt(quorum, state, batch_index)
+                return quorum, state, next_batch
+            except ExchangeError as e:
+                self._failed(e)
 
     def _quorum_of(self, step: int) -> Quorum:
         if self._decided is not None and self._decided[0] == step:
