@@ -215,6 +215,8 @@ def _train(
         return client.phase(name) if client is not None else contextlib.nullcontext()
 
     ctx = prepare(config, workdir, events, generation)
+    if config.elastic.enabled:  # its events name the job's slice, not the runtime's (always 0)
+        events.update_common(slice=elastic_runtime.slice_id())
     # The validation split is held out of training whether or not evaluation runs.
     source, held_out = holdout(make_source(config), config.eval.fraction)
     eval_datasets = _eval_datasets(config)
@@ -234,11 +236,14 @@ def _train(
             return None
         return restored.state, restored.data_position
 
-    start = time.perf_counter()
-    with phase(PHASE_RESTORE):
-        restored = _checked(restore)
-    if restored is None:
-        state, position = init_state(config, ctx.mesh), DataPosition()
+    def load() -> tuple[TrainState, DataPosition]:
+        """The newest verified checkpoint's state, or (none) a fresh one from the seed."""
+        start = time.perf_counter()
+        with phase(PHASE_RESTORE):
+            restored = _checked(restore)
+        if restored is not None:
+            return restored
+        state = init_state(config, ctx.mesh)
         if hf_source is not None:  # a fresh start: parameters from the HF directory
             state = state.replace(params=hf_source.load_params(ctx.abstract_state.params))
         events.emit(
@@ -246,26 +251,35 @@ def _train(
             duration_s=time.perf_counter() - start,
             source=config.checkpoint.init_from_hf or None,
         )
-    else:
-        state, position = restored
-    # Continual pretraining: the rehearsal share joins the data (a synthetic set is generated
-    # from the starting parameters first, if it is not complete yet).
-    source = rehearsal.training_source(
-        config, workdir, source, replay, state.params, int(state.step), events
-    )
+        return state, DataPosition()
+
     step_fn: StepFn
     loader: Any
-    if config.elastic.enabled:  # gradients summed across slices; joins (and heals) here
+    if config.elastic.enabled and not config.rehearsal.mode:
+        # Joins first: a slice that a live one heals receives its state and never loads one
+        # (`load` runs only when no slice of the job has a state).
         with phase(PHASE_COMPILE):
-            step_fn, loader, state, session = elastic_runtime.start(ctx, source, state, position)
+            step_fn, loader, state, session = elastic_runtime.start(ctx, source, load)
         opened.append(session)
     else:
-        loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
-        with phase(PHASE_COMPILE):
-            compiled = compile_step(ctx)
-        step_fn = (
-            wrap_step(compiled, faults) if faults is not None else without_fault_scale(compiled)
+        state, position = load()
+        # Continual pretraining: the rehearsal share joins the data (a synthetic set is generated
+        # from the starting parameters first, if it is not complete yet).
+        source = rehearsal.training_source(
+            config, workdir, source, replay, state.params, int(state.step), events
         )
+        if config.elastic.enabled:
+            loaded = state, position
+            with phase(PHASE_COMPILE):
+                step_fn, loader, state, session = elastic_runtime.start(ctx, source, lambda: loaded)
+            opened.append(session)
+        else:
+            loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
+            with phase(PHASE_COMPILE):
+                compiled = compile_step(ctx)
+            step_fn = (
+                wrap_step(compiled, faults) if faults is not None else without_fault_scale(compiled)
+            )
     # Not needed before the first evaluation: loaded beside training, not before it.
     eval_step = None
     if config.eval.every_steps:

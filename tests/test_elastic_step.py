@@ -30,7 +30,7 @@ def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_p
     client = QuorumClient(server.address, "t", 0)
     try:
         step = ElasticStep(ctx, source, exchange, exchange.store_address, client, slice_id=0)
-        state, position = step.join(init_state(config, ctx.mesh), DataPosition())
+        state, position = step.join(lambda: (init_state(config, ctx.mesh), DataPosition()))
         loader = StepIndex(position)
         for _ in range(3):
             state, metrics = step(state, loader.next()[1])

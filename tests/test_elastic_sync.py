@@ -120,7 +120,7 @@ def _train_alone(tmp_path, config, steps: int, fail_sync: int | None = None):
         step = SyncIntervalStep(
             ctx, make_source(config), exchange, exchange.store_address, client, 0
         )
-        state, position = step.join(init_state(config, ctx.mesh), DataPosition())
+        state, position = step.join(lambda: (init_state(config, ctx.mesh), DataPosition()))
         loader = StepIndex(position)
         for _ in range(steps):
             state, _ = step(state, loader.next()[1])

@@ -20,6 +20,11 @@ from typing import Protocol
 
 import numpy as np
 
+# The step a slice asks for a quorum at when it has no state yet (a replacement, or the job's
+# start): any member with a state heals it; a quorum of such members loads its own (restore or
+# initialise) and asks again.
+NO_STATE = -1
+
 
 class ExchangeError(RuntimeError):
     """An exchange that did not complete (a peer died, hung or left): redo the step."""
@@ -28,7 +33,7 @@ class ExchangeError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Member:
     slice: int  # the slice's id (stable across its restarts)
-    step: int  # optimizer steps its state has applied when it asked for this quorum
+    step: int  # optimizer steps its state has applied when it asked (NO_STATE: none yet)
     store: str  # host:port of the rendezvous store this member hosts
 
 

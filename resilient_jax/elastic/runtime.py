@@ -1,8 +1,9 @@
 """Starting a slice in elastic mode: the exchange, the quorum client, the elastic step, the join.
 
-`start` is what `run.py` calls instead of compiling the single-runtime step and opening the batch
-loader; it returns the loop's step function and loader with the state the slice trains from (its
-own, or the newest one a live slice sent it). `ElasticSession` closes the exchange and the
+`start` is what `run.py` calls instead of restoring or initialising the state, compiling the
+single-runtime step and opening the batch loader; it returns the loop's step function and loader
+with the state the slice trains from: the newest one a live slice sent it, or, when no slice of the
+job has one, its own (restored or initialised then). `ElasticSession` closes the exchange and the
 connection to the quorum server at the end of the run.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -37,14 +38,9 @@ class ElasticSession(Hook):
         self._exchange.close()
 
 
-def start(
-    ctx: RunContext,
-    source: Any,
-    state: TrainState,
-    position: DataPosition,
-    environ: Mapping[str, str] = os.environ,
-) -> tuple[ElasticStep, StepIndex, TrainState, ElasticSession]:
-    """The step function, the loader and the state to train from; joins the quorum first."""
+def slice_id(environ: Mapping[str, str] = os.environ) -> int:
+    """This slice's index in the job (`RJ_ELASTIC_SLICE`); BadInput when the environment of an
+    elastic slice is not set."""
     address = environ.get(env_vars.QUORUM_ADDRESS)
     slice_text = environ.get(env_vars.ELASTIC_SLICE)
     if not address or slice_text is None or not slice_text.isdigit():
@@ -52,17 +48,29 @@ def start(
             f"elastic.enabled: {env_vars.QUORUM_ADDRESS} and {env_vars.ELASTIC_SLICE} must be set "
             "(start the job with launch/local_cluster.py)"
         )
+    return int(slice_text)
+
+
+def start(
+    ctx: RunContext,
+    source: Any,
+    load: Callable[[], tuple[TrainState, DataPosition]],
+    environ: Mapping[str, str] = os.environ,
+) -> tuple[ElasticStep, StepIndex, TrainState, ElasticSession]:
+    """The step function, the loader and the state to train from: joins the quorum first, and
+    calls `load` (restore or initialise) only when no live slice has a state to heal this one."""
+    this_slice = slice_id(environ)
     if jax.process_count() > 1:
         raise BadInput("elastic.enabled: a slice is one process (its own JAX runtime) for now")
     e = ctx.config.elastic
-    slice_id = int(slice_text)
     exchange = make_exchange(e.backend, e.host or socket.gethostname(), float(e.timeout_s))
-    client = QuorumClient(address, environ.get(env_vars.RUN_TOKEN, ""), slice_id)
+    address = environ[env_vars.QUORUM_ADDRESS]
+    client = QuorumClient(address, environ.get(env_vars.RUN_TOKEN, ""), this_slice)
     session = ElasticSession(exchange, client)
     try:
         kind = SyncIntervalStep if int(e.sync_every_steps) > 1 else ElasticStep
-        step = kind(ctx, source, exchange, exchange.store_address, client, slice_id)
-        state, position = step.join(state, position)
+        step = kind(ctx, source, exchange, exchange.store_address, client, this_slice)
+        state, position = step.join(load)
     except BaseException:
         session.close()
         raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data.position import DataPosition
 from resilient_jax.elastic import step as elastic_step
 from resilient_jax.elastic.data import PartRows, owned_parts
-from resilient_jax.elastic.exchange import Exchange, ExchangeError, Quorum
+from resilient_jax.elastic.exchange import NO_STATE, Exchange, ExchangeError, Quorum
 from resilient_jax.elastic.quorum_client import QuorumClient
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.state import TrainState
@@ -72,9 +73,19 @@ class ElasticStep:
 
     # Before the loop: the first quorum (a joining slice heals here).
 
-    def join(self, state: TrainState, position: DataPosition) -> tuple[TrainState, DataPosition]:
-        """Asks for the quorum of this state's step and adopts it: a slice behind the others
-        (a returning or replacement one) receives the newest state and data position."""
+    def join(
+        self, load: Callable[[], tuple[TrainState, DataPosition]]
+    ) -> tuple[TrainState, DataPosition]:
+        """Joins the quorum, asking first without a state (`NO_STATE`): when a member has one (the
+        job is training), its newest state and data position are received, and nothing is restored
+        or initialised here. Only when no member has one (the job starts, or restarts as a whole)
+        does `load` restore or initialise the state, and the slice asks again at its step, healing
+        from whoever is ahead as before."""
+        self._step = NO_STATE
+        _, state, next_batch = self._adopt_quorum(None, 0)
+        if state is not None:
+            return state, DataPosition(next_batch=next_batch)
+        state, position = load()
         self._step = int(jax.device_get(state.step))
         _, state, next_batch = self._adopt_quorum(state, position.next_batch)
         if next_batch != position.next_batch:
@@ -129,9 +140,10 @@ class ElasticStep:
 
     # Quorums.
 
-    def _adopt_quorum(self, state: TrainState, batch_index: int) -> tuple[Quorum, TrainState, int]:
+    def _adopt_quorum(self, state: Any, batch_index: int) -> tuple[Quorum, Any, int]:
         """The quorum of this slice's step, adopted (`_adopt`), asking again until an adoption
-        goes through. Returns (quorum, state, next batch index)."""
+        goes through. Returns (quorum, state, next batch index); the state is None only when
+        this slice had none and neither had any member (`NO_STATE`)."""
         while True:
             quorum = self._quorum_of(self._step)
             try:
@@ -165,9 +177,12 @@ class ElasticStep:
                 )
             time.sleep(0.05)
 
-    def _adopt(self, quorum: Quorum, state: TrainState, next_batch: int) -> tuple[TrainState, int]:
+    def _adopt(self, quorum: Quorum, state: Any, next_batch: int) -> tuple[Any, int]:
         """Forms the quorum's group if it is new, and heals whoever is behind. Returns the state
-        (replaced when this slice was behind) and the next batch index."""
+        (replaced when this slice was behind) and the next batch index. A quorum in which no
+        member has a state forms no group: its members load theirs and ask again."""
+        if quorum.max_step == NO_STATE:
+            return state, next_batch
         same = self._quorum is not None and quorum.quorum_id == self._quorum.quorum_id
         if same and not self._broken:
             return state, next_batch
@@ -187,9 +202,7 @@ class ElasticStep:
             return state, next_batch
         return self._heal(quorum, rank, state, next_batch)
 
-    def _heal(
-        self, quorum: Quorum, rank: int, state: TrainState, next_batch: int
-    ) -> tuple[TrainState, int]:
+    def _heal(self, quorum: Quorum, rank: int, state: Any, next_batch: int) -> tuple[Any, int]:
         start = time.perf_counter()
         source = quorum.source_rank
         size = elastic_step.state_nbytes(self._ctx) + 8
