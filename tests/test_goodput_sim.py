@@ -218,6 +218,16 @@ def test_replay_reads_costs_and_trace_from_events():
     assert goodput_replay.checkpoint_intervals({}, events) == {"local": 0, "persistent": 4}
 
 
+def test_step_time_of_a_run_saving_every_step_is_its_gaps_less_the_saves_blocking():
+    # A local save after every step: no gap between two steps is free of a save, so the step
+    # time is each gap (1.3 s) less the blocking part of the save inside it (0.3 s).
+    events = []
+    for k in range(1, 8):
+        events.append(ev(1000.0 + 1.3 * k, "step", step=k))
+        events.append(ev(1000.0 + 1.3 * k + 0.3, "save", tier="local", step=k, duration_s=0.3))
+    assert goodput_replay.costs_from_events(events)["step_s"] == pytest.approx(1.0)
+
+
 def test_supervisor_faults_strike_the_step_under_way_after_the_last_logged_one():
     # Step k's event is written once step k + 1 is dispatched: a fault 0.4 s after the event of
     # step 6 struck 0.4 s into step 7; one long after the last step, the next step the run takes.

@@ -5,6 +5,7 @@ with what `goodput.accounting` measured (`goodput.validation`).
 Costs (`costs_from_events`), each a mean or median over the run, lane of process 0:
 
     step_s              mean wall time between consecutive steps with nothing else in between
+                        but saves, less the saves' blocking part (charged as save_s)
                         (a mean: slow stretches, such as a reshaped mesh, add up in the wall)
     productive_fraction the productive seconds `goodput.accounting` counts per counted step,
                         over step_s (data waits and stragglers are not productive there)
@@ -124,18 +125,23 @@ def _less_a_step(by_tier: dict[str, float], step_s: float | None) -> dict[str, f
 
 
 def _step_s(events: Sequence[dict[str, Any]]) -> float | None:
-    """Mean wall time per step over consecutive steps with nothing else in between."""
+    """Mean wall time per step over consecutive steps with nothing else in between, less the
+    blocking part of a save between them (the model charges that as `save_s`; a run whose cheap
+    local saves come every step has no gap without one)."""
     gaps = []
     previous: dict[str, Any] | None = None
+    saving_s = 0.0  # blocking time of the saves since `previous`
     for e in events:
         if not on_reference_lane(e):
             continue
-        if e["type"] in _INTERFERING:
+        if e["type"] == EventType.SAVE:
+            saving_s += float(e.get("duration_s") or 0.0)
+        elif e["type"] in _INTERFERING:
             previous = None
         elif e["type"] == EventType.STEP:
             if previous is not None and int(e["step"]) == int(previous["step"]) + 1:
-                gaps.append(float(e["time"]) - float(previous["time"]))
-            previous = e
+                gaps.append(float(e["time"]) - float(previous["time"]) - saving_s)
+            previous, saving_s = e, 0.0
     return statistics.fmean(gaps) if gaps else None
 
 
