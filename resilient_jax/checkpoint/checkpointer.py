@@ -32,6 +32,7 @@ from resilient_jax.checkpoint.outage import (
     cache_run_id,
     read_cached_run_id,
 )
+from resilient_jax.checkpoint.peer_fetch import peer_fetcher
 from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier, persistent_dir
 from resilient_jax.checkpoint.policy import Decision, SavePolicy, SaveReason, local_interval_steps
 from resilient_jax.checkpoint.preemption import PreemptionNotice
@@ -145,6 +146,7 @@ class Checkpointer(Hook):
             run_id=self._run_id or "",
             accept_other_config=self._accept_other_config,
             on_new_timeline=self._start_timeline,
+            peers=peer_fetcher(c, self._local, self._events, os.environ),
         )
 
     # ------------------------------------------------------------------------------ hook methods

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -37,12 +36,16 @@ import numpy as np
 from resilient_jax.checkpoint.background import BackgroundThread, Job
 from resilient_jax.checkpoint.checksum import leaf_paths
 from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
+from resilient_jax.contracts.local_tier import (
+    DATA_FILE,
+    MANIFEST,
+    PROC_PREFIX,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    run_key,
+    step_name,
+)
 
-MANIFEST = "manifest.json"
-DATA_FILE = "shards.bin"
-STEP_PREFIX = "step_"
-TMP_PREFIX = "tmp-"
-PROC_PREFIX = "proc-"
 FORMAT_VERSION = 1
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
@@ -51,12 +54,7 @@ _CLOSE_WAIT_S = 10.0  # closing waits this long for the writer thread to end
 
 def run_dir(local_root: str, workdir: str) -> str:
     """This run's directory on the local tier: the same path for every restart of the run."""
-    key = hashlib.sha256(os.path.abspath(workdir).encode()).hexdigest()[:16]
-    return os.path.join(local_root, key)
-
-
-def step_name(step: int) -> str:
-    return f"{STEP_PREFIX}{step:010d}"
+    return os.path.join(local_root, run_key(workdir))
 
 
 def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
@@ -111,7 +109,7 @@ class StepFiles:
         ]
 
 
-class _Assembly:
+class Assembly:
     """The pieces of one step available to this process, grouped by leaf and index box."""
 
     def __init__(self, copies: list[StepFiles], wanted: dict[str, dict[str, Any]]) -> None:
@@ -186,7 +184,7 @@ def _host_pieces(snapshot: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]
     """One host copy of each distinct shard of `snapshot` this process holds, with its manifest
     entry. `snapshot` must be a copy of the state of its own (`snapshot.device_snapshot`)."""
     entries, arrays, pending = [], [], []
-    for path, leaf in _named_leaves(snapshot):
+    for path, leaf in named_leaves(snapshot):
         seen: set[Box] = set()
         for shard in leaf.addressable_shards:
             box = _box(shard.index, leaf.shape)
@@ -366,9 +364,9 @@ class LocalTier:
 
         Looks at manifests only; contents are checked when read.
         """
-        assembly = _Assembly(copies, wanted)
-        for leaf, target in _named_leaves(abstract_state):
-            for region in _needed_regions(target):
+        assembly = Assembly(copies, wanted)
+        for leaf, target in named_leaves(abstract_state):
+            for region in needed_regions(target):
                 if assembly.plan(leaf, region) is None:
                     return f"{leaf} region {list(region)} is in no readable copy"
         return None
@@ -380,11 +378,11 @@ class LocalTier:
 
         Raises `InvalidCheckpoint` if a piece is missing, truncated or fails its CRC in every copy.
         """
-        assembly = _Assembly(copies, wanted)
+        assembly = Assembly(copies, wanted)
         arrays = []
-        for leaf, target in _named_leaves(abstract_state):
+        for leaf, target in named_leaves(abstract_state):
             dtype = jnp.dtype(target.dtype)
-            host = {r: assembly.read(leaf, r, dtype) for r in _needed_regions(target)}
+            host = {r: assembly.read(leaf, r, dtype) for r in needed_regions(target)}
             arrays.append(
                 jax.make_array_from_callback(
                     target.shape,
@@ -503,11 +501,11 @@ def _proc_index(proc_dir: str) -> int:
         return -1
 
 
-def _named_leaves(tree: Any) -> list[tuple[str, Any]]:
+def named_leaves(tree: Any) -> list[tuple[str, Any]]:
     return list(zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True))
 
 
-def _needed_regions(target: Any) -> list[Box]:
+def needed_regions(target: Any) -> list[Box]:
     """The index boxes of `target` that this process's devices hold (each once)."""
     shape = tuple(target.shape)
     indices = target.sharding.addressable_devices_indices_map(shape).values()

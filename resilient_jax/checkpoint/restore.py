@@ -3,10 +3,13 @@
 Resume order, as implemented by `Restorer.restore` (the checkpointer first waits for this
 process's in-flight saves):
   1. Each process lists what it could restore: local-tier steps whose pieces cover every shard it
-     needs on the new mesh (manifests only) and committed persistent steps.
+     needs on the new mesh (manifests only; with `peers`, pieces on peer hosts' RAM disks count:
+     a replaced host's empty disk does not cost the newest local step) and committed persistent
+     steps.
   2. The processes agree (coordination-service all-gather with a timeout) on the steps every one
      of them can restore; candidates go newest first, the local tier first at equal steps.
-  3. Every process loads the candidate (local: CRC of each piece; persistent: Orbax restore onto
+  3. Every process loads the candidate (local: the missing pieces fetched from peers first, then
+     CRC of each piece; persistent: Orbax restore onto
      the target shardings) and they agree whether all succeeded; a persistent candidate is then
      verified against the per-array digests in its `meta` (a collective, so the verdict is the
      same everywhere). A failure is a `checkpoint_invalid` event and the next candidate is tried.
@@ -26,6 +29,7 @@ from typing import Any
 from resilient_jax.checkpoint import checksum, manifest
 from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
 from resilient_jax.checkpoint.local import LocalTier, StepFiles
+from resilient_jax.checkpoint.peer_fetch import PeerCopy, PeerFetcher
 from resilient_jax.checkpoint.persistent import PersistentTier
 from resilient_jax.checkpoint.quarantine import retire_after
 from resilient_jax.checkpoint.sync import ProcessSync
@@ -110,6 +114,9 @@ class Restorer:
     # A reader outside the run (sampling, export) leaves the run's steps as it found them: the run
     # may still be training and committing the steps a restore would otherwise retire.
     read_only: bool = False
+    peers: PeerFetcher | None = None  # None: this host's own pieces only
+    # Candidate key -> the peers' copies of its step, for the candidates that need them.
+    _remote: dict[str, list[PeerCopy]] = dataclasses.field(default_factory=dict)
 
     def restore(
         self, ctx: RunContext, started: float, max_step: int | None, exact: bool
@@ -136,8 +143,10 @@ class Restorer:
         )
         for candidate in candidates:
             if candidate.tier == Tier.LOCAL:
-                copies = local_copies[candidate.key]
-                load = lambda copies=copies: self._load_local(ctx, copies, wanted)
+                copies, remote = local_copies[candidate.key], self._remote.get(candidate.key)
+                load = lambda copies=copies, remote=remote: self._load_local(
+                    ctx, copies, wanted, remote
+                )
             else:
                 load = lambda step=candidate.step: self._load_persistent(ctx, step, wanted)
             restored = self._try_candidate(candidate, load)
@@ -174,6 +183,7 @@ class Restorer:
     ) -> dict[str, list[StepFiles]]:
         """Local copies this process can assemble completely, by candidate key (step and
         timeline: the copies of one step assemble only within one timeline)."""
+        self._remote = {}
         if self.local is None:
             return {}
         found, unusable = self.local.scan(self.fingerprint, self.run_id)
@@ -186,14 +196,35 @@ class Restorer:
                 continue
             for copy in copies:
                 by_timeline.setdefault(_local_key(step, copy.timeline), []).append(copy)
+        remote = self._peer_copies(fits)
         usable = {}
-        for key, copies in by_timeline.items():
-            why = self.local.completable(copies, ctx.abstract_state, wanted)
+        for key in sorted(set(by_timeline) | set(remote)):
+            copies = by_timeline.get(key, [])
+            why = self.local.completable(copies, ctx.abstract_state, wanted) if copies else ""
+            if why is not None and key in remote:
+                peer_files = [copy.files for copy in remote[key]]
+                if self.local.completable(copies + peer_files, ctx.abstract_state, wanted) is None:
+                    usable[key], self._remote[key] = copies, remote[key]
+                    continue
             if why is None:
                 usable[key] = copies
-            else:
+            elif copies:  # a step only peers hold that does not cover us is no candidate
                 self._invalid(Tier.LOCAL, _parse_key(key).step, why)
         return usable
+
+    def _peer_copies(self, fits: Callable[[int], bool]) -> dict[str, list[PeerCopy]]:
+        """The peers' copies of this run, by candidate key (empty without peers)."""
+        if self.peers is None:
+            return {}
+        copies, problems = self.peers.copies(self.fingerprint, self.run_id)
+        for problem in problems:  # a dead peer: skipped, its pieces come from others or nowhere
+            self.events.emit(EventType.LOCAL_FETCH_FAILED, cause=problem)
+        remote: dict[str, list[PeerCopy]] = {}
+        for copy in copies:
+            if fits(copy.files.step):
+                key = _local_key(copy.files.step, copy.files.timeline)
+                remote.setdefault(key, []).append(copy)
+        return remote
 
     def _try_candidate(self, candidate: _Candidate, load: Callable[[], _Loaded]) -> Restored | None:
         """Loads a candidate on every process; returns it only if all succeeded and verified."""
@@ -221,8 +252,17 @@ class Restorer:
     def _invalid(self, tier: Tier, step: int, cause: str) -> None:
         self.events.emit(EventType.CHECKPOINT_INVALID, tier=tier, step=step, cause=cause)
 
-    def _load_local(self, ctx: RunContext, copies: list[StepFiles], wanted: LeafSpecs) -> _Loaded:
+    def _load_local(
+        self,
+        ctx: RunContext,
+        copies: list[StepFiles],
+        wanted: LeafSpecs,
+        remote: list[PeerCopy] | None,
+    ) -> _Loaded:
         assert self.local is not None
+        if remote:  # the pieces this host lacks, from the peers (InvalidCheckpoint: none intact)
+            assert self.peers is not None
+            copies = [*copies, self.peers.fetch(copies, remote, ctx.abstract_state, wanted)]
         state = self.local.restore(copies, ctx.abstract_state, wanted)
         first = copies[0].manifest
         position = DataPosition.from_json(first.get("data_position"))

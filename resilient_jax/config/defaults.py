@@ -109,6 +109,15 @@ def default_config() -> ml_collections.ConfigDict:
     # observed MTBF or checkpoint.mtbf_s), at most local_every_steps apart.
     c.checkpoint.local_auto_interval = True
     c.checkpoint.local_keep = 2  # newest local steps kept per process
+    # A replaced host (new machine, empty RAM disk) fetches the local-tier pieces it lacks from the
+    # other hosts' agents, which serve their RAM disks read-only (resilient_jax.checkpoint.
+    # peer_fetch), so the job resumes from the newest local step, not the older persistent one.
+    # Needs host agents (the supervisor tells each worker its peers); off: this host's pieces only.
+    c.checkpoint.peer_fetch = True
+    # Bound on one request to a peer host (its manifests, or up to 64 MiB of pieces): a peer that
+    # has not answered in full within it is skipped, its pieces taken from another copy or the
+    # candidate step given up for the next one.
+    c.checkpoint.peer_timeout_s = 30.0
     # Persistent saves at the Young/Daly interval from the measured save cost and mtbf_s,
     # instead of every_steps.
     c.checkpoint.auto_interval = False

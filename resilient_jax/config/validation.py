@@ -150,7 +150,12 @@ def _validate_checkpoint(c: ml_collections.ConfigDict) -> None:
             _fail(f"checkpoint.{key}", c[key], "must be >= 1")
     if not c.mtbf_s > 0:
         _fail("checkpoint.mtbf_s", c.mtbf_s, "must be > 0 seconds")
-    for key in ("sync_timeout_s", "persistent_timeout_s", "persistent_outage_limit_s"):
+    for key in (
+        "sync_timeout_s",
+        "persistent_timeout_s",
+        "persistent_outage_limit_s",
+        "peer_timeout_s",
+    ):
         if not c[key] > 0:
             _fail(f"checkpoint.{key}", c[key], "must be > 0 seconds")
     if c.init_from and c.init_from_hf:

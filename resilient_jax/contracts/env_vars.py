@@ -22,6 +22,9 @@ SUPERVISOR_ADDRESS = "RJ_SUPERVISOR_ADDRESS"  # host:port of the heartbeat serve
 SUPERVISOR_PID = "RJ_SUPERVISOR_PID"
 RUN_TOKEN = "RJ_RUN_TOKEN"  # every message carries it: a stray process cannot pose as a worker
 RUN_TOKEN_FILE = "RJ_RUN_TOKEN_FILE"  # or a file holding it (mode 0600), for agents and supervisor
+# The other hosts' local-tier servers (their agents'), "host:port,host:port": a restore fetches
+# local-tier pieces this host's RAM disk lacks from them (`checkpoint.peer_fetch`).
+LOCAL_TIER_PEERS = "RJ_LOCAL_TIER_PEERS"
 
 # Elastic mode: each slice is its own JAX runtime, joined to the others by the quorum server.
 QUORUM_ADDRESS = "RJ_QUORUM_ADDRESS"  # host:port of the quorum server (`control.quorum`)

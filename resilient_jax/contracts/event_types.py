@@ -31,6 +31,10 @@ class EventType(Name):
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # tier, every_steps, cost_s, mtbf_s
     CHECKPOINT_INVALID = "checkpoint_invalid"  # step, tier, cause: skipped on restore
     CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # step, path, cause
+    # Local-tier pieces this host lacked, fetched from peer hosts for a restore:
+    # step, bytes, pieces, peers (their tier servers), duration_s.
+    LOCAL_FETCH = "local_fetch"
+    LOCAL_FETCH_FAILED = "local_fetch_failed"  # cause: a peer host that did not list its copies
     # The persistent tier stopped answering (a save failed or hung, a probe got no answer, or it
     # was unreachable at start): training goes on with the local tier.
     PERSISTENT_OUTAGE = "persistent_outage"  # step, cause

@@ -36,6 +36,7 @@ from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import processes, protocol, worker_env
 from resilient_jax.control.probe import probe_host
+from resilient_jax.control.tier_service import TierServer
 from resilient_jax.events import EventLog
 
 # Registrations repeat the newest workers' records (running or exited) for a restarted supervisor.
@@ -101,6 +102,9 @@ class HostAgent:
         self._partitioned_until = 0.0
         self._end: tuple[int, str] | None = None
         self._terminated = False
+        # This host's local tier, read-only to peers (what it serves comes with the `welcome`):
+        # it outlives the workers, so a replaced host restores from it.
+        self._tier = TierServer(address or "0.0.0.0", 0, token)
 
     def request_stop(self) -> None:
         """SIGTERM to the agent (a scheduler ending the host): workers save and stop, the agent
@@ -149,6 +153,7 @@ class HostAgent:
         finally:
             self._stop_all(grace_s=0.0)
             self._close_conn()
+            self._tier.close()
             self._log.close()
 
     def _connect(self) -> bool:
@@ -173,6 +178,7 @@ class HostAgent:
                 "slots": self._slots,
                 "pid": os.getpid(),
                 "address": own_address,
+                "tier_port": self._tier.port,
                 "workers": self._worker_records(),
             }
         )
@@ -209,6 +215,7 @@ class HostAgent:
         kind = command["type"]
         if kind == ap.CMD_WELCOME:
             self._settings.update(command.get("settings", {}))
+            self._tier.serve(str(self._settings.get("serve_local_dir", "")))
             if command.get("probe_now"):
                 threading.Thread(
                     target=self._probe, args=(command.get("probe", {}),), daemon=True

@@ -169,17 +169,20 @@ class HostPlane:
 
     def _welcome(self) -> dict[str, Any]:
         """What every registering agent is told: its settings and what its probe checks."""
+        ckpt = self._config.checkpoint
         return {
             "type": ap.CMD_WELCOME,
             "settings": {
                 "heartbeat_interval_s": float(self._c.heartbeat_interval_s),
                 "orphan_timeout_s": float(self._c.orphan_timeout_s),
                 "save_grace_s": float(self._c.save_grace_s),
+                # The local tier the agent serves to peers' restores ("": none).
+                "serve_local_dir": str(ckpt.local_dir) if ckpt.peer_fetch else "",
             },
             "probe": {
                 "jax": bool(self._c.probe_jax),
                 "devices": self._cluster.devices_per_process,
-                "local_dir": str(self._config.checkpoint.local_dir),
+                "local_dir": str(ckpt.local_dir),
                 "min_free_gb": float(self._c.probe_min_free_gb),
                 "cache_env": compile_cache.cache_env(self._c, self._workdir),
             },

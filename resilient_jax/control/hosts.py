@@ -42,6 +42,7 @@ class HostRecord:
     pid: int
     address: str  # where other hosts reach it (process 0's host is the JAX coordinator)
     conn: socket.socket | None
+    tier_port: int | None  # its agent's local-tier server on `address` (None: it has none)
     last_seen: float
     disconnected_at: float | None = None
     probe_ok: bool | None = None  # None: its probe has not answered yet
@@ -181,6 +182,9 @@ class HostRegistry:
                 pid=int(message.get("pid", 0)),
                 address=str(message.get("address") or conn.getpeername()[0]),
                 conn=conn,
+                tier_port=message.get("tier_port")
+                if isinstance(message.get("tier_port"), int)
+                else None,
                 last_seen=now,
                 reported=reported,
             )
@@ -301,6 +305,15 @@ class HostRegistry:
                 if record.admitted:
                     slots[record.slice] = slots.get(record.slice, 0) + record.slots
         return {s for s, n in slots.items() if n >= processes_per_slice}
+
+    def tier_peers(self, exclude: str) -> list[str]:
+        """The local-tier servers (host:port) of every admitted host but `exclude`, by name."""
+        with self._lock:
+            return [
+                f"{r.address}:{r.tier_port}"
+                for r in sorted(self._hosts.values(), key=lambda r: r.name)
+                if r.admitted and r.tier_port is not None and r.name != exclude
+            ]
 
     def host_names(self, slice_id: int) -> list[str]:
         with self._lock:

@@ -73,6 +73,8 @@ class WorkerLauncher:
                 )
                 if observed_mtbf_s is not None:  # the local checkpoint interval follows it
                     placement[env_vars.OBSERVED_MTBF_S] = f"{observed_mtbf_s:.1f}"
+                # Where a restore finds the local-tier pieces this host's RAM disk lacks.
+                placement[env_vars.LOCAL_TIER_PEERS] = ",".join(self._hosts.tier_peers(host.name))
                 command = {
                     "generation": generation,
                     "process": process,

@@ -1,0 +1,302 @@
+"""Local-tier pieces from peer hosts: what a replaced host (a new machine, an empty RAM disk) needs
+to restore the newest local step instead of the older persistent one.
+
+Every slice writes a full copy of the state to its hosts' RAM disks, and each host agent serves
+its disk read-only (`control.tier_service`). At restore, a process asks each peer host (their
+addresses come from the supervisor, `env_vars.LOCAL_TIER_PEERS`) for its manifests, in parallel
+and bounded by `checkpoint.peer_timeout_s`; a local step its own pieces do not cover but the peers'
+do is listed as restorable, and the processes agree on candidates as before (`restore`). Only once
+a candidate is chosen are the missing pieces fetched: CRC-32 checked on arrival, a piece that fails
+or a peer that does not answer in time is replaced by another copy of the same piece, and when no
+copy is left the candidate fails like a bad local copy (`InvalidCheckpoint`: the next candidate).
+
+Fetched pieces are written to this host's RAM disk as a copy of their own (a `proc-` directory
+with a fresh token: the tier's clean-up treats it as another instance's copy), so the restore
+reads and verifies them like any local piece, and this host can serve them in turn.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import os
+import shutil
+import time
+import uuid
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+from resilient_jax.checkpoint.errors import InvalidCheckpoint
+from resilient_jax.checkpoint.local import (
+    Assembly,
+    LocalTier,
+    Piece,
+    StepFiles,
+    named_leaves,
+    needed_regions,
+)
+from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.local_tier import (
+    DATA_FILE,
+    MANIFEST,
+    PROC_PREFIX,
+    TMP_PREFIX,
+    step_name,
+)
+from resilient_jax.control.tier_service import PeerError, list_copies, read_ranges
+from resilient_jax.events import EventLog
+
+_BATCH_BYTES = 64 << 20  # one request asks a peer for at most this much (a larger piece alone)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerCopy:
+    """A committed copy of one step on a peer host, as its manifest describes it."""
+
+    address: str  # the peer's tier server, host:port
+    copy: str  # `proc-.../step_...` on the peer
+    files: StepFiles  # its manifest; `dir` names the peer, not a local path
+
+    @property
+    def data_path(self) -> str:
+        return os.path.join(self.files.dir, DATA_FILE)  # how its pieces' `path` reads
+
+
+def peer_fetcher(
+    c: Any, local: LocalTier | None, events: EventLog, environ: Mapping[str, str]
+) -> PeerFetcher | None:
+    """A fetcher from the peer hosts the supervisor listed for this worker (`c`: the config's
+    checkpoint section); None without a local tier, with `checkpoint.peer_fetch` off, or when
+    the worker was started without peers (a single host, or not by a supervisor)."""
+    peers = [a for a in environ.get(env_vars.LOCAL_TIER_PEERS, "").split(",") if a]
+    token = environ.get(env_vars.RUN_TOKEN, "")
+    if local is None or not c.peer_fetch or not peers or not token:
+        return None
+    return PeerFetcher(peers, token, local, float(c.peer_timeout_s), events)
+
+
+class PeerFetcher:
+    def __init__(
+        self,
+        peers: list[str],
+        token: str,
+        local: LocalTier,
+        timeout_s: float,
+        events: EventLog,
+    ) -> None:
+        self.peers = peers
+        self._token = token
+        self._local = local
+        self._run = os.path.basename(local.root)  # the run key: the same on every host
+        self._timeout_s = timeout_s
+        self._events = events
+
+    def copies(self, fingerprint: str, run_id: str) -> tuple[list[PeerCopy], list[str]]:
+        """Every copy of this run (config and run id) the peers hold, and one line for each peer
+        that did not answer. Peers are asked at once: the whole takes at most one timeout."""
+        if not self.peers:
+            return [], []
+        found: list[PeerCopy] = []
+        problems: list[str] = []
+        with concurrent.futures.ThreadPoolExecutor(len(self.peers)) as pool:
+            listings = {
+                address: pool.submit(list_copies, address, self._token, self._run, self._timeout_s)
+                for address in self.peers
+            }
+            for address, listing in listings.items():
+                try:
+                    entries = listing.result()
+                except PeerError as e:
+                    problems.append(str(e))
+                    continue
+                for entry in entries:
+                    copy = _peer_copy(address, entry)
+                    if copy is None:
+                        continue
+                    manifest = copy.files.manifest
+                    if (
+                        manifest.get("fingerprint") == fingerprint
+                        and manifest.get("run_id") == run_id
+                    ):
+                        found.append(copy)
+        return found, problems
+
+    def fetch(
+        self,
+        local_copies: list[StepFiles],
+        remote: list[PeerCopy],
+        abstract_state: Any,
+        wanted: dict[str, dict[str, Any]],
+    ) -> StepFiles:
+        """Fetches the pieces this process needs that `local_copies` lack from `remote` copies of
+        the same step, and writes them as a copy on this host. Raises `InvalidCheckpoint` when
+        some piece has no copy left that arrives intact in time."""
+        started = time.perf_counter()
+        step = remote[0].files.step
+        needed = _missing(local_copies, remote, abstract_state, wanted)
+        by_path = {copy.data_path: copy for copy in remote}
+        tmp, final = self._paths(step)
+        os.makedirs(tmp)
+        entries: list[dict[str, Any]] = []
+        try:
+            with open(os.path.join(tmp, DATA_FILE), "wb") as out:
+                sources = self._fetch_into(out, needed, by_path, entries)
+                out.flush()
+                os.fsync(out.fileno())
+            manifest = {
+                **{
+                    k: v
+                    for k, v in remote[0].files.manifest.items()
+                    if k not in ("pieces", "bytes")
+                },
+                "pieces": entries,
+                "bytes": sum(e["nbytes"] for e in entries),
+                "fetched_from": sorted(sources),
+            }
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            os.rename(tmp, final)
+        except OSError as e:
+            raise InvalidCheckpoint(f"writing fetched pieces to {tmp}: {e}") from e
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(os.path.dirname(tmp), ignore_errors=True)
+        self._events.emit(
+            EventType.LOCAL_FETCH,
+            step=step,
+            bytes=manifest["bytes"],
+            pieces=len(entries),
+            peers=sorted(sources),
+            duration_s=time.perf_counter() - started,
+        )
+        return StepFiles(final, manifest)
+
+    def _paths(self, step: int) -> tuple[str, str]:
+        """The temp and final directories of a fetched copy: a process instance of its own."""
+        token = uuid.uuid4().hex[:8]
+        proc = os.path.join(
+            self._local.root, f"{PROC_PREFIX}{self._local.process_index:05d}-fetched{token}"
+        )
+        return os.path.join(proc, f"{TMP_PREFIX}{step_name(step)}"), os.path.join(
+            proc, step_name(step)
+        )
+
+    def _fetch_into(
+        self,
+        out: Any,
+        needed: list[tuple[str, list[Piece]]],
+        by_path: dict[str, PeerCopy],
+        entries: list[dict[str, Any]],
+    ) -> set[str]:
+        """Writes each needed piece to `out` (appending its manifest entry to `entries`), from the
+        first of its copies whose peer answers and whose bytes pass their CRC; returns the peers
+        that served any."""
+        dead: set[str] = set()  # peers that failed a request: not asked again
+        bad: set[Piece] = set()  # pieces that arrived corrupt
+        problems: list[str] = []
+        sources: set[str] = set()
+        pending = needed
+        while pending:
+            batches: dict[tuple[str, str], list[tuple[str, Piece, list[Piece]]]] = {}
+            for leaf, pieces in pending:
+                usable = [p for p in pieces if p not in bad and by_path[p.path].address not in dead]
+                if not usable:
+                    why = "; ".join(problems[-3:]) or "no peer holds it"
+                    raise InvalidCheckpoint(f"{leaf} box {list(pieces[0].box)}: {why}")
+                copy = by_path[usable[0].path]
+                batches.setdefault((copy.address, copy.copy), []).append((leaf, usable[0], pieces))
+            pending = []
+            for (address, copy_id), items in batches.items():
+                for batch in _split(items):
+                    if address in dead:
+                        pending.extend((leaf, alternatives) for leaf, _, alternatives in batch)
+                        continue
+                    ranges = [(piece.offset, piece.nbytes) for _, piece, _ in batch]
+                    try:
+                        data = read_ranges(
+                            address, self._token, self._run, copy_id, ranges, self._timeout_s
+                        )
+                    except PeerError as e:
+                        dead.add(address)
+                        problems.append(str(e))
+                        pending.extend((leaf, alternatives) for leaf, _, alternatives in batch)
+                        continue
+                    view, offset = memoryview(data), 0
+                    for leaf, piece, alternatives in batch:
+                        raw = view[offset : offset + piece.nbytes]
+                        offset += piece.nbytes
+                        if zlib.crc32(raw) != piece.crc32:
+                            bad.add(piece)
+                            problems.append(f"peer {address} {copy_id}: CRC mismatch in {leaf}")
+                            pending.append((leaf, alternatives))
+                            continue
+                        entries.append(
+                            {
+                                "leaf": leaf,
+                                "box": [list(b) for b in piece.box],
+                                "offset": out.tell(),
+                                "nbytes": piece.nbytes,
+                                "crc32": piece.crc32,
+                            }
+                        )
+                        out.write(raw)
+                        sources.add(address)
+        return sources
+
+
+def _missing(
+    local_copies: list[StepFiles],
+    remote: list[PeerCopy],
+    abstract_state: Any,
+    wanted: dict[str, dict[str, Any]],
+) -> list[tuple[str, list[Piece]]]:
+    """(leaf, the peers' copies of one piece) for each piece this process needs that no local
+    copy holds, each once."""
+    assembly = Assembly([*local_copies, *(copy.files for copy in remote)], wanted)
+    local_paths = {os.path.join(copy.dir, DATA_FILE) for copy in local_copies}
+    needed: list[tuple[str, list[Piece]]] = []
+    seen: set[tuple[str, Any]] = set()
+    for leaf, target in named_leaves(abstract_state):
+        for region in needed_regions(target):
+            plan = assembly.plan(leaf, region)
+            if plan is None:
+                raise InvalidCheckpoint(
+                    f"{leaf} region {list(region)} is in no copy, here or on a peer"
+                )
+            for _, pieces in plan:
+                if any(piece.path in local_paths for piece in pieces):
+                    continue
+                if (leaf, pieces[0].box) not in seen:
+                    seen.add((leaf, pieces[0].box))
+                    needed.append((leaf, pieces))
+    return needed
+
+
+def _split(items: list[Any]) -> list[list[Any]]:
+    """Items (leaf, piece, alternatives) in batches of at most `_BATCH_BYTES` each."""
+    batches: list[list[Any]] = [[]]
+    size = 0
+    for item in items:
+        if batches[-1] and size + item[1].nbytes > _BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += item[1].nbytes
+    return batches
+
+
+def _peer_copy(address: str, entry: Any) -> PeerCopy | None:
+    """A listing entry as a `PeerCopy`; None when it is malformed."""
+    try:
+        copy, manifest = str(entry["copy"]), entry["manifest"]
+        files = StepFiles(f"{address}/{copy}", manifest)
+        files.step  # noqa: B018 (a manifest without a step is malformed)
+        return PeerCopy(address, copy, files) if isinstance(manifest.get("pieces"), list) else None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None

@@ -1,0 +1,283 @@
+"""The local tier served to peers: a host's committed local-tier steps, read-only over TCP, so a
+replaced host (a new machine, an empty RAM disk) restores the newest local step from a surviving
+host instead of falling back to the older persistent one.
+
+The host agent runs a `TierServer` (its RAM disk outlives the workers); a restoring worker reads
+through `list_copies` and `read_ranges` (`resilient_jax.checkpoint.peer_fetch`). One request per
+connection, a JSON line carrying the run's token:
+
+    {"type": "list", "run": KEY}         -> {"ok": true, "copies": [{"copy": ID, "manifest": M}]}
+    {"type": "read", "run": KEY, "copy": ID,
+     "ranges": [[offset, nbytes], ...]}  -> {"ok": true, "nbytes": N} + N raw bytes
+
+or `{"ok": false, "error": "..."}`. KEY is the run's directory under the tier's root, ID a committed
+step directory (`proc-.../step_...`); nothing else under the root can be named. Every wait on both
+sides is bounded: the server gives a silent client `_CLIENT_TIMEOUT_S`, a client gives a whole
+request `timeout_s` and raises `PeerError` past it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import os
+import socket
+import socketserver
+import threading
+import time
+from typing import Any
+
+from resilient_jax.contracts.local_tier import (
+    COPY_ID,
+    DATA_FILE,
+    MANIFEST,
+    PROC_PREFIX,
+    RUN_KEY,
+    STEP_PREFIX,
+)
+
+LIST, READ = "list", "read"
+MAX_REQUEST_BYTES = 8 << 20  # a read names each piece of one copy: thousands of ranges at most
+_CLIENT_TIMEOUT_S = 30.0  # the server drops a client silent for this long
+_CHUNK = 1 << 20
+
+
+class PeerError(OSError):
+    """A peer that did not answer in time, refused, or sent something malformed."""
+
+
+# ------------------------------------------------------------------------------------ server
+
+
+class TierServer:
+    """Serves the committed local-tier steps under `root` (set by `serve`) on `host:port` (port 0:
+    any free port), from construction until `close()`; requests without `token` are refused."""
+
+    def __init__(self, host: str, port: int, token: str) -> None:
+        self._token = token
+        self._root: str | None = None  # None: the local tier is not served (yet)
+        outer = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            timeout = _CLIENT_TIMEOUT_S
+
+            def handle(self) -> None:
+                outer._handle(self.rfile, self.connection)
+
+        class Server(socketserver.ThreadingTCPServer):
+            allow_reuse_address = True
+            daemon_threads = True  # a slow client never delays the agent's exit
+
+        self._server = Server((host, port), Handler)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def serve(self, root: str | None) -> None:
+        """Serves the local tier rooted at `root` (`checkpoint.local_dir`); None or "": nothing."""
+        self._root = os.path.abspath(root) if root else None
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=1.0)
+
+    def _handle(self, rfile: Any, conn: socket.socket) -> None:
+        try:
+            line = rfile.readline(MAX_REQUEST_BYTES + 1)
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise ValueError("not a request")
+        except (OSError, ValueError):
+            return  # nothing sensible to answer
+        try:
+            header, data = self._answer(request)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            header, data = {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
+        with contextlib.suppress(OSError):
+            conn.sendall(_line(header))
+            if data is not None:
+                _send_ranges(conn, *data)
+
+    def _answer(self, request: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        if not hmac.compare_digest(str(request.get("token", "")), self._token):
+            return {"ok": False, "error": "no or wrong run token"}, None
+        root = self._root
+        if root is None:
+            return {"ok": False, "error": "this host serves no local tier"}, None
+        run = str(request.get("run", ""))
+        if not RUN_KEY.fullmatch(run):
+            return {"ok": False, "error": f"bad run key {run!r}"}, None
+        if request.get("type") == LIST:
+            return {"ok": True, "copies": _committed_copies(os.path.join(root, run))}, None
+        if request.get("type") == READ:
+            copy = str(request.get("copy", ""))
+            if not COPY_ID.fullmatch(copy):
+                return {"ok": False, "error": f"bad copy {copy!r}"}, None
+            path = os.path.join(root, run, copy, DATA_FILE)
+            ranges = [(int(o), int(n)) for o, n in request["ranges"]]
+            size = os.path.getsize(path)
+            if any(o < 0 or n < 0 or o + n > size for o, n in ranges):
+                return {"ok": False, "error": f"a range outside {copy}'s {size} bytes"}, None
+            return {"ok": True, "nbytes": sum(n for _, n in ranges)}, (path, ranges)
+        return {"ok": False, "error": f"unknown request type {request.get('type')!r}"}, None
+
+
+def _committed_copies(run_root: str) -> list[dict[str, Any]]:
+    """Every committed step directory of the run with its manifest (unreadable ones left out)."""
+    copies = []
+    for proc in sorted(_listdir(run_root)):
+        if not proc.startswith(PROC_PREFIX):
+            continue
+        for step in sorted(_listdir(os.path.join(run_root, proc))):
+            copy = f"{proc}/{step}"
+            if not step.startswith(STEP_PREFIX) or not COPY_ID.fullmatch(copy):
+                continue
+            try:
+                with open(os.path.join(run_root, copy, MANIFEST)) as f:
+                    copies.append({"copy": copy, "manifest": json.load(f)})
+            except (OSError, ValueError):
+                continue  # being deleted, or damaged: the peer's restore judges its own copies
+    return copies
+
+
+def _send_ranges(conn: socket.socket, path: str, ranges: list[tuple[int, int]]) -> None:
+    with open(path, "rb") as f:
+        for offset, nbytes in ranges:
+            f.seek(offset)
+            left = nbytes
+            while left:
+                chunk = f.read(min(left, _CHUNK))
+                if not chunk:
+                    raise OSError(f"{path} shrank while being read")
+                conn.sendall(chunk)
+                left -= len(chunk)
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _line(message: dict[str, Any]) -> bytes:
+    return (json.dumps(message, separators=(",", ":")) + "\n").encode()
+
+
+# ------------------------------------------------------------------------------------ client
+
+
+def list_copies(address: str, token: str, run: str, timeout_s: float) -> list[dict[str, Any]]:
+    """The committed copies of run `run` a peer holds: [{"copy": ID, "manifest": {...}}].
+    Raises `PeerError` if the peer does not answer in full within `timeout_s`."""
+    with _Request(address, timeout_s) as request:
+        header = request.ask({"type": LIST, "run": run, "token": token})
+        copies = header.get("copies")
+        if not isinstance(copies, list):
+            raise PeerError(f"peer {address}: a listing without copies")
+        return copies
+
+
+def read_ranges(
+    address: str,
+    token: str,
+    run: str,
+    copy: str,
+    ranges: list[tuple[int, int]],
+    timeout_s: float,
+) -> bytearray:
+    """The bytes of `ranges` of one copy's data file, back to back. Raises `PeerError` if the
+    peer does not send them all within `timeout_s`."""
+    with _Request(address, timeout_s) as request:
+        message = {"type": READ, "run": run, "copy": copy, "ranges": ranges, "token": token}
+        header = request.ask(message)
+        expected = sum(n for _, n in ranges)
+        if header.get("nbytes") != expected:
+            raise PeerError(f"peer {address}: {header.get('nbytes')} bytes for {expected}")
+        return request.receive(expected)
+
+
+class _Request:
+    """One connection to a peer, every step of it within one deadline."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self._address = address
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        host, _, port = address.rpartition(":")
+        try:
+            self._conn = socket.create_connection((host, int(port)), timeout=timeout_s)
+        except (OSError, ValueError) as e:
+            raise PeerError(f"peer {address}: cannot connect ({e})") from e
+        self._buffer = bytearray()
+
+    def __enter__(self) -> _Request:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._conn.close()
+
+    def ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        self._settimeout()
+        try:
+            self._conn.sendall(_line(message))
+        except OSError as e:
+            raise PeerError(f"peer {self._address}: {e}") from e
+        while b"\n" not in self._buffer:
+            if len(self._buffer) > MAX_REQUEST_BYTES * 16:
+                raise PeerError(f"peer {self._address}: an answer without end")
+            self._recv()
+        line, _, rest = bytes(self._buffer).partition(b"\n")
+        self._buffer = bytearray(rest)
+        try:
+            header = json.loads(line)
+        except ValueError as e:
+            raise PeerError(f"peer {self._address}: not JSON ({e})") from e
+        if not isinstance(header, dict) or not header.get("ok"):
+            error = header.get("error") if isinstance(header, dict) else header
+            raise PeerError(f"peer {self._address}: {error}")
+        return header
+
+    def receive(self, nbytes: int) -> bytearray:
+        """Exactly `nbytes` more bytes, received in place (a copy may be gigabytes)."""
+        if len(self._buffer) > nbytes:
+            raise PeerError(f"peer {self._address}: more bytes than announced")
+        out = bytearray(nbytes)
+        got = len(self._buffer)
+        out[:got] = self._buffer
+        view = memoryview(out)
+        while got < nbytes:
+            self._settimeout()
+            try:
+                n = self._conn.recv_into(view[got:], min(nbytes - got, _CHUNK))
+            except OSError as e:  # socket.timeout included
+                raise PeerError(
+                    f"peer {self._address}: no answer within {self._timeout_s:g}s"
+                ) from e
+            if not n:
+                raise PeerError(f"peer {self._address}: closed the connection mid-answer")
+            got += n
+        return out
+
+    def _recv(self) -> None:
+        self._settimeout()
+        try:
+            data = self._conn.recv(_CHUNK)
+        except OSError as e:  # socket.timeout included
+            raise PeerError(f"peer {self._address}: no answer within {self._timeout_s:g}s") from e
+        if not data:
+            raise PeerError(f"peer {self._address}: closed the connection mid-answer")
+        self._buffer += data
+
+    def _settimeout(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise PeerError(f"peer {self._address}: no full answer within {self._timeout_s:g}s")
+        self._conn.settimeout(left)
