@@ -27,6 +27,11 @@ def plan(config, num_devices=8):
         ({"model.num_kv_heads": 3}, "config.model.num_kv_heads=3 is invalid"),
         ({"model.compute_dtype": "float16"}, "allowed: float32, bfloat16"),
         ({"total_steps": 0}, "config.total_steps=0 is invalid: must be a positive integer"),
+        ({"checkpoint.peer_timeout_s": 0.0}, "config.checkpoint.peer_timeout_s=0.0 is invalid"),
+        (
+            {"checkpoint.peer_timeout_s": 400.0},
+            "checkpoint.peer_timeout_s=400.0 is invalid: must be below checkpoint.sync_timeout_s",
+        ),
     ],
 )
 def test_invalid_values_rejected(overrides, message):

@@ -11,8 +11,10 @@ Layout, under `<local_dir>/<run key>/` (the run key is a hash of the absolute wo
 
 A process writes one copy of each distinct shard it holds, so every slice (replica) holds a full
 copy of the state. Restore assembles each shard the new sharding needs from any pieces this host
-can read, whoever wrote them, so a surviving slice restores alone onto a smaller mesh. The blocking
-part of a save is the device-to-host copy; files are written by a background thread.
+can read, whoever wrote them, so a surviving slice restores alone onto a smaller mesh; a host whose
+RAM disk lacks pieces fetches them from peer hosts first (`peer_fetch`). The blocking part of a
+save is the device-to-host copy; files are written by a background thread. The layout's names are
+in `contracts.local_tier` (the host agent serves it, `control.tier_service`).
 """
 
 from __future__ import annotations

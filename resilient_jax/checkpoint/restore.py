@@ -116,7 +116,7 @@ class Restorer:
     read_only: bool = False
     peers: PeerFetcher | None = None  # None: this host's own pieces only
     # Candidate key -> the peers' copies of its step, for the candidates that need them.
-    _remote: dict[str, list[PeerCopy]] = dataclasses.field(default_factory=dict)
+    _remote: dict[str, list[PeerCopy]] = dataclasses.field(init=False, default_factory=dict)
 
     def restore(
         self, ctx: RunContext, started: float, max_step: int | None, exact: bool

@@ -117,7 +117,7 @@ def default_config() -> ml_collections.ConfigDict:
     # Bound on one request to a peer host (its manifests, or up to 64 MiB of pieces): a peer that
     # has not answered in full within it is skipped, its pieces taken from another copy or the
     # candidate step given up for the next one.
-    c.checkpoint.peer_timeout_s = 30.0
+    c.checkpoint.peer_timeout_s = 10.0
     # Persistent saves at the Young/Daly interval from the measured save cost and mtbf_s,
     # instead of every_steps.
     c.checkpoint.auto_interval = False

@@ -158,6 +158,13 @@ def _validate_checkpoint(c: ml_collections.ConfigDict) -> None:
     ):
         if not c[key] > 0:
             _fail(f"checkpoint.{key}", c[key], "must be > 0 seconds")
+    if c.peer_fetch and not c.peer_timeout_s < c.sync_timeout_s:
+        _fail(
+            "checkpoint.peer_timeout_s",
+            c.peer_timeout_s,
+            f"must be below checkpoint.sync_timeout_s={c.sync_timeout_s:g} (the other processes "
+            "wait for a fetch inside the restore's agreement)",
+        )
     if c.init_from and c.init_from_hf:
         _fail("checkpoint.init_from_hf", c.init_from_hf, "excludes checkpoint.init_from (pick one)")
 

@@ -7,7 +7,9 @@ It connects to the supervisor (the address given, else the one in `<workdir>/sup
 read again before every attempt, so a restarted supervisor is found), registers its host, slice,
 devices and worker slots, and heartbeats. On command it starts workers with the environment the
 supervisor gives, signals them, keeps warm standbys, and reports each worker's exit the moment a
-waiter thread sees it. Worker output goes to `<workdir>/logs/<host>/workers.log` and stdout.
+waiter thread sees it. It serves the host's local checkpoint tier read-only to the workers of
+other hosts (`tier_service`): the RAM disk outlives the workers, and a replaced host restores
+from it. Worker output goes to `<workdir>/logs/<host>/workers.log` and stdout.
 
 Workers keep training while no supervisor is connected: a restarted one finds them in the
 agent's next registration. With no supervisor for `coordinator.orphan_timeout_s` the agent asks

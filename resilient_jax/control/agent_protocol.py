@@ -4,15 +4,15 @@ Both directions carry JSON lines (`protocol.encode`) over the one TCP connection
 the supervisor's address; every line the agent sends carries the run's token, like a worker's
 heartbeat, so the supervisor's one listener serves both.
 
-Agent -> supervisor: `register` (who it is and every worker it runs or saw exit: a restarted
-supervisor rebuilds its view from these), `agent_heartbeat`, `started` (a worker's pid, or why it
-could not start), `worker_exit` (code, the moment the agent's waiter thread sees it), `probe` (the
-health probe's verdict).
+Agent -> supervisor: `register` (who it is, the port of its local-tier server, and every worker
+it runs or saw exit: a restarted supervisor rebuilds its view from these), `agent_heartbeat`,
+`started` (a worker's pid, or why it could not start), `worker_exit` (code, the moment the agent's
+waiter thread sees it), `probe` (the health probe's verdict).
 
-Supervisor -> agent: `welcome` (settings the agent applies), `start` (one worker: argv, env, cwd,
-its place), `signal` (to one worker or its process group), `standbys` (keep this many warm),
-`fence` (end every worker of a generation before this one), `fault` (a host fault to act out) and
-`end` (the run is over: exit with this code).
+Supervisor -> agent: `welcome` (settings the agent applies, among them the local tier it serves),
+`start` (one worker: argv, env, cwd, its place), `signal` (to one worker or its process group),
+`standbys` (keep this many warm), `fence` (end every worker of a generation before this one),
+`fault` (a host fault to act out) and `end` (the run is over: exit with this code).
 """
 
 from __future__ import annotations
