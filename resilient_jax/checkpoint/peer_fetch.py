@@ -139,9 +139,9 @@ class PeerFetcher:
         needed = _missing(local_copies, remote, abstract_state, wanted)
         by_path = {copy.data_path: copy for copy in remote}
         tmp, final = self._paths(step)
-        os.makedirs(tmp)
         entries: list[dict[str, Any]] = []
         try:
+            os.makedirs(tmp)
             with open(os.path.join(tmp, DATA_FILE), "wb") as out:
                 sources = self._fetch_into(out, needed, by_path, entries)
                 out.flush()
