@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import events_of, run_context, tiny_config
+from conftest import assert_bitwise, events_of, run_context, tiny_config
 
 pytest.importorskip("torch")
 
@@ -58,3 +58,217 @@ def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_p
     assert [(e["step"], e["owned"], e["slices"]) for e in steps] == [
         (s, [0, 1], [0]) for s in (1, 2, 3)
     ]
+
+
+class _ScriptedClient:
+    """The quorum server's answers, scripted: slice 0 alone, except that at `pair_at` (the step
+    its state has applied) slice 1 is in the quorum too, until slice 0 asks to re-form."""
+
+    def __init__(self, pair_at: int | None) -> None:
+        self._pair_at = pair_at
+        self._reformed = False
+
+    def request(self, step, store, reform, timeout_s, last=None):
+        from resilient_jax.elastic.exchange import Member, Quorum
+
+        self._reformed = self._reformed or reform
+        if step == self._pair_at and not self._reformed:
+            return Quorum("pair", (Member(0, step, store), Member(1, step, "127.0.0.1:1")))
+        return Quorum("alone-2" if self._reformed else "alone", (Member(0, step, store),))
+
+    def close(self) -> None:
+        pass
+
+
+class _PeerDiesExchange:
+    """A lone slice's exchange (the identity) whose every exchange with a peer fails, as when
+    the peer was killed while this slice computed its part."""
+
+    store_address = "127.0.0.1:0"
+
+    def configure(self, quorum, slice_id) -> None:
+        self._size = len(quorum.members)
+
+    def allreduce_sum(self, buffer):
+        from resilient_jax.elastic.exchange import ExchangeError
+
+        if self._size > 1:
+            raise ExchangeError("allreduce: Connection reset by peer")
+        return buffer
+
+    def broadcast(self, buffer, root):
+        raise AssertionError("nobody is behind: no heal")
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def shared_programs(monkeypatch):
+    """The elastic step's programs compiled once for every ElasticStep of the test; yields a
+    one-element list counting the parts whose gradient sums were computed."""
+    from resilient_jax.elastic import step as elastic_step
+
+    compile_sums, compile_apply = elastic_step.compile_gradient_sums, elastic_step.compile_apply
+    compiled: dict = {}
+    computed = [0]
+
+    def counted_sums(ctx):
+        sums, hit = compiled.setdefault("sums", compile_sums(ctx))
+
+        def run(params, rows):
+            computed[0] += 1
+            return sums(params, rows)
+
+        return run, hit
+
+    monkeypatch.setattr(elastic_step, "compile_gradient_sums", counted_sums)
+    monkeypatch.setattr(
+        elastic_step, "compile_apply", lambda ctx: compiled.setdefault("apply", compile_apply(ctx))
+    )
+    return computed
+
+
+def test_a_failed_exchange_keeps_the_rows_computed_and_redoes_only_the_new_part(
+    tmp_path, shared_programs
+):
+    """Slice 0 computes its part of step 2 in a quorum with slice 1, whose exchange then fails:
+    under the new quorum (alone) it computes only part 1, keeps part 0's row, and its parameters
+    are those of a lone slice that computed both parts of every step, bit for bit."""
+    from resilient_jax.data import make_source
+    from resilient_jax.data.position import DataPosition
+    from resilient_jax.elastic.trainer import ElasticStep
+    from resilient_jax.train.state import init_state
+
+    config = tiny_config(**{"elastic.enabled": True, "elastic.slices": 2})
+    source = make_source(config)
+    computed = shared_programs
+
+    def train(workdir: str, pair_at: int | None) -> tuple[object, list[int]]:
+        """3 steps; the parameters, and the parts computed at each step."""
+        ctx = run_context(config, workdir, devices=2)
+        client = _ScriptedClient(pair_at)
+        step = ElasticStep(ctx, source, _PeerDiesExchange(), "127.0.0.1:0", client, 0)
+        state, position = step.join(lambda: (init_state(config, ctx.mesh), DataPosition()))
+        per_step = []
+        for batch_index in range(position.next_batch, position.next_batch + 3):
+            before = computed[0]
+            state, _ = step(state, batch_index)
+            per_step.append(computed[0] - before)
+        return jax.device_get(state.params), per_step
+
+    reference, reference_parts = train(str(tmp_path / "alone"), pair_at=None)
+    params, parts = train(str(tmp_path / "failed"), pair_at=1)
+    assert reference_parts == [2, 2, 2]
+    assert parts == [2, 2, 2]  # part 0 of step 2 once, before the failure; part 1 after it
+    assert_bitwise(params, jax.device_get(reference))
+    failed = events_of(str(tmp_path / "failed"), "elastic_exchange_failed")
+    assert [(e["step"], e["quorum_id"]) for e in failed] == [(1, "pair")]
+    steps = events_of(str(tmp_path / "failed"), "elastic_step")
+    assert [(e["step"], e["quorum_id"], e["owned"], e.get("reused")) for e in steps] == [
+        (1, "alone", [0, 1], None),
+        (2, "alone-2", [0, 1], [0]),
+        (3, "alone-2", [0, 1], None),
+    ]
+
+
+def test_a_joining_slice_is_handed_the_state_over_a_step_the_survivor_computes_alone(
+    tmp_path, shared_programs
+):
+    """Two slices in this process over a real quorum server and gloo: slice 0 trains alone,
+    slice 1 joins from a fresh state. Slice 0 sends the state of a step's start while it
+    computes both parts of that step; slice 1 applies the step's sum itself and computes its own
+    part from the next step on. Both end bitwise equal to a lone slice's run."""
+    import threading
+    import time
+
+    from resilient_jax.control.quorum import QuorumServer
+    from resilient_jax.data import make_source
+    from resilient_jax.data.position import DataPosition
+    from resilient_jax.elastic.data import StepIndex
+    from resilient_jax.elastic.exchange import make_exchange
+    from resilient_jax.elastic.quorum_client import QuorumClient
+    from resilient_jax.elastic.trainer import ElasticStep
+    from resilient_jax.train.state import init_state
+
+    total = 14
+    config = tiny_config(
+        **{"elastic.enabled": True, "elastic.slices": 2, "elastic.quorum_timeout_s": 60.0}
+    )
+    server = QuorumServer("t", join_timeout_s=1.0, expected=1, settle_s=0.0)
+    results, errors = {}, []
+    started = threading.Event()
+
+    def until_slice_1_asks() -> None:
+        deadline = time.monotonic() + 120
+        while 1 not in server.connected_slices():
+            assert time.monotonic() < deadline, "slice 1 never asked for a quorum"
+            time.sleep(0.01)
+
+    def slice_run(slice_id: int, workdir: str, paired: bool = False):
+        """Slice 0 (alone, or waiting after step 3 for slice 1 to ask), or slice 1 (joining
+        once slice 0 is at step 3)."""
+        exchange = make_exchange("gloo", "127.0.0.1", 10.0)
+        client = QuorumClient(server.address, "t", slice_id)
+        try:
+            if slice_id == 1:
+                assert started.wait(120)
+            ctx = run_context(config, workdir, devices=2)
+            store = exchange.store_address
+            step = ElasticStep(ctx, make_source(config), exchange, store, client, slice_id)
+
+            def load():
+                assert slice_id == 0, "slice 1 is healed by slice 0: it loads no state"
+                return init_state(config, ctx.mesh), DataPosition()
+
+            state, position = step.join(load)
+            results[(slice_id, "joined")] = int(jax.device_get(state.step))
+            loader = StepIndex(position)
+            while int(jax.device_get(state.step)) < total:
+                state, _ = step(state, loader.next()[1])
+                if slice_id == 0 and paired and int(jax.device_get(state.step)) == 3:
+                    started.set()
+                    until_slice_1_asks()
+            results[slice_id] = jax.device_get(state.params)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+            started.set()
+        finally:
+            client.close()
+            exchange.close()
+
+    try:
+        reference = threading.Thread(target=slice_run, args=(0, str(tmp_path / "lone")))
+        reference.start()
+        reference.join(300)
+        lone = results.pop(0)
+        threads = [
+            threading.Thread(target=slice_run, args=(0, str(tmp_path / "s0"), True)),
+            threading.Thread(target=slice_run, args=(1, str(tmp_path / "s1"))),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+    finally:
+        server.close()
+    assert_bitwise(results[0], lone)
+    assert_bitwise(results[1], lone)
+
+    heals = events_of(str(tmp_path / "s1"), "elastic_heal")
+    assert [(e["role"], e["source_slice"]) for e in heals] == [("received", 0)]
+    joined = heals[0]["step"]
+    assert results[(1, "joined")] == joined == 4  # handed the state of step 3 over step 4
+    sent = events_of(str(tmp_path / "s0"), "elastic_heal")
+    assert [(e["role"], e["step"]) for e in sent] == [("sent", joined)]
+    survivor = {e["step"]: e for e in events_of(str(tmp_path / "s0"), "elastic_step")}
+    # The step handed over: both in the quorum, slice 0 computed both parts.
+    assert (survivor[joined]["slices"], survivor[joined]["owned"]) == ([0, 1], [0, 1])
+    for step in range(joined + 1, total + 1):
+        assert (survivor[step]["slices"], survivor[step]["owned"]) == ([0, 1], [0])
+    joiner = events_of(str(tmp_path / "s1"), "elastic_step")
+    assert [(e["step"], e["owned"]) for e in joiner] == [
+        (s, [1]) for s in range(joined + 1, total + 1)
+    ]
+    assert not events_of(str(tmp_path / "s0"), "elastic_exchange_failed")

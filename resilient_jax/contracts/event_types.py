@@ -95,7 +95,9 @@ class EventType(Name):
     # step (the state's after healing), source_slice, bytes, duration_s, role (sent | received)
     ELASTIC_HEAL = "elastic_heal"
     # step, quorum_id, slices, owned (the global batch's parts this slice computed), digest
-    # (sha256 of the parameters, every elastic.check_every_steps), exchange_s
+    # (sha256 of the parameters, every elastic.check_every_steps), compute_s (its parts' gradient
+    # sums, on the host), exchange_s (the exchange alone); reused (parts whose rows were kept from
+    # a failed exchange of the step, not computed again), only when there are some
     ELASTIC_STEP = "elastic_step"
     # With a sync interval: step, from_step, quorum_id, owned (a failed sync's round, trained
     # again from its start under the new quorum); elastic_step then carries synced (the round's

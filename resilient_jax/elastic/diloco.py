@@ -48,6 +48,10 @@ class _Round:
 class SyncIntervalStep(ElasticStep):
     """The loop's step function with `elastic.sync_every_steps` > 1 (see the module docstring)."""
 
+    # A joining slice heals at a round's start, from the state every member has there: there is
+    # no step's sum for it to apply itself.
+    _overlapped_heal = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         start = time.perf_counter()

@@ -3,7 +3,8 @@
 In elastic mode every slice is its own JAX runtime; what crosses slices is a flat host buffer per
 step (the gradient sums) and, when a slice joins, the train state it heals from. `Exchange` is
 everything the trainer needs from a collective library for that: sum a buffer over the current
-members, broadcast one from a member, and be re-formed for a new membership (a `Quorum`). Each
+members, broadcast one from a member (at once, or in the background while the caller computes),
+and be re-formed for a new membership (a `Quorum`). Each
 operation is bounded: a dead or hung peer makes it raise `ExchangeError` within the timeout, never
 hang, so the caller can ask for a new quorum and redo the step.
 
@@ -76,6 +77,13 @@ class Quorum:
         return cls(d["quorum_id"], tuple(Member(**m) for m in d["members"]))
 
 
+class Transfer(Protocol):
+    """A collective started in the background (`Exchange.start_broadcast`)."""
+
+    def wait(self) -> np.ndarray:
+        """Its result, once complete; raises ExchangeError when it failed or timed out."""
+
+
 class Exchange(Protocol):
     """Collectives among the members of the current quorum (see the module docstring)."""
 
@@ -91,6 +99,11 @@ class Exchange(Protocol):
 
     def broadcast(self, buffer: np.ndarray, root: int) -> np.ndarray:
         """Rank `root`'s `buffer` on every member (the others pass a buffer of its shape)."""
+
+    def start_broadcast(self, buffer: np.ndarray, root: int) -> Transfer:
+        """`broadcast` in the background, in place: `buffer` is sent (or received into) while
+        the caller goes on, and must be left alone until `wait()` returns. Collectives are
+        matched in the order they are started, the same on every member."""
 
     def close(self) -> None:
         """Drops the group and stops the store this process hosts."""

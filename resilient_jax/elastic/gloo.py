@@ -11,6 +11,7 @@ surface here as `ExchangeError`.
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import numpy as np
 
@@ -61,26 +62,52 @@ class GlooExchange:
         return tensor.numpy()
 
     def broadcast(self, buffer: np.ndarray, root: int) -> np.ndarray:
+        return self.start_broadcast(np.array(buffer, copy=True), root).wait()
+
+    def start_broadcast(self, buffer: np.ndarray, root: int) -> _Transfer:
+        tensor = torch.from_numpy(buffer)  # in place: the caller leaves it alone until wait()
         if self._size == 1:
-            return buffer
-        tensor = torch.from_numpy(np.array(buffer, copy=True))
+            return _Transfer(self, None, tensor, "broadcast")
         options = dist.BroadcastOptions()
         options.rootRank = root
-        self._run(lambda g: g.broadcast([tensor], options), "broadcast")
-        return tensor.numpy()
+        work = self._start(lambda g: g.broadcast([tensor], options), "broadcast")
+        return _Transfer(self, work, tensor, "broadcast")
 
     def close(self) -> None:
         self._group = None
         self._own_store = None
 
     def _run(self, op, name: str) -> None:
+        self._wait(self._start(op, name), name)
+
+    def _start(self, op, name: str) -> Any:
         if self._group is None:
             raise ExchangeError(f"{name}: no group formed (the last quorum failed)")
         try:
-            op(self._group).wait(self._timeout)
+            return op(self._group)
+        except RuntimeError as e:
+            self._group = None
+            raise ExchangeError(f"{name}: {_one_line(e)}") from e
+
+    def _wait(self, work: Any, name: str) -> None:
+        try:
+            work.wait(self._timeout)
         except RuntimeError as e:  # gloo: peer closed, connection reset, timed out
             self._group = None  # a failed group is never used again: form the next quorum
             raise ExchangeError(f"{name}: {_one_line(e)}") from e
+
+
+class _Transfer:
+    """A gloo collective in flight (or none, for a group of one) on `tensor`, in place."""
+
+    def __init__(self, exchange: GlooExchange, work: Any, tensor: torch.Tensor, name: str):
+        self._exchange, self._work, self._tensor, self._name = exchange, work, tensor, name
+
+    def wait(self) -> np.ndarray:
+        if self._work is not None:
+            work, self._work = self._work, None
+            self._exchange._wait(work, self._name)
+        return self._tensor.numpy()
 
 
 def _one_line(e: BaseException) -> str:

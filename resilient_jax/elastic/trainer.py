@@ -11,13 +11,16 @@ member thus applies the same bits, whatever the membership: replicas stay bitwis
 that lost a slice computes the same function as one that did not.
 
 A failed exchange (a peer died or hung) leaves the state untouched: the step asks for a new quorum
-and is redone. Without a quorum server (the supervisor is down or restarting) a slice keeps the
-last quorum and trains on; only a failed exchange with no server to re-form through ends the run
-(after `elastic.quorum_timeout_s`).
+and is redone, computing only the parts this slice newly owns (the rows it already computed for
+this state are kept: the same bits as computing them again). Without a quorum server (the
+supervisor is down or restarting) a slice keeps the last quorum and trains on; only a failed
+exchange with no server to re-form through ends the run (after `elastic.quorum_timeout_s`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
@@ -31,11 +34,23 @@ from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data.position import DataPosition
 from resilient_jax.elastic import step as elastic_step
 from resilient_jax.elastic.data import PartRows, owned_parts
-from resilient_jax.elastic.exchange import NO_STATE, Exchange, ExchangeError, Quorum
+from resilient_jax.elastic.exchange import NO_STATE, Exchange, ExchangeError, Quorum, Transfer
 from resilient_jax.elastic.quorum_client import QuorumClient
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import Metrics
+
+
+@dataclasses.dataclass
+class _Handover:
+    """A handover this slice takes part in as a member up to date, in flight during a step."""
+
+    quorum: Quorum
+    transfer: Transfer  # the broadcast of the state of the step's start
+    active: tuple[int, ...]  # the members that compute the step's parts: those up to date
+    started: float  # perf_counter at its start
+    size: int  # bytes sent
+    sent: bool  # this slice is the source
 
 
 class NoQuorum(RuntimeError):
@@ -69,6 +84,7 @@ class ElasticStep:
         self._quorum: Quorum | None = None  # the group formed, if any
         self._broken = True  # no usable group: the next quorum must form one
         self._decided: tuple[int, Quorum] | None = None  # the quorum already got for a step
+        self._handover: _Handover | None = None  # a heal this slice takes part in, in flight
         self._last_metrics: Metrics = {}
 
     # Before the loop: the first quorum (a joining slice heals here).
@@ -97,6 +113,12 @@ class ElasticStep:
     def __call__(self, state: TrainState, batch_index: int) -> tuple[TrainState, Metrics]:
         # From the state, not a counter: a rollback (every member rolls back alike) resets it.
         self._step = int(jax.device_get(state.step))
+        # The rows of this step's parts computed so far, by part: a failed exchange leaves the
+        # state as it was, so they are the same bits under any quorum, and a redo computes only
+        # the parts this slice newly owns.
+        rows: dict[int, np.ndarray] = {}
+        reused: list[int] = []
+        compute_s = 0.0
         while True:
             quorum = self._quorum_of(self._step)
             try:
@@ -110,23 +132,28 @@ class ElasticStep:
                             f"healed from step {step_before} to {self._step} inside the loop"
                         )
                     return state, {**self._last_metrics, "healed": jax.numpy.float32(1.0)}
+                # While a member behind receives the state, the others compute every part.
+                handover = self._handover
+                computing = handover.active if handover is not None else quorum.slices
+                owned = owned_parts(computing, self._slice, self._parts)
+                reused = [p for p in owned if p in rows]
                 start = time.perf_counter()
-                owned = owned_parts(quorum.slices, self._slice, self._parts)
-                buffer = self._contributions(state, batch_index, owned)
+                buffer = self._contributions(state, batch_index, owned, rows)
+                compute_s = time.perf_counter() - start
                 summed = self._exchange.allreduce_sum(buffer)
-                exchange_s = time.perf_counter() - start
+                exchange_s = time.perf_counter() - start - compute_s
+                if handover is not None:
+                    self._finish_handover(handover)
             except ExchangeError as e:
                 self._failed(e)
                 continue
             break
-        total = summed[0].copy()
-        for part in range(1, self._parts):  # in part order: the same bits on every member
-            total += summed[part]
-        state, metrics = self._apply(state, total)
+        state, metrics = self._apply(state, self._in_part_order(summed))
         self._step += 1
         self._decided = None
         self._last_metrics = metrics
-        self._report(state, quorum, owned, exchange_s)
+        extra = {"reused": reused} if reused else {}
+        self._report(state, quorum, owned, exchange_s, compute_s=round(compute_s, 5), **extra)
         return state, metrics
 
     def _report_compile(self, program: str, start: float, hit: bool) -> None:
@@ -198,18 +225,80 @@ class ElasticStep:
             from_step=self._step,
             duration_s=time.perf_counter() - start,
         )
-        if all(m.step == quorum.max_step for m in quorum.members):
+        behind = [m for m in quorum.members if m.step < quorum.max_step]
+        if not behind:
             return state, next_batch
+        if self._overlapped_heal and all(quorum.max_step - m.step > 1 for m in behind):
+            return self._hand_over(quorum, rank, state, next_batch)
         return self._heal(quorum, rank, state, next_batch)
+
+    # Heals. A member behind by one step (its exchange failed where the others' completed) is
+    # sent the newest state at once (`_heal`). A joining member, further behind, is handed it
+    # over a step (`_hand_over`): the members up to date compute every part of the next step
+    # while the state of its start goes out in the background; the ones behind take part in
+    # that step's exchange with no parts and apply its sum themselves (the same executable on
+    # the same bits: the same state), and compute their own part from the step after.
+    # Without it the members up to date would wait for the transfer, and then for the joining
+    # one's first part, inside the step.
+
+    _overlapped_heal = True  # the step after a heal is exchanged with the joining members
+
+    def _hand_over(self, quorum: Quorum, rank: int, state: Any, next_batch: int) -> tuple[Any, int]:
+        start = time.perf_counter()
+        source = quorum.source_rank
+        size = elastic_step.state_nbytes(self._ctx) + 8
+        if quorum.members[rank].step == quorum.max_step:
+            if rank == source:
+                buffer = self._state_message(state, next_batch)
+            else:
+                buffer = np.zeros(size, np.uint8)
+            active = tuple(m.slice for m in quorum.members if m.step == quorum.max_step)
+            transfer = self._exchange.start_broadcast(buffer, source)
+            self._handover = _Handover(quorum, transfer, active, start, size, rank == source)
+            return state, next_batch
+        # Behind: the state of the step's start, then the step's sum (no parts of its own).
+        received = self._exchange.start_broadcast(np.zeros(size, np.uint8), source).wait()
+        healed = elastic_step.state_from_bytes(self._ctx, received[:-8])
+        batch_index = int(received[-8:].view(np.int64)[0])
+        nothing = np.zeros((self._parts, self._width), np.float32)
+        state, self._last_metrics = self._apply(
+            healed, self._in_part_order(self._exchange.allreduce_sum(nothing))
+        )
+        self._step = quorum.max_step + 1
+        self._decided = None  # the next quorum is asked for by every member alike
+        self._emit_heal(quorum, source, size, start, "received")
+        return state, batch_index + 1
+
+    def _finish_handover(self, handover: _Handover) -> None:
+        """Waits for the handover's transfer (done by the time the step's exchange is: the
+        members behind receive before they exchange)."""
+        self._handover = None
+        handover.transfer.wait()
+        if handover.sent:
+            q = handover.quorum
+            self._emit_heal(q, q.source_rank, handover.size, handover.started, "sent")
+
+    def _state_message(self, state: TrainState, next_batch: int) -> np.ndarray:
+        """The state and the data position a member behind heals to, as one buffer."""
+        position = np.asarray([next_batch], np.int64).view(np.uint8)
+        return np.concatenate([elastic_step.state_bytes(state), position])
+
+    def _emit_heal(self, quorum: Quorum, source: int, size: int, start: float, role: str):
+        self._ctx.events.emit(
+            EventType.ELASTIC_HEAL,
+            step=self._step if role == "received" else quorum.max_step + 1,
+            source_slice=quorum.members[source].slice,
+            bytes=size,
+            duration_s=time.perf_counter() - start,
+            role=role,
+        )
 
     def _heal(self, quorum: Quorum, rank: int, state: Any, next_batch: int) -> tuple[Any, int]:
         start = time.perf_counter()
         source = quorum.source_rank
         size = elastic_step.state_nbytes(self._ctx) + 8
         if rank == source:
-            buffer = np.concatenate(
-                [elastic_step.state_bytes(state), np.asarray([next_batch], np.int64).view(np.uint8)]
-            )
+            buffer = self._state_message(state, next_batch)
         else:
             buffer = np.zeros(size, np.uint8)
         received = self._exchange.broadcast(buffer, source)
@@ -233,6 +322,10 @@ class ElasticStep:
     def _failed(self, error: ExchangeError) -> None:
         self._broken = True
         self._decided = None
+        handover, self._handover = self._handover, None
+        if handover is not None:  # the step is redone under a new quorum, without it
+            with contextlib.suppress(ExchangeError):
+                handover.transfer.wait()
         self._ctx.events.emit(
             EventType.ELASTIC_EXCHANGE_FAILED,
             step=self._step,
@@ -242,12 +335,27 @@ class ElasticStep:
 
     # The step's work.
 
-    def _contributions(self, state: TrainState, batch_index: int, owned: list[int]) -> np.ndarray:
-        """[parts, width] float32: this slice's parts filled in, zeros elsewhere."""
-        vectors = [self._gradient_sums(state.params, self._rows(batch_index, p)) for p in owned]
+    def _in_part_order(self, summed: np.ndarray) -> np.ndarray:
+        """The exchanged rows added up in part order: the same bits on every member."""
+        total = summed[0].copy()
+        for part in range(1, self._parts):
+            total += summed[part]
+        return total
+
+    def _contributions(
+        self, state: TrainState, batch_index: int, owned: list[int], rows: dict[int, np.ndarray]
+    ) -> np.ndarray:
+        """[parts, width] float32: this slice's parts filled in, zeros elsewhere. Parts already in
+        `rows` (computed for this state and batch before a failed exchange) are not computed
+        again; the ones computed here are added to it."""
+        new = [p for p in owned if p not in rows]
+        # Dispatched together, then fetched: the executions queue back to back on the devices.
+        vectors = [self._gradient_sums(state.params, self._rows(batch_index, p)) for p in new]
+        for part, vector in zip(new, vectors, strict=True):
+            rows[part] = np.asarray(vector)
         buffer = np.zeros((self._parts, self._width), np.float32)
-        for part, vector in zip(owned, vectors, strict=True):
-            buffer[part] = np.asarray(vector)
+        for part in owned:
+            buffer[part] = rows[part]
         return buffer
 
     def _report(
