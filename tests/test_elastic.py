@@ -69,7 +69,12 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
     survivor = slice_events(workdir, 0, "elastic_step")
     assert len(_pids(workdir, 0)) == 1
     assert [e["step"] for e in survivor] == list(range(1, STEPS + 1))
-    assert len(slice_events(workdir, 0, "elastic_exchange_failed")) <= 1
+    failed = slice_events(workdir, 0, "elastic_exchange_failed")
+    assert len(failed) <= 1
+    # The step redone computed only slice 1's part: its own part's row was kept.
+    by_step = {e["step"]: e for e in survivor}
+    for e in failed:
+        assert by_step[e["step"] + 1].get("reused") == [0], by_step[e["step"] + 1]
     for slice_id in (0, 1):
         assert not slice_events(workdir, slice_id, "restore")
 
@@ -77,8 +82,9 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
     alone = [e for e in survivor if e["slices"] == [0]]
     assert alone and all(e["owned"] == [0, 1] for e in alone)
 
-    # The replacement healed from the survivor (the state over the exchange) and joined at the
-    # step it received; from there both train their own part again, together.
+    # The replacement was handed the survivor's state over a step (the survivor computed both
+    # parts of it while the state went out; the replacement applied its sum itself) and trains
+    # its own part from the next; from there both train their own part again, together.
     replacement_pid = (_pids(workdir, 1) - {killed["pid"]}).pop()
     heals = [e for e in slice_events(workdir, 1, "elastic_heal") if e["pid"] == replacement_pid]
     assert len(heals) == 1 and heals[0]["role"] == "received" and heals[0]["source_slice"] == 0
@@ -90,6 +96,7 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
         e for e in slice_events(workdir, 1, "elastic_step") if e["pid"] == replacement_pid
     ]
     assert [e["step"] for e in replacement] == list(range(joined_at + 1, STEPS + 1))
+    assert (by_step[joined_at]["slices"], by_step[joined_at]["owned"]) == ([0, 1], [0, 1])
     together = [e for e in survivor if e["step"] > joined_at]
     assert all(e["slices"] == [0, 1] and e["owned"] == [0] for e in together)
     assert all(e["owned"] == [1] for e in replacement)
