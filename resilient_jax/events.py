@@ -39,6 +39,11 @@ class EventLog:
     def path(self) -> str | None:
         return self._path
 
+    def move(self, workdir: str) -> None:
+        """Later events go to `workdir`'s log (a standby slice taking a slice's identity)."""
+        os.makedirs(workdir, exist_ok=True)
+        self._path = os.path.join(workdir, EVENTS_FILE)
+
     def update_common(self, **fields: Any) -> None:
         self._common.update({k: v for k, v in fields.items() if v is not None})
 

@@ -34,6 +34,7 @@ from resilient_jax.chaos.hook import ChaosHook
 from resilient_jax.chaos.step import wrap_step
 from resilient_jax.checkpoint import Checkpointer, CheckpointError
 from resilient_jax.config import BadInput
+from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control.protocol import PHASE_COMPILE, PHASE_RESTORE
@@ -42,6 +43,7 @@ from resilient_jax.data.position import DataPosition
 from resilient_jax.data.sources import make_dataset
 from resilient_jax.data.split import holdout
 from resilient_jax.elastic import runtime as elastic_runtime
+from resilient_jax.elastic import standby as elastic_standby
 from resilient_jax.events import EventLog
 from resilient_jax.goodput import accounting as goodput
 from resilient_jax.health import HealthMonitor, Watchdog
@@ -62,6 +64,7 @@ from resilient_jax.worker.client import SupervisorClient
 from resilient_jax.worker.distributed import initialize_from_env, read_env
 
 _T = TypeVar("_T")
+_STARTED = time.monotonic()  # this module is imported at the process's start
 
 
 class RunError(Exception):
@@ -154,6 +157,33 @@ def _eval_datasets(config: ml_collections.ConfigDict) -> dict[str, Any]:
     }
 
 
+def _become_slice(ctx: RunContext, watchdog: Watchdog) -> str:
+    """A warm standby slice: waits, idle, at the join point for the slice it replaces, then takes
+    its identity (id, workdir, event log, output). Returns the slice's workdir."""
+    waiting = time.monotonic()
+    ctx.events.emit(EventType.ELASTIC_STANDBY_READY, duration_s=time.monotonic() - _STARTED)
+    watchdog.suspend()
+    try:
+        assignment = elastic_standby.wait_for_assignment(
+            os.environ.get(env_vars.QUORUM_ADDRESS, ""),
+            os.environ.get(env_vars.RUN_TOKEN, ""),
+            give_up_s=float(ctx.config.elastic.quorum_timeout_s),
+        )
+    except elastic_standby.NoSupervisor as e:
+        raise RunError(str(e), ExitCode.FAILED) from e
+    watchdog.resume()
+    elastic_standby.become(assignment)
+    ctx.events.move(assignment.workdir)
+    ctx.events.update_common(slice=assignment.slice_id)
+    ctx.workdir = assignment.workdir
+    ctx.events.emit(
+        EventType.ELASTIC_STANDBY_ASSIGNED,
+        slice=assignment.slice_id,
+        waited_s=time.monotonic() - waiting,
+    )
+    return assignment.workdir
+
+
 def _checked(fn: Callable[[], _T]) -> _T:
     """Runs `fn`, turning a checkpoint failure (nothing valid to restore, a save that did not
     commit) into a RunError: the run must exit non-zero with the reason."""
@@ -215,7 +245,8 @@ def _train(
         return client.phase(name) if client is not None else contextlib.nullcontext()
 
     ctx = prepare(config, workdir, events, generation)
-    if config.elastic.enabled:  # its events name the job's slice, not the runtime's (always 0)
+    standby = config.elastic.enabled and elastic_standby.is_standby()
+    if config.elastic.enabled and not standby:  # the job's slice, not the runtime's (always 0)
         events.update_common(slice=elastic_runtime.slice_id())
     # The validation split is held out of training whether or not evaluation runs.
     source, held_out = holdout(make_source(config), config.eval.fraction)
@@ -223,6 +254,11 @@ def _train(
     replay = rehearsal.open_replay(config)  # unusable old data is refused here, before writing
     # checkpoint.init_from_hf: refused here if unusable, before anything is written.
     hf_source = HFSource.from_config(config)
+    warm = None
+    if standby:  # built ahead; then idle until given the identity of the slice it replaces
+        warm = elastic_runtime.warm_up(ctx)
+        opened.append(warm)
+        workdir = _become_slice(ctx, watchdog)
     checkpointer = _checked(lambda: Checkpointer(ctx))
     opened.append(checkpointer)
     # The workdir is accepted: only from here on does the run write into it.
@@ -259,7 +295,7 @@ def _train(
         # Joins first: a slice that a live one heals receives its state and never loads one
         # (`load` runs only when no slice of the job has a state).
         with phase(PHASE_COMPILE):
-            step_fn, loader, state, session = elastic_runtime.start(ctx, source, load)
+            step_fn, loader, state, session = elastic_runtime.start(ctx, source, load, warm)
         opened.append(session)
     else:
         state, position = load()

@@ -12,6 +12,8 @@ import signal
 import pytest
 from conftest import ELASTIC_SMALL, slice_digests, slice_events, supervise_elastic
 
+from resilient_jax.events import read_events
+
 pytest.importorskip("torch")
 
 # Long enough for a replacement to start (imports, init, its steps loaded from the executable
@@ -22,8 +24,9 @@ KILL_AT = 5
 OVERRIDES = {**ELASTIC_SMALL, "total_steps": STEPS}
 
 
-def _supervise(workdir: str, during=None, restart_delay_s: float = 1.0):
-    return supervise_elastic(workdir, OVERRIDES, during=during, restart_delay_s=restart_delay_s)
+def _supervise(workdir: str, during=None, restart_delay_s: float = 1.0, standby: bool = True):
+    overrides = {**OVERRIDES, "elastic.standby": standby}
+    return supervise_elastic(workdir, overrides, during=during, restart_delay_s=restart_delay_s)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,8 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
         os.kill(killed["pid"], signal.SIGKILL)
         return True
 
-    result = _supervise(workdir, during=kill_slice_1, restart_delay_s=0.0)
+    # Cold: no standby, the replacement is a new process that starts after the kill.
+    result = _supervise(workdir, during=kill_slice_1, restart_delay_s=0.0, standby=False)
     assert result.exit_code == 0, result.reason
     assert killed and result.replacements == 1
 
@@ -88,6 +92,9 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
     replacement_pid = (_pids(workdir, 1) - {killed["pid"]}).pop()
     heals = [e for e in slice_events(workdir, 1, "elastic_heal") if e["pid"] == replacement_pid]
     assert len(heals) == 1 and heals[0]["role"] == "received" and heals[0]["source_slice"] == 0
+    assert heals[0]["slice"] == 1  # the job's slice, not its runtime's
+    # Healed, not loaded: the replacement neither restored nor initialised a state.
+    assert not [e for e in slice_events(workdir, 1, "init") if e["pid"] == replacement_pid]
     joined_at = heals[0]["step"]
     assert KILL_AT < joined_at < STEPS, "the replacement did not join before the run ended"
     sent = slice_events(workdir, 0, "elastic_heal")
@@ -113,3 +120,62 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
         if e["pid"] == killed["pid"]
     }
     assert before_kill and all(reference[step] == d for step, d in before_kill.items())
+
+
+def _supervisor_events(workdir: str, kind: str) -> list[dict]:
+    return [e for e in read_events(workdir) if e["type"] == kind]
+
+
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
+
+
+@pytest.mark.slow
+def test_a_killed_slice_is_replaced_by_the_warm_standby(undisturbed, tmp_path):
+    workdir = str(tmp_path)
+    killed = {}
+
+    def kill_slice_1_once_the_standby_waits(supervisor) -> bool:
+        ready = read_events(os.path.join(workdir, "standby"))
+        if not any(e["type"] == "elastic_standby_ready" for e in ready):
+            return False
+        killed.update(pid=supervisor.workers[1].pid, step=max(slice_digests(workdir, 1)))
+        killed["standby"] = supervisor.standby.pid
+        os.kill(killed["pid"], signal.SIGKILL)
+        return True
+
+    result = _supervise(workdir, during=kill_slice_1_once_the_standby_waits)
+    assert result.exit_code == 0, result.reason
+    assert killed and result.replacements == 1
+    assert killed["step"] < STEPS - 100, "the standby was ready too late to test anything"
+
+    # The standby became slice 1 (no new process), at once, and healed from the survivor.
+    standby = killed["standby"]
+    starts = _supervisor_events(workdir, "elastic_slice_start")
+    assert [(e["slice"], e.get("standby")) for e in starts[2:]] == [(1, True)]
+    assert starts[2]["pid"] == standby
+    heals = [e for e in slice_events(workdir, 1, "elastic_heal") if e["pid"] == standby]
+    assert len(heals) == 1 and heals[0]["role"] == "received" and heals[0]["source_slice"] == 0
+    assert heals[0]["slice"] == 1
+    # Warm: it compiled (loaded) its steps while waiting as the standby, and as slice 1 it
+    # neither compiled, restored nor initialised anything.
+    assert [e for e in read_events(os.path.join(workdir, "standby")) if e["type"] == "compile"]
+    for kind in ("compile", "init", "restore"):
+        assert not [e for e in slice_events(workdir, 1, kind) if e["pid"] == standby], kind
+    assert [e["slice"] for e in slice_events(workdir, 1, "elastic_standby_assigned")] == [1]
+
+    # Every step of every slice bitwise the undisturbed run's; the survivor trained every step.
+    reference = slice_digests(undisturbed, 0)
+    assert slice_digests(workdir, 0) == reference
+    joined_at = heals[0]["step"]
+    replacement = [e for e in slice_events(workdir, 1, "elastic_step") if e["pid"] == standby]
+    assert [e["step"] for e in replacement] == list(range(joined_at + 1, STEPS + 1))
+    assert {e["step"]: e["digest"] for e in replacement} == {
+        s: reference[s] for s in range(joined_at + 1, STEPS + 1)
+    }
+
+    # A new standby was started after the first was used, and stopped at the end by its pid.
+    standbys = [e["pid"] for e in _supervisor_events(workdir, "elastic_standby_start")]
+    assert standbys[0] == standby and len(standbys) == 2
+    assert [e["pid"] for e in _supervisor_events(workdir, "elastic_standby_exit")] == standbys[1:]
+    assert not any(_alive(pid) for pid in standbys)

@@ -176,6 +176,7 @@ def test_a_replacement_still_waiting_when_a_slice_finishes_the_run_is_never_star
 
     config = default_config()
     config.elastic.slices = 2
+    config.elastic.standby = False  # test_elastic_standby.py has the standby's
     config.coordinator.startup_timeout_s = 1.0
     outcomes = {0: "import time; time.sleep(0.5)", 1: "raise SystemExit(1)"}
     supervisor = ElasticSupervisor(
@@ -203,6 +204,7 @@ def test_a_slice_not_in_the_last_quorum_when_the_run_finishes_is_ended(tmp_path)
 
     config = default_config()
     config.elastic.slices = 2
+    config.elastic.standby = False  # test_elastic_standby.py has the standby's
     config.coordinator.startup_timeout_s = 1.0
     outcomes = {0: "import time; time.sleep(0.5)", 1: "import time; time.sleep(60)"}
     supervisor = ElasticSupervisor(
@@ -238,6 +240,7 @@ def _elastic_supervisor(workdir, token, sleep_s=2.0):
 
     config = default_config()
     config.elastic.slices = 2
+    config.elastic.standby = False  # test_elastic_standby.py has the standby's
     config.coordinator.startup_timeout_s = 1.0
     return ElasticSupervisor(
         config,

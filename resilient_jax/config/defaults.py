@@ -278,6 +278,12 @@ def default_config() -> ml_collections.ConfigDict:
     # how long a slice without a usable exchange group (its exchange failed, or it is starting)
     # waits for a quorum before it exits non-zero
     c.elastic.quorum_timeout_s = 120.0
+    # A warm standby slice: one spare slice process kept started ahead (imported, its runtime
+    # built, its steps loaded from the job's executable cache, its exchange open), waiting idle
+    # (no CPU) at the join point; a lost slice's identity is given to it, and it heals and joins
+    # within about a second instead of a cold start's tens of seconds; a new standby is then
+    # started. Costs one process's memory while idle (on a cluster: a spare host).
+    c.elastic.standby = True
     c.elastic.check_every_steps = 0  # a sha256 of the parameters in every Nth step's event; 0 = off
     # Sync interval (DiLoCo): every slice takes this many inner steps with its own optimizer on
     # its share of each global batch, then the slices average their parameter deltas and an outer

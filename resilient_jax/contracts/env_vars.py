@@ -29,6 +29,8 @@ LOCAL_TIER_PEERS = "RJ_LOCAL_TIER_PEERS"
 # Elastic mode: each slice is its own JAX runtime, joined to the others by the quorum server.
 QUORUM_ADDRESS = "RJ_QUORUM_ADDRESS"  # host:port of the quorum server (`control.quorum`)
 ELASTIC_SLICE = "RJ_ELASTIC_SLICE"  # this slice's id: which part of the global batch is its own
+# "1": a warm standby slice, which waits at the join point for the id of the slice it replaces
+ELASTIC_STANDBY = "RJ_ELASTIC_STANDBY"
 
 # What the supervisor has learned that the workers' policies use.
 OBSERVED_MTBF_S = "RJ_OBSERVED_MTBF_S"  # mean time between failures seen so far (seconds)

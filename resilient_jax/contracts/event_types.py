@@ -80,12 +80,21 @@ class EventType(Name):
     # quorum_id, slices, rank, duration_s (forming the exchange group), from_step
     ELASTIC_QUORUM = "elastic_quorum"
     # The elastic supervisor's: slice, pid (a slice's worker started: at the job's start or as a
-    # replacement); slice, exit_code, failures (it exited non-zero; the others train on), or
+    # replacement; standby: true when a warm standby was given the slice); slice, exit_code,
+    # failures (it exited non-zero; the others train on), or
     # slice, exit_code, reason (ended by the supervisor: the run finished before it joined)
     ELASTIC_SLICE_START = "elastic_slice_start"
     ELASTIC_SLICE_EXIT = "elastic_slice_exit"
     # slice, pid: a restarted elastic supervisor took over a slice still running (not restarted)
     ELASTIC_SLICE_ADOPTED = "elastic_slice_adopted"
+    # The elastic supervisor's, of its warm standby slice (elastic.standby): pid, adopted (a
+    # restarted supervisor took over the one still running); pid, exit_code (it ended unused)
+    ELASTIC_STANDBY_START = "elastic_standby_start"
+    ELASTIC_STANDBY_EXIT = "elastic_standby_exit"
+    # The standby's own: ready (in its own log: duration_s from its start to waiting at the join
+    # point); assigned (in the slice's log: slice, waited_s, the time it waited idle)
+    ELASTIC_STANDBY_READY = "elastic_standby_ready"
+    ELASTIC_STANDBY_ASSIGNED = "elastic_standby_assigned"
     # slices, quorum_id, carried_over (the slices' own quorum kept: no group re-formed), after_s
     # (from listening again to the first quorum): the adopted slices are back in a quorum
     ELASTIC_RECONNECTED = "elastic_reconnected"

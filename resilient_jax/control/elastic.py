@@ -12,6 +12,12 @@ slice has failed more than `max_restarts` times in all. The quorum server lives 
 the workers keep their last quorum while it is away (`elastic.trainer`). Started again on the same
 workdir with the same run token (`RJ_RUN_TOKEN` or `RJ_RUN_TOKEN_FILE`), it takes over the slices
 still running (`elastic_state`): same quorum address, no slice restarted.
+
+With `elastic.standby` (the default) it also keeps one warm standby slice: a slice process started
+ahead that waits, idle, at the join point (`<workdir>/standby/`: its output and events until it is
+given a slice). A lost slice's identity goes to it at once (no restart delay: it heals and joins
+within about a second), and a new standby is started; only when none is running is a replacement
+started cold. A standby that dies is started again; at the run's end it is ended by its pid.
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ ArgvFor = Callable[[int, str], Sequence[str]]
 
 def slice_workdir(workdir: str, slice_id: int) -> str:
     return os.path.join(workdir, "slices", str(slice_id))
+
+
+def standby_workdir(workdir: str) -> str:
+    return os.path.join(workdir, "standby")
+
+
+STANDBY = -1  # the slice id `argv_for` is called with for the standby (it has none yet)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,49 +127,70 @@ class ElasticSupervisor:
         self._env = env
         self.workers: dict[int, subprocess.Popen[bytes] | elastic_state.AdoptedWorker] = {}
         self.adopted: list[int] = []
+        self._standby_enabled = bool(config.elastic.standby)
+        self.standby: subprocess.Popen[bytes] | elastic_state.AdoptedWorker | None = None
+        self._standby_at: float | None = None  # when to start the next standby
         self._listening_since = time.monotonic()
         self._reconnected = False
         self._restart_at: dict[int, float] = {}
         self._done: set[int] = set()
         self._replacements = 0
+        self._failures = 0  # slices' and standbys' non-zero exits
         self._stop_signal: int | None = None
+        self._stopping = False  # a stop was requested: nothing is replaced any more
 
     def request_stop(self, signum: int) -> None:
         self._stop_signal = signum
 
     def start_slice(self, slice_id: int) -> None:
         workdir = slice_workdir(self._workdir, slice_id)
+        worker = self._spawn(slice_id, workdir, {env_vars.ELASTIC_SLICE: str(slice_id)})
+        self.workers[slice_id] = worker
+        self._save_state()
+        self._events.emit(EventType.ELASTIC_SLICE_START, slice=slice_id, pid=worker.pid)
+        self._say(f"slice {slice_id} started (pid {worker.pid}, output in {workdir}/output.log)")
+
+    def start_standby(self) -> None:
+        self._standby_at = None
+        workdir = standby_workdir(self._workdir)
+        self.standby = self._spawn(STANDBY, workdir, {env_vars.ELASTIC_STANDBY: "1"})
+        self._save_state()
+        self._events.emit(EventType.ELASTIC_STANDBY_START, pid=self.standby.pid)
+        self._say(f"standby started (pid {self.standby.pid}, output in {workdir}/output.log)")
+
+    def _spawn(self, slice_id: int, workdir: str, extra_env: dict[str, str]):
         os.makedirs(workdir, exist_ok=True)
-        env = {**self._env, env_vars.ELASTIC_SLICE: str(slice_id)}
         with open(os.path.join(workdir, "output.log"), "ab") as log:
-            worker = subprocess.Popen(
+            return subprocess.Popen(
                 list(self._argv_for(slice_id, workdir)),
-                env=env,
+                env={**self._env, **extra_env},
                 cwd=self._cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # ended by PID with its children
             )
-        self.workers[slice_id] = worker
-        self._save_state()
-        self._events.emit(EventType.ELASTIC_SLICE_START, slice=slice_id, pid=worker.pid)
-        self._say(f"slice {slice_id} started (pid {worker.pid}, output in {workdir}/output.log)")
 
     def run(self, time_limit_s: float | None = None, poll_s: float = 0.05) -> ElasticResult:
         deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         try:
             self._take_over()
             for slice_id in range(self._slices):
-                if slice_id not in self.workers and slice_id not in self._done:
+                if slice_id in self.workers or slice_id in self._done:
+                    continue
+                if self._standby_ready():  # an adopted standby: a slice lost meanwhile
+                    self._replacements += 1
+                    self._assign_standby(slice_id)
+                else:
                     self.start_slice(slice_id)
+            if self._standby_enabled and self.standby is None and not self._done:
+                self.start_standby()
             return self._watch(deadline, poll_s)
         finally:
             self._stop_all()
             self.quorum.close()
 
     def _watch(self, deadline: float | None, poll_s: float) -> ElasticResult:
-        failures = 0
         while True:
             now = time.monotonic()
             for slice_id, worker in list(self.workers.items()):
@@ -174,25 +208,37 @@ class ElasticSupervisor:
                     # train the whole run again alone.
                     self._restart_at.clear()
                     self._stop_unjoined()
+                    self._stop_standby()
                     continue
                 self._save_state()
-                failures += 1
+                self._failures += 1
                 self._events.emit(
-                    EventType.ELASTIC_SLICE_EXIT, slice=slice_id, exit_code=code, failures=failures
+                    EventType.ELASTIC_SLICE_EXIT,
+                    slice=slice_id,
+                    exit_code=code,
+                    failures=self._failures,
                 )
                 self._say(f"slice {slice_id} exited: {processes.describe_exit(code)}")
                 if code == ExitCode.BAD_INPUT:  # a replacement would be refused alike
                     reason = f"slice {slice_id}: {processes.describe_exit(code)}"
                     return ElasticResult(ExitCode.BAD_INPUT, reason, self._replacements)
-                if failures > self._max_restarts:
-                    return ElasticResult(1, f"{failures} slice failures", self._replacements)
-                if not self._done:  # the job is not finished: a replacement heals and joins
+                if self._failures > self._max_restarts:
+                    return ElasticResult(1, f"{self._failures} slice failures", self._replacements)
+                if self._done or self._stopping:
+                    continue  # the job is finished or being stopped: nothing replaces it
+                if self._standby_ready():  # warm: it heals and joins at once
+                    self._replacements += 1
+                    self._assign_standby(slice_id)
+                else:  # started cold, after the restart delay
                     self._restart_at[slice_id] = now + self._restart_delay_s
             for slice_id, when in list(self._restart_at.items()):
                 if now >= when:
                     del self._restart_at[slice_id]
                     self._replacements += 1
                     self.start_slice(slice_id)
+            stopped = self._watch_standby(now)
+            if stopped is not None:
+                return stopped
             if self.adopted and not self._reconnected and self.quorum.decided:
                 self._report_reconnected()
             if not self.workers and not self._restart_at:
@@ -200,6 +246,7 @@ class ElasticSupervisor:
                     return ElasticResult(0, "finished", self._replacements)
                 return ElasticResult(1, "every slice failed", self._replacements)
             if self._stop_signal is not None:
+                self._stopping = True
                 for worker in self.workers.values():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(worker.pid, self._stop_signal)
@@ -207,6 +254,71 @@ class ElasticSupervisor:
             if deadline is not None and now > deadline:
                 return ElasticResult(1, "time limit", self._replacements)
             time.sleep(poll_s)
+
+    def _standby_ready(self) -> bool:
+        """A standby is running (ready or still starting: either way it joins sooner than a
+        replacement started now)."""
+        return self.standby is not None and self.standby.poll() is None
+
+    def _assign_standby(self, slice_id: int) -> None:
+        """Gives the standby the identity of lost slice `slice_id`: it becomes that slice's
+        worker, and a new standby is started."""
+        worker, self.standby = self.standby, None
+        assert worker is not None
+        self.workers[slice_id] = worker
+        if isinstance(worker, elastic_state.AdoptedWorker):  # its `stop` event goes there now
+            worker.workdir = slice_workdir(self._workdir, slice_id)
+        self._save_state()  # first: a supervisor restarted from here on knows it as the slice
+        self.quorum.assign(worker.pid, slice_id, slice_workdir(self._workdir, slice_id))
+        self._events.emit(
+            EventType.ELASTIC_SLICE_START, slice=slice_id, pid=worker.pid, standby=True
+        )
+        self._say(f"slice {slice_id} given to the standby (pid {worker.pid})")
+        self._standby_at = time.monotonic()
+
+    def _watch_standby(self, now: float) -> ElasticResult | None:
+        """Keeps one standby running while the job trains; the result when a standby's exit
+        ends the job (bad input, or too many failures)."""
+        if not self._standby_enabled or self._done or self._stopping:
+            return None
+        # A worker of a slice that still waits as a standby: its assignment was not sent before
+        # the supervisor was restarted. Sent again.
+        standby_pids = set(self.quorum.ready_standbys())
+        for slice_id, worker in self.workers.items():
+            if worker.pid in standby_pids:
+                self.quorum.assign(worker.pid, slice_id, slice_workdir(self._workdir, slice_id))
+        if self.standby is not None:
+            code = self.standby.poll()
+            if code is None:
+                return None
+            pid, self.standby = self.standby.pid, None
+            self._save_state()
+            self._failures += 1
+            self._events.emit(
+                EventType.ELASTIC_STANDBY_EXIT, pid=pid, exit_code=code, failures=self._failures
+            )
+            self._say(f"standby exited: {processes.describe_exit(code)}")
+            if code == ExitCode.BAD_INPUT:  # every slice would be refused alike
+                reason = f"standby: {processes.describe_exit(code)}"
+                return ElasticResult(ExitCode.BAD_INPUT, reason, self._replacements)
+            if self._failures > self._max_restarts:
+                return ElasticResult(1, f"{self._failures} slice failures", self._replacements)
+            self._standby_at = now + self._restart_delay_s
+        if self._standby_at is not None and now >= self._standby_at:
+            self.start_standby()
+        return None
+
+    def _stop_standby(self) -> None:
+        worker, self.standby = self.standby, None
+        self._standby_at = None
+        if worker is None:
+            return
+        self._save_state()
+        _kill(worker)
+        self._events.emit(
+            EventType.ELASTIC_STANDBY_EXIT, pid=worker.pid, exit_code=worker.returncode
+        )
+        self._say("standby stopped: the run finished")
 
     def _stop_unjoined(self) -> None:
         """Ends the slices that are not in the last quorum (replacements still starting)."""
@@ -216,10 +328,7 @@ class ElasticSupervisor:
                 continue
             del self.workers[slice_id]
             self._save_state()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(worker.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.wait(timeout=5.0)
+            _kill(worker)
             self._events.emit(
                 EventType.ELASTIC_SLICE_EXIT,
                 slice=slice_id,
@@ -231,11 +340,24 @@ class ElasticSupervisor:
     def _take_over(self) -> None:
         """Adopts the slices of an earlier supervisor of this job still running; one that
         finished the run (its worker's `stop` event says exit 0) stays done."""
+        standby = self._previous.standby_running() if self._previous else None
+        ours = self._previous is not None and self._previous.token_sha256 == (
+            elastic_state.token_digest(self._token)
+        )
+        if standby is not None and not self._adoptable and ours:
+            # Its slices are gone: the job starts afresh, on another quorum address it cannot
+            # reach. Ended (this job's, by its recorded pid and start time).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(standby.pid, signal.SIGKILL)
         if not self._adoptable:
             self._save_state()
             return
         assert self._previous is not None
         self._done.update(self._previous.done)
+        if standby is not None:
+            self.standby = elastic_state.AdoptedWorker(standby, standby_workdir(self._workdir))
+            self._events.emit(EventType.ELASTIC_STANDBY_START, pid=standby.pid, adopted=True)
+            self._say(f"standby adopted (pid {standby.pid}, still running)")
         for slice_id, record in sorted(self._previous.slices.items()):
             slice_dir = slice_workdir(self._workdir, slice_id)
             if slice_id in self._adoptable:
@@ -269,11 +391,12 @@ class ElasticSupervisor:
                 token_sha256=elastic_state.token_digest(self._token),
                 slices=elastic_state.slice_records(self.workers),
                 done=sorted(self._done),
+                standby=elastic_state.process_record(self.standby),
             ),
         )
 
     def _stop_all(self) -> None:
-        workers = list(self.workers.values())
+        workers = list(self.workers.values()) + ([self.standby] if self.standby else [])
         for worker in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(worker.pid, signal.SIGKILL)
@@ -284,3 +407,11 @@ class ElasticSupervisor:
     def _say(self, text: str) -> None:
         self._out.write(f"[elastic] {text}\n")
         self._out.flush()
+
+
+def _kill(worker: subprocess.Popen[bytes] | elastic_state.AdoptedWorker) -> None:
+    """Ends a worker's process group by its pid, and reaps it (bounded)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(worker.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        worker.wait(timeout=5.0)

@@ -1,11 +1,13 @@
 """What a restarted elastic supervisor needs to take over a running job: `<workdir>/elastic.json`.
 
 The elastic supervisor writes there the quorum server's address, its own pid, a digest of the run
-token, and each slice's worker (pid and start time). The slices run in sessions of their own and
-outlive the supervisor; while it is away they train on with their last quorum. A supervisor started
-again on the same workdir (with the same run token) finds them here, listens on the same address,
-so their quorum clients reconnect, and adopts them: no slice is restarted. An adopted worker is not
-its child, so its end is seen in /proc, and its exit code read from the `stop` event it wrote.
+token, each slice's worker (pid and start time) and its warm standby slice's, if one runs. The
+slices run in sessions of their own and outlive the supervisor; while it is away they train on with
+their last quorum. A supervisor started again on the same workdir (with the same run token) finds
+them here, listens on the same address, so their quorum clients reconnect, and adopts them: no
+slice is restarted. A standby still running is adopted as the standby (it registers again with the
+restarted quorum server). An adopted worker is not its child, so its end is seen in /proc, and its
+exit code read from the `stop` event it wrote.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ class ElasticState:
     token_sha256: str
     slices: dict[int, SliceRecord]
     done: list[int]  # slices whose worker finished the run (exit 0)
+    standby: SliceRecord | None = None  # the warm standby slice's process, if one runs
+
+    def standby_running(self) -> SliceRecord | None:
+        """The recorded standby, if it is still running (the same process)."""
+        record = self.standby
+        if record is not None and start_time(record.pid) == record.started:
+            return record
+        return None
 
     def running(self) -> dict[int, SliceRecord]:
         """The recorded workers that are still running (the same processes)."""
@@ -77,6 +87,7 @@ def write_state(workdir: str, state: ElasticState) -> None:
         "token_sha256": state.token_sha256,
         "slices": {str(s): [r.pid, r.started] for s, r in sorted(state.slices.items())},
         "done": sorted(state.done),
+        "standby": None if state.standby is None else [state.standby.pid, state.standby.started],
     }
     with open(path + ".tmp", "w") as f:
         json.dump(data, f)
@@ -97,6 +108,7 @@ def read_state(workdir: str) -> ElasticState | None:
                 for s, (pid, started) in data["slices"].items()
             },
             done=[int(s) for s in data["done"]],
+            standby=SliceRecord(*map(int, data["standby"])) if data.get("standby") else None,
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -118,12 +130,12 @@ class AdoptedWorker:
     def __init__(self, record: SliceRecord, slice_workdir: str) -> None:
         self.pid = record.pid
         self._started = record.started
-        self._workdir = slice_workdir
+        self.workdir = slice_workdir  # where its `stop` event is (a standby's: its slice's)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None and start_time(self.pid) != self._started:
-            code = stop_exit_code(self._workdir, self.pid)
+            code = stop_exit_code(self.workdir, self.pid)
             self.returncode = NO_STOP_EVENT if code is None else code
         return self.returncode
 
@@ -141,7 +153,13 @@ def slice_records(workers: Mapping[int, subprocess.Popen[bytes] | AdoptedWorker]
     """Records of the running workers, for `write_state`."""
     records = {}
     for slice_id, worker in workers.items():
-        started = start_time(worker.pid)
-        if started is not None:
-            records[slice_id] = SliceRecord(worker.pid, started)
+        record = process_record(worker)
+        if record is not None:
+            records[slice_id] = record
     return records
+
+
+def process_record(worker: subprocess.Popen[bytes] | AdoptedWorker | None) -> SliceRecord | None:
+    """The record of a running worker, None when there is none or it has ended."""
+    started = start_time(worker.pid) if worker is not None else None
+    return SliceRecord(worker.pid, started) if worker is not None and started is not None else None

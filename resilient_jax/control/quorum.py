@@ -20,6 +20,10 @@ trains on with it, and a starting one waits; so a restarted server neither split
 nor stalls it. Once they are all back, a quorum that every one of them is on, at one step, is
 taken over with its id: the slices' exchange group stays as it is. The message format is JSON
 lines with the run token (`protocol.encode`); no JAX and no torch here.
+
+A warm standby slice (`elastic.standby`) waits here too, on a connection of its own: it registers
+with its pid (`standby`) once it is ready to join, is no slice (no quorum waits for it), and is
+sent the identity of the slice it replaces (`assign`) when the supervisor gives it one.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from resilient_jax.control import protocol
 from resilient_jax.control.line_server import LineServer
 
 MSG_QUORUM = "quorum"
+MSG_STANDBY = "standby"  # a standby slice, ready: {"pid"}
+MSG_ASSIGN = "assign"  # to a standby: {"slice", "workdir"}, the slice it becomes
 
 
 @dataclasses.dataclass
@@ -75,6 +81,8 @@ class QuorumServer(LineServer):
         self._last: tuple[str, tuple[tuple[int, int], ...]] | None = None
         self._known: set[int] = set()  # before the first quorum: members of the slices' quorums
         self._deferred = -1  # before the first quorum: the last step answered "no quorum yet"
+        self._standbys: dict[socket.socket, int] = {}  # ready standbys' connections: their pids
+        self._assignments: dict[int, dict[str, Any]] = {}  # by pid, until sent
         self._lock = threading.Lock()
         self.decided: list[dict[str, Any]] = []  # every quorum sent: time, id, slices, steps
         self._start()
@@ -91,23 +99,53 @@ class QuorumServer(LineServer):
                 return [slice_id for slice_id, _ in self._last[1]]
             return sorted(self._known)
 
+    def ready_standbys(self) -> list[int]:
+        """The pids of the standby slices waiting here for an identity."""
+        with self._lock:
+            return sorted(self._standbys.values())
+
+    def assign(self, pid: int, slice_id: int, workdir: str) -> None:
+        """Makes the standby `pid` slice `slice_id` (working in `workdir`): sent at once if it is
+        waiting here, else as soon as it is (it is still starting, or reconnecting)."""
+        with self._lock:
+            self._assignments[pid] = {"type": MSG_ASSIGN, "slice": slice_id, "workdir": workdir}
+
     # The server thread.
 
     def _on_drop(self, conn: socket.socket) -> None:
         with self._lock:
+            self._standbys.pop(conn, None)
             slice_id = self._slice_of.pop(conn, None)
         request = self._pending.get(slice_id) if slice_id is not None else None
         if request is not None and request.conn is conn:
             del self._pending[slice_id]
 
     def _tick(self) -> None:
+        self._send_assignments()
         self._maybe_decide()
+
+    def _send_assignments(self) -> None:
+        with self._lock:
+            ready = [
+                (conn, pid) for conn, pid in self._standbys.items() if pid in self._assignments
+            ]
+            sends = [(conn, pid, self._assignments.pop(pid)) for conn, pid in ready]
+            for conn, _, _ in sends:
+                del self._standbys[conn]
+        for conn, pid, message in sends:
+            if not self._send(conn, protocol.encode(message)):
+                with self._lock:  # gone meanwhile: sent when it registers again, if it does
+                    self._assignments.setdefault(pid, message)
 
     def _handle_line(self, conn: socket.socket, line: bytes) -> bool:
         try:
             message = json.loads(line)
             if not hmac.compare_digest(str(message.get("token", "")), self._token):
                 return False
+            if message.get("type") == MSG_STANDBY:
+                with self._lock:
+                    self._standbys[conn] = int(message["pid"])
+                return True
             if message.get("type") != MSG_QUORUM:
                 return False
             slice_id, step = int(message["slice"]), int(message["step"])

@@ -54,10 +54,7 @@ class SyncIntervalStep(ElasticStep):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        start = time.perf_counter()
-        self._delta, delta_hit = elastic_step.compile_delta(self._ctx)
-        self._outer, outer_hit = elastic_step.compile_outer(self._ctx)
-        self._report_compile("elastic_outer", start, delta_hit and outer_hit)
+        self._delta, self._outer = self._programs.delta, self._programs.outer
         self._every = int(self._e.sync_every_steps)
         self._round: _Round | None = None
 

@@ -9,6 +9,7 @@ connection to the quorum server at the end of the run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Callable, Mapping
@@ -21,9 +22,9 @@ from resilient_jax.contracts import env_vars
 from resilient_jax.data.position import DataPosition
 from resilient_jax.elastic.data import StepIndex
 from resilient_jax.elastic.diloco import SyncIntervalStep
-from resilient_jax.elastic.exchange import make_exchange
+from resilient_jax.elastic.exchange import Exchange, make_exchange
 from resilient_jax.elastic.quorum_client import QuorumClient
-from resilient_jax.elastic.trainer import ElasticStep
+from resilient_jax.elastic.trainer import ElasticStep, Programs, compile_programs
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook
 from resilient_jax.train.state import TrainState
@@ -51,25 +52,53 @@ def slice_id(environ: Mapping[str, str] = os.environ) -> int:
     return int(slice_text)
 
 
+@dataclasses.dataclass
+class Warm(Hook):
+    """What a slice builds before it knows which slice it is: its exchange (torch imported, its
+    rendezvous store listening) and its step's programs. Closing it closes the exchange (the
+    session does, once the slice has started)."""
+
+    exchange: Exchange
+    programs: Programs
+
+    def close(self) -> None:
+        self.exchange.close()
+
+
+def warm_up(ctx: RunContext) -> Warm:
+    e = ctx.config.elastic
+    exchange = make_exchange(e.backend, e.host or socket.gethostname(), float(e.timeout_s))
+    try:
+        return Warm(exchange, compile_programs(ctx))
+    except BaseException:
+        exchange.close()
+        raise
+
+
 def start(
     ctx: RunContext,
     source: Any,
     load: Callable[[], tuple[TrainState, DataPosition]],
+    warm: Warm | None = None,
     environ: Mapping[str, str] = os.environ,
 ) -> tuple[ElasticStep, StepIndex, TrainState, ElasticSession]:
     """The step function, the loader and the state to train from: joins the quorum first, and
-    calls `load` (restore or initialise) only when no live slice has a state to heal this one."""
+    calls `load` (restore or initialise) only when no live slice has a state to heal this one.
+    `warm`: what a standby built ahead (`warm_up`), else built here."""
     this_slice = slice_id(environ)
     if jax.process_count() > 1:
         raise BadInput("elastic.enabled: a slice is one process (its own JAX runtime) for now")
-    e = ctx.config.elastic
-    exchange = make_exchange(e.backend, e.host or socket.gethostname(), float(e.timeout_s))
-    address = environ[env_vars.QUORUM_ADDRESS]
-    client = QuorumClient(address, environ.get(env_vars.RUN_TOKEN, ""), this_slice)
+    warm = warm or warm_up(ctx)
+    exchange = warm.exchange
+    client = QuorumClient(
+        environ[env_vars.QUORUM_ADDRESS], environ.get(env_vars.RUN_TOKEN, ""), this_slice
+    )
     session = ElasticSession(exchange, client)
     try:
-        kind = SyncIntervalStep if int(e.sync_every_steps) > 1 else ElasticStep
-        step = kind(ctx, source, exchange, exchange.store_address, client, this_slice)
+        kind = SyncIntervalStep if int(ctx.config.elastic.sync_every_steps) > 1 else ElasticStep
+        step = kind(
+            ctx, source, exchange, exchange.store_address, client, this_slice, warm.programs
+        )
         state, position = step.join(load)
     except BaseException:
         session.close()

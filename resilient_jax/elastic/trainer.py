@@ -53,6 +53,43 @@ class _Handover:
     sent: bool  # this slice is the source
 
 
+@dataclasses.dataclass
+class Programs:
+    """The elastic step's compiled programs (a warm standby loads them before it knows which
+    slice it will be). `delta` and `outer` only with a sync interval."""
+
+    gradient_sums: Any
+    apply: Any
+    delta: Any = None
+    outer: Any = None
+
+
+def compile_programs(ctx: RunContext) -> Programs:
+    """The programs of this run's elastic step, compiled or loaded from the executable cache,
+    each pair with its `compile` event."""
+    start = time.perf_counter()
+    gradient_sums, sums_hit = elastic_step.compile_gradient_sums(ctx)
+    apply, apply_hit = elastic_step.compile_apply(ctx)
+    _report_compile(ctx, "elastic", start, sums_hit and apply_hit)
+    programs = Programs(gradient_sums, apply)
+    if int(ctx.config.elastic.sync_every_steps) > 1:
+        start = time.perf_counter()
+        programs.delta, delta_hit = elastic_step.compile_delta(ctx)
+        programs.outer, outer_hit = elastic_step.compile_outer(ctx)
+        _report_compile(ctx, "elastic_outer", start, delta_hit and outer_hit)
+    return programs
+
+
+def _report_compile(ctx: RunContext, program: str, start: float, hit: bool) -> None:
+    """The `compile` event of programs compiled (or loaded, `hit`) since `start`."""
+    fields: dict[str, Any] = {}
+    if executables.default_dir():
+        fields["cache"] = "hit" if hit else "miss"
+    ctx.events.emit(
+        EventType.COMPILE, duration_s=time.perf_counter() - start, program=program, **fields
+    )
+
+
 class NoQuorum(RuntimeError):
     """The exchange failed and no quorum server answered within `elastic.quorum_timeout_s`."""
 
@@ -68,17 +105,17 @@ class ElasticStep:
         store_address: str,
         client: QuorumClient,
         slice_id: int,
+        programs: Programs | None = None,
     ) -> None:
         self._ctx, self._exchange, self._client = ctx, exchange, client
         self._store = store_address
         self._slice = slice_id
         self._e = ctx.config.elastic
         self._parts = int(self._e.slices)
-        start = time.perf_counter()
-        self._gradient_sums, sums_hit = elastic_step.compile_gradient_sums(ctx)
-        self._apply, apply_hit = elastic_step.compile_apply(ctx)
+        programs = programs or compile_programs(ctx)
+        self._gradient_sums, self._apply = programs.gradient_sums, programs.apply
+        self._programs = programs
         self._width = elastic_step.num_params(ctx) + 1
-        self._report_compile("elastic", start, sums_hit and apply_hit)
         self._rows = PartRows(ctx, source, elastic_step.part_shape(ctx))
         self._step = 0  # steps the state has applied
         self._quorum: Quorum | None = None  # the group formed, if any
@@ -155,15 +192,6 @@ class ElasticStep:
         extra = {"reused": reused} if reused else {}
         self._report(state, quorum, owned, exchange_s, compute_s=round(compute_s, 5), **extra)
         return state, metrics
-
-    def _report_compile(self, program: str, start: float, hit: bool) -> None:
-        """The `compile` event of programs compiled (or loaded, `hit`) since `start`."""
-        fields: dict[str, Any] = {}
-        if executables.default_dir():
-            fields["cache"] = "hit" if hit else "miss"
-        self._ctx.events.emit(
-            EventType.COMPILE, duration_s=time.perf_counter() - start, program=program, **fields
-        )
 
     # Quorums.
 

@@ -77,6 +77,14 @@ class Watchdog(Hook):
             self._step = step
         self._arm(self.timeout_s, "step")
 
+    def suspend(self) -> None:
+        """No deadline until `resume`: a standby slice waiting idle for its identity is not hung."""
+        self._arm(float("inf"), "standby")
+
+    def resume(self) -> None:
+        """The startup budget again, from now."""
+        self._arm(self.startup_timeout_s, "startup")
+
     def stop(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -113,7 +121,7 @@ class Watchdog(Hook):
             if remaining <= 0:
                 self._fire()
                 return
-            self._wake.wait(remaining)
+            self._wake.wait(min(remaining, 10.0))  # finite: a suspended deadline is infinite
 
     def _fire(self) -> None:
         with self._lock:

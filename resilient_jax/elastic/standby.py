@@ -1,0 +1,100 @@
+"""A warm standby slice's wait for the identity of the slice it replaces.
+
+In elastic mode the supervisor keeps a spare slice process started ahead (`elastic.standby`): it
+has imported everything, built its runtime, loaded its steps from the job's executable cache and
+opened its exchange, and waits here, on a connection to the quorum server, blocked in a read (no
+CPU) until the supervisor gives it a dead slice's identity (`control.quorum.MSG_ASSIGN`). It then
+becomes that slice (its workdir, events, output) and joins the next quorum, healing from a live
+slice. A restarted supervisor listens on the same address: the standby connects again and
+registers again; a supervisor away for longer than `give_up_s` ends it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping
+
+from resilient_jax.contracts import env_vars
+from resilient_jax.control import protocol
+from resilient_jax.control.quorum import MSG_ASSIGN, MSG_STANDBY
+
+RETRY_S = 0.5  # how often an absent quorum server is tried again
+
+
+class NoSupervisor(RuntimeError):
+    """No quorum server to wait on for `give_up_s`: the job is over, or its supervisor gone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Assignment:
+    slice_id: int
+    workdir: str
+
+
+def is_standby(environ: Mapping[str, str] = os.environ) -> bool:
+    return environ.get(env_vars.ELASTIC_STANDBY) == "1"
+
+
+def wait_for_assignment(
+    address: str, token: str, give_up_s: float, pid: int | None = None
+) -> Assignment:
+    """Registers as a ready standby and blocks until an identity comes; reconnects while the
+    server is away, and raises NoSupervisor after `give_up_s` without one."""
+    host_port = protocol.split_address(address)
+    pid = os.getpid() if pid is None else pid
+    away_since = time.monotonic()
+    while True:
+        try:
+            with socket.create_connection(host_port, timeout=1.0) as sock:
+                sock.settimeout(None)  # blocked in recv until told: no CPU while waiting
+                sock.sendall(protocol.encode({"type": MSG_STANDBY, "token": token, "pid": pid}))
+                message = _read_line(sock)
+        except OSError:
+            message = None
+        if message is not None and message.get("type") == MSG_ASSIGN:
+            return Assignment(int(message["slice"]), str(message["workdir"]))
+        if message is not None:
+            away_since = time.monotonic()  # a server answered: the wait starts again
+        if time.monotonic() - away_since > give_up_s:
+            raise NoSupervisor(
+                f"standby: no elastic supervisor at {address} for {give_up_s:.0f} s "
+                "(elastic.quorum_timeout_s)"
+            )
+        time.sleep(RETRY_S)
+
+
+def become(assignment: Assignment, environ: dict[str, str] | None = None) -> None:
+    """Takes the assigned slice's identity in this process: its id in the environment (what an
+    elastic slice reads) and its `output.log` as stdout and stderr."""
+    environ = os.environ if environ is None else environ
+    environ[env_vars.ELASTIC_SLICE] = str(assignment.slice_id)
+    environ.pop(env_vars.ELASTIC_STANDBY, None)
+    os.makedirs(assignment.workdir, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(
+        os.path.join(assignment.workdir, "output.log"),
+        os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+        0o644,
+    )
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _read_line(sock: socket.socket) -> dict | None:
+    """One JSON line from `sock`, {} for a closed connection (the server went away)."""
+    buffer = b""
+    while b"\n" not in buffer:
+        data = sock.recv(65536)
+        if not data:
+            return {}
+        buffer += data
+        if len(buffer) > protocol.MAX_LINE_BYTES:
+            return {}
+    return json.loads(buffer.partition(b"\n")[0])
