@@ -7,20 +7,24 @@ replacement heals and joins, and goodput under a slice kill a minute.
 Runs the real trainer (`launch/train.py`, configs/tiny_cpu.py: the 3.7M-parameter model, batch
 16 x 128 tokens) on 2 slices x 1 process x 2 CPU devices.
 
-`--mode=kill` (default), three runs one after the other:
+`--mode=kill` (default), four runs one after the other:
 
 - `single_runtime`: today's default, the supervisor and one JAX runtime over both slices,
   undisturbed: the step time the elastic mode is compared with.
 - `elastic`: `elastic.enabled`, undisturbed: its step time (gradient sums through the gloo
   exchange on the host) and its per-step parameter digests.
-- `elastic_kill`: as `elastic`, slice 1's worker SIGKILLed once slice 0 has logged `fault_step`;
-  the elastic supervisor starts a replacement at once, which starts up (its steps loaded from the
-  job's executable cache), heals from slice 0 and joins. Measured from the events, in that one
+- `elastic_kill`: as `elastic`, slice 1's worker SIGKILLed once slice 0 has logged `fault_step`
+  and the warm standby slice (`elastic.standby`) waits at the join point; the elastic supervisor
+  gives the standby slice 1's identity at once, and it heals from slice 0 and joins.
+- `elastic_kill_cold`: the same with `elastic.standby=false`: the supervisor starts a replacement
+  process at once, which starts up (its steps loaded from the job's executable cache; no state
+  initialised: it heals), heals from slice 0 and joins. Measured from the events, in that one
   run: the survivor's stall (from the kill to its next step; and that step interval less the
   median one), the steps redone (exchanges that failed), the replacement's time from its spawn to
-  the heal and to its first step in the quorum, the heal's own transfer time, and the survivor's
-  step intervals around the join against its median step with 2 slices (the pause at the join);
-  and whether every step's parameters, on both slices, equal the undisturbed run's bit for bit.
+  the heal and to its first step in the quorum (and from the kill to the heal), the heal's own
+  transfer time, and the survivor's step intervals around the join against its median step with
+  2 slices (the pause at the join); and whether every step's parameters, on both slices, equal
+  the undisturbed run's bit for bit.
 
 `--mode=chaos`, two runs of `--chaos_s` seconds of training each (from each run's first step;
 the whole run is cut by the supervisor's time limit), one after the other:
@@ -192,21 +196,29 @@ def elastic_result(workdir: str, exit_code: int) -> dict[str, Any]:
     }
 
 
-def elastic_kill(root: str, reference: dict[int, str]) -> dict[str, Any]:
-    workdir = os.path.join(root, "elastic_kill")
+def standby_ready(workdir: str) -> bool:
+    """The run's warm standby waits at the join point."""
+    rows = read(os.path.join(workdir, "standby", "events.jsonl"))
+    return any(e["type"] == "elastic_standby_ready" for e in rows)
+
+
+def elastic_kill(root: str, reference: dict[int, str], standby: bool) -> dict[str, Any]:
+    workdir = os.path.join(root, "elastic_kill" if standby else "elastic_kill_cold")
     killed: dict[str, float] = {}
 
     def kill(supervisor) -> bool:
         steps = slice_events(workdir, 0, "elastic_step")
         if not steps or steps[-1]["step"] < _FAULT.value:
             return False
+        if standby and not standby_ready(workdir):
+            return False  # a warm standby is what this run measures
         os.kill(supervisor.workers[1].pid, signal.SIGKILL)
         killed["time"] = time.time()
         with open(os.path.join(workdir, "kill_time.json"), "w") as f:
             json.dump(killed, f)
         return True
 
-    result = run_elastic(workdir, during=kill)
+    result = run_elastic(workdir, during=kill, extra={"elastic.standby": standby})
     return {"exit_code": result.exit_code, **analyze_kill(workdir, reference)}
 
 
@@ -244,12 +256,15 @@ def analyze_kill(workdir: str, reference: dict[int, str]) -> dict[str, Any]:
         and all(reference[s] == d for s, d in replacement.items()),
         "rejoined": any(e["slices"] == [0, 1] for e in after),
     }
-    out.update(analyze_join(workdir, survivor, median))
+    out.update(analyze_join(workdir, survivor, median, t_kill))
     return out
 
 
-def analyze_join(workdir: str, survivor: list[dict[str, Any]], median: float) -> dict[str, Any]:
-    """The replacement's heal and join, and the survivor's step intervals around it."""
+def analyze_join(
+    workdir: str, survivor: list[dict[str, Any]], median: float, t_kill: float
+) -> dict[str, Any]:
+    """The replacement's heal and join, and the survivor's step intervals around it. With a warm
+    standby, its "spawn" is the supervisor giving it slice 1 (it was started long before)."""
     starts = [e for e in read(os.path.join(workdir, "events.jsonl"))]
     spawned = [e for e in starts if e["type"] == "elastic_slice_start" and e["slice"] == 1][-1]
     pid = spawned["pid"]
@@ -275,6 +290,8 @@ def analyze_join(workdir: str, survivor: list[dict[str, Any]], median: float) ->
     return {
         "rejoined": True,
         "joined_at_step": joined,
+        "replacement_was_standby": bool(spawned.get("standby")),
+        "replacement_kill_to_heal_s": heal["time"] - t_kill,
         "replacement_spawn_to_heal_s": heal["time"] - spawned["time"],
         "replacement_spawn_to_first_step_s": steps[0]["time"] - spawned["time"],
         "replacement_init_s": inits[-1]["duration_s"] if inits else None,
@@ -453,21 +470,31 @@ def main(argv_: list[str]) -> None:
         reference = results["elastic"].pop("digests")
         kill_dir = os.path.join(root, "elastic_kill")
         results["elastic_kill"] = {"exit_code": 0, **analyze_kill(kill_dir, reference)}
+        cold_dir = os.path.join(root, "elastic_kill_cold")
+        results["elastic_kill_cold"] = {"exit_code": 0, **analyze_kill(cold_dir, reference)}
     else:
         results["single_runtime"] = single_runtime(root)
         results["elastic"] = elastic(root)
-        results["elastic_kill"] = elastic_kill(root, results["elastic"].pop("digests"))
+        reference = results["elastic"].pop("digests")
+        results["elastic_kill"] = elastic_kill(root, reference, standby=True)
+        results["elastic_kill_cold"] = elastic_kill(root, reference, standby=False)
     single, plain = results["single_runtime"], results["elastic"]
     results["step_time_ratio_elastic_to_single"] = plain["median_step_s"] / single["median_step_s"]
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "elastic.json"), "w") as f:
         json.dump(results, f, indent=2)
-    print(f"{'scenario':<16} {'median step s':>14}")
-    for name in ("single_runtime", "elastic", "elastic_kill"):
-        print(f"{name:<16} {results[name]['median_step_s']:>14.3f}")
+    print(f"{'scenario':<18} {'median step s':>14}")
+    for name in ("single_runtime", "elastic", "elastic_kill", "elastic_kill_cold"):
+        print(f"{name:<18} {results[name]['median_step_s']:>14.3f}")
     print(f"elastic / single-runtime step time: {results['step_time_ratio_elastic_to_single']:.2f}")
-    for key, value in results["elastic_kill"].items():
-        print(f"  {key:<28} {value if not isinstance(value, float) else round(value, 4)}")
+    warm, cold = results["elastic_kill"], results["elastic_kill_cold"]
+    print(f"  {'':<36} {'standby':>10} {'cold':>10}")
+    for key, value in warm.items():
+        if isinstance(value, dict):
+            continue
+        other = cold.get(key)
+        cells = [v if not isinstance(v, float) else round(v, 3) for v in (value, other)]
+        print(f"  {key:<36} {cells[0]!s:>10} {cells[1]!s:>10}")
     plot(results)
 
 

@@ -212,8 +212,15 @@ def measured(failures: int, seed: int) -> dict[str, Any]:
     cluster = gm.Cluster(chips=2, chip_mtbf_s=120.0, host_loss_fraction=0.0, replicas=2)
     single = point(framework, cluster, failures, seed)
     kill = el["elastic_kill"]
-    replace = kill.get("replacement_spawn_to_heal_s")
     heal = kill.get("heal_transfer_s")
+    if kill.get("replacement_was_standby") and heal is not None:
+        # A warm standby: from the kill to the heal's start (detected, given the slice, joined).
+        replace = kill["replacement_kill_to_heal_s"] - heal
+    elif kill.get("replacement_spawn_to_heal_s") is not None:
+        # A cold replacement: the supervisor's 1 s restart delay + its start-up and heal.
+        replace = 1.0 + kill["replacement_spawn_to_heal_s"]
+    else:
+        replace = None
     local = framework.local
     assert local is not None
     strategy = ElasticStrategy(
@@ -223,10 +230,9 @@ def measured(failures: int, seed: int) -> dict[str, Any]:
         exchange_s=0.0,
         slices=2,
         detection_s=kill["reform_s"],
-        # The replacement: the supervisor's 1 s delay + its start, compile and heal (measured
-        # when the run has one; else the single runtime's measured restart and compile).
-        replace_s=1.0
-        + (replace if replace is not None else framework.restart_s + framework.compile_s),
+        # The replacement (measured when the run has one; else the single runtime's measured
+        # restart and compile).
+        replace_s=replace if replace is not None else framework.restart_s + framework.compile_s,
         heal_s=heal if heal is not None else 0.0,
         fallback_s=framework.recovery_s(local.restore_s),
     )
@@ -239,7 +245,8 @@ def measured(failures: int, seed: int) -> dict[str, Any]:
         "inputs": {
             "elastic": "results/elastic.json: elastic.median_step_s, elastic_kill.reform_s; "
             + (
-                "replacement_spawn_to_heal_s, heal_transfer_s"
+                "replacement_kill_to_heal_s (a warm standby) or 1 s + replacement_spawn_to_heal_s "
+                "(cold), heal_transfer_s"
                 if replace is not None and heal is not None
                 else "no replacement heal measured there yet: replace_s = the single "
                 "runtime's measured restart + compile, heal_s = 0"

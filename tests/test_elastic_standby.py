@@ -16,7 +16,7 @@ from conftest import REPO
 
 from resilient_jax.config import default_config
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.control import elastic_state
+from resilient_jax.control import elastic, elastic_state
 from resilient_jax.control.elastic import ElasticSupervisor
 from resilient_jax.events import read_events
 
@@ -81,8 +81,10 @@ def _running(pid: int) -> bool:
 
 @pytest.fixture(autouse=True)
 def _importable(monkeypatch):
-    """The stand-ins import this checkout's package."""
+    """The stand-ins import this checkout's package; they join no quorum, so the next standby
+    starts soon after the last one was given a slice."""
     monkeypatch.setenv("PYTHONPATH", REPO)
+    monkeypatch.setattr(elastic, "STANDBY_AFTER_S", 0.5)
 
 
 def test_a_lost_slice_is_given_to_the_standby_and_a_new_standby_is_started(tmp_path):

@@ -56,6 +56,7 @@ def standby_workdir(workdir: str) -> str:
 
 
 STANDBY = -1  # the slice id `argv_for` is called with for the standby (it has none yet)
+STANDBY_AFTER_S = 30.0  # the next standby starts when the last has joined, or this long after
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,8 @@ class ElasticSupervisor:
         self._standby_enabled = bool(config.elastic.standby)
         self.standby: subprocess.Popen[bytes] | elastic_state.AdoptedWorker | None = None
         self._standby_at: float | None = None  # when to start the next standby
+        # the slice given to the last standby, its pid, when
+        self._joining: tuple[int, int, float] | None = None
         self._listening_since = time.monotonic()
         self._reconnected = False
         self._restart_at: dict[int, float] = {}
@@ -274,7 +277,10 @@ class ElasticSupervisor:
             EventType.ELASTIC_SLICE_START, slice=slice_id, pid=worker.pid, standby=True
         )
         self._say(f"slice {slice_id} given to the standby (pid {worker.pid})")
-        self._standby_at = time.monotonic()
+        # The next standby starts once this one has joined (its start-up would take CPU from the
+        # join on a shared host), or at the latest after STANDBY_AFTER_S.
+        self._joining = (slice_id, worker.pid, time.monotonic())
+        self._standby_at = time.monotonic() + STANDBY_AFTER_S
 
     def _watch_standby(self, now: float) -> ElasticResult | None:
         """Keeps one standby running while the job trains; the result when a standby's exit
@@ -304,6 +310,15 @@ class ElasticSupervisor:
             if self._failures > self._max_restarts:
                 return ElasticResult(1, f"{self._failures} slice failures", self._replacements)
             self._standby_at = now + self._restart_delay_s
+        if self._joining is not None:
+            slice_id, pid, since = self._joining
+            gone = slice_id not in self.workers or self.workers[slice_id].pid != pid
+            joined = any(
+                q["monotonic"] > since and slice_id in q["slices"] for q in self.quorum.decided
+            )
+            if gone or joined:
+                self._joining = None
+                self._standby_at = now
         if self._standby_at is not None and now >= self._standby_at:
             self.start_standby()
         return None
