@@ -287,10 +287,19 @@ def analyze_join(
     after = after[joined + 3 :]  # steps are 1..N: index s-2 is step s; from joined + 5 on
     replacement_digests = {e["step"]: e["digest"] for e in steps}
     survivor_digests = {e["step"]: e["digest"] for e in survivor}
+    # A standby's own start-up (spawned to waiting at the join point), long before the kill.
+    started = [e for e in starts if e["type"] == "elastic_standby_start" and e["pid"] == pid]
+    ready = [
+        e
+        for e in read(os.path.join(workdir, "standby", "events.jsonl"))
+        if e["type"] == "elastic_standby_ready" and e["pid"] == pid
+    ]
+    standby_start_s = ready[0]["time"] - started[0]["time"] if started and ready else None
     return {
         "rejoined": True,
         "joined_at_step": joined,
         "replacement_was_standby": bool(spawned.get("standby")),
+        "standby_start_to_ready_s": standby_start_s,
         "replacement_kill_to_heal_s": heal["time"] - t_kill,
         "replacement_spawn_to_heal_s": heal["time"] - spawned["time"],
         "replacement_spawn_to_first_step_s": steps[0]["time"] - spawned["time"],

@@ -64,7 +64,6 @@ from resilient_jax.worker.client import SupervisorClient
 from resilient_jax.worker.distributed import initialize_from_env, read_env
 
 _T = TypeVar("_T")
-_STARTED = time.monotonic()  # this module is imported at the process's start
 
 
 class RunError(Exception):
@@ -161,7 +160,7 @@ def _become_slice(ctx: RunContext, watchdog: Watchdog) -> str:
     """A warm standby slice: waits, idle, at the join point for the slice it replaces, then takes
     its identity (id, workdir, event log, output). Returns the slice's workdir."""
     waiting = time.monotonic()
-    ctx.events.emit(EventType.ELASTIC_STANDBY_READY, duration_s=time.monotonic() - _STARTED)
+    ctx.events.emit(EventType.ELASTIC_STANDBY_READY)
     watchdog.suspend()
     try:
         assignment = elastic_standby.wait_for_assignment(

@@ -97,6 +97,7 @@ def test_reshape_plan_adapts_explicit_axes():
         # The unknown key is named, not the valid override given before it.
         ("--config.model.d_model=64 --config.nonsense=1", "config.nonsense is not a known config"),
         ("--config.total_steps=many", "--config.total_steps=many"),
+        ("--config.elastic.standby=maybe", "--config.elastic.standby=maybe"),
         ("--config.data.path=/missing.txt", "config.data.path='/missing.txt' is invalid"),
         ("--chaos=bogus:step=1", "invalid --chaos spec 'bogus:step=1': unknown kind 'bogus'"),
     ],

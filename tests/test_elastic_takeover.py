@@ -17,6 +17,7 @@ import time
 import pytest
 from conftest import ELASTIC_SMALL, REPO, as_flags, slice_digests, slice_events
 
+from resilient_jax.control import elastic_state
 from resilient_jax.events import read_events
 
 pytest.importorskip("torch")
@@ -82,6 +83,12 @@ def test_slices_train_on_while_the_supervisor_is_away_and_are_taken_over(tmp_pat
     for slice_id in (0, 1):
         assert len({e["pid"] for e in slice_events(workdir, slice_id)}) == 1
         assert not slice_events(workdir, slice_id, "elastic_exchange_failed")
+    # The warm standby the first supervisor started was adopted by the second (it registered
+    # again on the same address), never used, and ended by its pid when the run finished.
+    standbys = [e for e in supervisor_events if e["type"] == "elastic_standby_start"]
+    assert [e.get("adopted") for e in standbys] == [None, True], standbys
+    assert standbys[0]["pid"] == standbys[1]["pid"]
+    assert elastic_state.start_time(standbys[0]["pid"]) is None
     # Back in their own quorum: no group re-formed, the membership never changed.
     (back,) = [e for e in supervisor_events if e["type"] == "elastic_reconnected"]
     assert back["carried_over"] and back["slices"] == [0, 1], back

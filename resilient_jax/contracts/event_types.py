@@ -91,8 +91,8 @@ class EventType(Name):
     # restarted supervisor took over the one still running); pid, exit_code (it ended unused)
     ELASTIC_STANDBY_START = "elastic_standby_start"
     ELASTIC_STANDBY_EXIT = "elastic_standby_exit"
-    # The standby's own: ready (in its own log: duration_s from its start to waiting at the join
-    # point); assigned (in the slice's log: slice, waited_s, the time it waited idle)
+    # The standby's own: ready (in its own log: it waits at the join point; its start is the
+    # supervisor's elastic_standby_start); assigned (in the slice's log: slice, waited_s idle)
     ELASTIC_STANDBY_READY = "elastic_standby_ready"
     ELASTIC_STANDBY_ASSIGNED = "elastic_standby_assigned"
     # slices, quorum_id, carried_over (the slices' own quorum kept: no group re-formed), after_s
