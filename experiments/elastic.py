@@ -74,6 +74,11 @@ _EVERY_S = flags.DEFINE_float("fault_every_s", 60.0, "Seconds between kills (cha
 _ANALYZE = flags.DEFINE_string(
     "analyze", "", "Only read the runs in this directory (a previous run's root) again."
 )
+_BEFORE = flags.DEFINE_string(
+    "before",
+    "",
+    "A results file of an earlier version to keep beside this run's numbers (key `before`).",
+)
 
 RESULTS = os.path.join(REPO, "experiments", "results")
 
@@ -437,6 +442,7 @@ def chaos_main(root: str) -> None:
     base, chaos = results["undisturbed"], results["kill_a_minute"]
     results["goodput_ratio"] = chaos["steps_in_window"] / base["steps_in_window"]
     results["goodput_ratio_own_rate"] = chaos["goodput_vs_own_rate"] / base["goodput_vs_own_rate"]
+    add_before(results)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "elastic_chaos.json"), "w") as f:
         json.dump(results, f, indent=2)
@@ -458,6 +464,16 @@ def chaos_main(root: str) -> None:
     )
     print(f"kill to join: {[round(x, 1) for x in chaos['kill_to_join_s']]} s")
     print(f"slice 0 badput (s): {chaos['slice0_badput_s']}")
+
+
+def add_before(results: dict[str, Any]) -> None:
+    """`--before`'s results (without their own `before`), for a side-by-side comparison."""
+    if not _BEFORE.value:
+        return
+    with open(_BEFORE.value) as f:
+        before = json.load(f)
+    before.pop("before", None)
+    results["before"] = {"file": _BEFORE.value, **before}
 
 
 def main(argv_: list[str]) -> None:
@@ -489,6 +505,7 @@ def main(argv_: list[str]) -> None:
         results["elastic_kill_cold"] = elastic_kill(root, reference, standby=False)
     single, plain = results["single_runtime"], results["elastic"]
     results["step_time_ratio_elastic_to_single"] = plain["median_step_s"] / single["median_step_s"]
+    add_before(results)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "elastic.json"), "w") as f:
         json.dump(results, f, indent=2)
