@@ -7,15 +7,19 @@ One process, one state (the config's model with its AdamW state), on `--cpu_devi
 devices when running on CPU. Three measurements:
 
 1. Blocking time per save, interleaved round by round in rotating order: the checkpointer's local
-   tier (RAM disk), its persistent tier (async Orbax plus per-array digests, both from a device
-   snapshot in a writer thread), a plain async Orbax `CheckpointManager` save, a plain
-   synchronous Orbax save (`Checkpointer(StandardCheckpointHandler)`) of the same state, and the
-   device snapshot alone, waited for (the copy every save of the checkpointer starts). "hook" is
-   the wall time `after_step` took (what the loop waits for); "commit" is when the data was
-   durable. Each save follows a fresh train step that is waited for first, so the numbers are
-   the save alone (part 2 shows what waiting for the step costs inside the loop).
-2. Throughput: blocks of training steps with a local save after every step against blocks with
-   no saves, alternating; a save block includes waiting for its last write.
+   tier (RAM disk) and its persistent tier (async Orbax plus per-array digests, in a writer
+   thread), both reading the state itself, which the next step keeps (`train.keep`: it runs
+   without donating); the local tier copying the state first instead (`device_snapshot`, what a
+   save does when the step cannot keep it); a plain async Orbax `CheckpointManager` save, a
+   plain synchronous Orbax save (`Checkpointer(StandardCheckpointHandler)`) of the same state,
+   and the device snapshot alone, waited for. "hook" is the wall time `after_step` took (what
+   the loop waits for); "commit" is when the data was durable. Each save follows a fresh train
+   step that is waited for first, so the numbers are the save alone (part 2 shows what the
+   loop pays in all).
+2. Step time, blocks of training steps in rotating order: no saves; every step non-donating (the
+   cost of the step that keeps its input, without a save); a local save after every step (each
+   next step keeping the saved state); the same with the copy instead. A save block includes
+   waiting for its last write.
 3. Restore time per tier onto the same mesh and onto half the devices.
 
 With `--backends` it measures instead the persistent tier on a local directory against gs:// on
@@ -28,6 +32,7 @@ it is started again and a persistent save commits.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -79,6 +84,7 @@ def main(argv: list[str]) -> None:
     from resilient_jax.run import compile_step, prepare
     from resilient_jax.train.context import RunContext
     from resilient_jax.train.hooks import StepInfo
+    from resilient_jax.train.keep import StateKeeper
     from resilient_jax.train.state import abstract_state, init_state
 
     base = _CONFIG.value
@@ -109,7 +115,12 @@ def main(argv: list[str]) -> None:
     try:
         ctx_local = context("local", local=True, persistent_every=0)
         ctx_persistent = context("persistent", local=False, persistent_every=1)
+        # A keeper no step answers: its saves copy the state (the fallback).
+        ctx_copy = dataclasses.replace(
+            context("local_copy", local=True, persistent_every=0), keeper=StateKeeper()
+        )
         step_fn = compile_step(ctx_local)
+        ctx_persistent.keeper = ctx_local.keeper  # the one step keeps what either tier saves
         loader = BatchLoader(base, ctx_local.mesh, ctx_local.plan, make_source(base))
         _, batch = loader.next()
         one = jnp.float32(1.0)
@@ -117,8 +128,11 @@ def main(argv: list[str]) -> None:
         state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
         ck_local = Checkpointer(ctx_local, handle_sigterm=False)
         ck_persistent = Checkpointer(ctx_persistent, handle_sigterm=False)
+        ck_copy = Checkpointer(ctx_copy, handle_sigterm=False)
         ck_local.on_start(ctx_local, state)
         ck_persistent.on_start(ctx_persistent, state)
+        ck_copy.on_start(ctx_copy, state)
+        checkpointers = (ck_local, ck_persistent, ck_copy)
         sync_orbax = ocp.Checkpointer(ocp.StandardCheckpointHandler())
         async_orbax = ocp.CheckpointManager(os.path.join(root, "orbax_async"))
         step = 0
@@ -133,28 +147,40 @@ def main(argv: list[str]) -> None:
             return StepInfo(step, step - 1, DataPosition(next_batch=step), 0.0)
 
         # 1. Blocking time per save, interleaved.
+        state = train_step(train_step(state))
+        step_fn.load_keeping()  # in a run: loaded beside training from the first save on
+        (compile_keep,) = [
+            {"duration_s": e["duration_s"], "cache": e.get("cache", "none")}
+            for e in read_events(ctx_local.workdir)
+            if e["type"] == "compile_background"
+        ]
         hook_s: dict[str, list[float]] = {
             "local": [],
             "persistent": [],
+            "local_copy": [],
             "orbax_async": [],
             "orbax_sync": [],
             "snapshot": [],
         }
         async_commit_s: list[float] = []
         digest_s: list[float] = []
-        steps_of: dict[str, list[int]] = {"local": [], "persistent": []}
+        steps_of: dict[str, list[int]] = {"local": [], "persistent": [], "local_copy": []}
+        tiers = {
+            "local": (ck_local, ctx_local),
+            "persistent": (ck_persistent, ctx_persistent),
+            "local_copy": (ck_copy, ctx_copy),
+        }
         kinds = list(hook_s)
         for r in range(_ROUNDS.value + 1):
             for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
-                ck_local.wait_until_finished()
-                ck_persistent.wait_until_finished()
+                for ck in checkpointers:
+                    ck.wait_until_finished()
                 async_orbax.wait_until_finished()
                 state = jax.block_until_ready(train_step(state))  # time the save alone
                 start = time.perf_counter()
-                if kind == "local":
-                    ck_local.after_step(ctx_local, state, info())
-                elif kind == "persistent":
-                    ck_persistent.after_step(ctx_persistent, state, info())
+                if kind in tiers:
+                    ck, ctx = tiers[kind]
+                    ck.after_step(ctx, state, info())
                 elif kind == "orbax_async":
                     async_orbax.save(step, args=ocp.args.StandardSave(state))
                 elif kind == "snapshot":
@@ -179,41 +205,43 @@ def main(argv: list[str]) -> None:
                 start = time.perf_counter()  # what the writer thread computes, off the loop
                 checksum.combine_sums([checksum.process_partial_sums(state)])
                 digest_s.append(time.perf_counter() - start)
-        ck_local.wait_until_finished()
-        ck_persistent.wait_until_finished()
+        for ck in checkpointers:
+            ck.wait_until_finished()
         commit_s: dict[str, list[float]] = {
             kind: [by_step(ctx.workdir, "save_committed")[s]["commit_s"] for s in steps_of[kind]]
-            for kind, ctx in (("local", ctx_local), ("persistent", ctx_persistent))
+            for kind, (_, ctx) in tiers.items()
         }
         commit_s["orbax_async"] = async_commit_s
         event_s = {
             kind: [by_step(ctx.workdir, "save")[s]["duration_s"] for s in steps_of[kind]]
-            for kind, ctx in (("local", ctx_local), ("persistent", ctx_persistent))
+            for kind, (_, ctx) in tiers.items()
         }
 
-        # 2. Throughput: local save every step against no saves.
-        def block(state, save: bool) -> tuple:
+        # 2. Step time: no saves, non-donating steps, a local save every step (kept, copied).
+        def block(state, mode: str) -> tuple:
             jax.block_until_ready(state)
             start = time.perf_counter()
             for _ in range(_STEPS.value):
+                if mode == "non_donating":
+                    assert ctx_local.keeper.keep(state)
                 state = train_step(state)
-                if save:
-                    ck_local.after_step(ctx_local, state, info())
+                if mode in tiers:
+                    ck, ctx = tiers[mode]
+                    ck.after_step(ctx, state, info())
             jax.block_until_ready(state)
-            if save:
-                ck_local.wait_until_finished()
+            if mode in tiers:
+                tiers[mode][0].wait_until_finished()
             return state, (time.perf_counter() - start) / _STEPS.value
 
-        state, _ = block(state, False)
-        state, _ = block(state, True)
-        plain_step, saving_step = [], []
-        for _ in range(_BLOCKS.value):
-            state, t = block(state, False)
-            plain_step.append(t)
-            state, t = block(state, True)
-            saving_step.append(t)
-        ck_local.close()
-        ck_persistent.close()
+        modes = ["no_saves", "non_donating", "local", "local_copy"]
+        block_s: dict[str, list[float]] = {mode: [] for mode in modes}
+        for b in range(_BLOCKS.value + 1):
+            for mode in modes[b % len(modes) :] + modes[: b % len(modes)]:
+                state, t = block(state, mode)
+                if b > 0:  # block 0 warms up
+                    block_s[mode].append(t)
+        for ck in checkpointers:
+            ck.close()
         async_orbax.close()
 
         # 3. Restore time per tier, same mesh and half the devices.
@@ -253,9 +281,15 @@ def main(argv: list[str]) -> None:
         "save_event_duration_s": event_s,
         "save_commit_s": commit_s,
         "digest_s": digest_s,
-        "step_s_no_saves": plain_step,
-        "step_s_local_save_every_step": saving_step,
-        "local_every_step_overhead": med(saving_step) / med(plain_step) - 1.0,
+        "compile_keep": compile_keep,  # the non-donating step, loaded beside the run
+        "step_s": block_s,
+        "step_s_no_saves": block_s["no_saves"],
+        "step_s_local_save_every_step": block_s["local"],
+        "step_overhead": {
+            mode: med(times) / med(block_s["no_saves"]) - 1.0
+            for mode, times in block_s.items()
+            if mode != "no_saves"
+        },
         "blocking_vs_sync": {k: med(v) / med(hook_s["orbax_sync"]) for k, v in hook_s.items()},
         "restore_s": restore_s,
         "young_daly_interval_s_at_mtbf_1h": young_daly_interval_s(persistent_cost, 3600.0),
@@ -269,9 +303,14 @@ def main(argv: list[str]) -> None:
     print(f"{'per-array digests (writer thread)':34}{med(digest_s):>14.4f}")
     for kind, ratio in result["blocking_vs_sync"].items():
         print(f"{kind} blocking / synchronous save: {ratio:.3f}")
+    print(f"step s (median of {_BLOCKS.value} blocks of {_STEPS.value})")
+    for mode, times in block_s.items():
+        overhead = result["step_overhead"].get(mode)
+        extra = f" ({100 * overhead:+.1f}%)" if overhead is not None else ""
+        print(f"  {mode:32}{med(times):>10.4f}{extra}")
     print(
-        f"step s: no saves {med(plain_step):.4f}, local save every step {med(saving_step):.4f} "
-        f"({100 * result['local_every_step_overhead']:+.1f}%)"
+        f"non-donating step loaded beside the run in {compile_keep['duration_s']:.2f} s "
+        f"(executable cache: {compile_keep['cache']})"
     )
     for name, times in restore_s.items():
         print(f"restore {name:28}{med(times):>10.4f} s")

@@ -7,12 +7,12 @@ Started by `worker.candidates.CandidateCompiler` beside the training workers of 
 S >= 2 slices: one such process per worker of the first S - 1 slices, with the environment of the
 job those workers would form after losing a slice (the same hosts, devices and process numbering
 as the supervisor's reshaped generation, a fresh coordinator port). Each joins that job, plans its
-mesh with the workers' own code (`run.prepare`), and compiles the train step (and evaluation's,
-when on) into this process's executable cache under the key a restarted worker computes
-(`executables.program_key`). Entries already there are left alone. It runs at the lowest CPU
-priority and writes its `compile` events to `WORKDIR/precompile/events.jsonl`, never the run's own
-log (its time is not the run's). Exit 0 when done; anything else is a failure of this helper
-only, never of the run.
+mesh with the workers' own code (`run.prepare`), and compiles the train step, its non-donating
+twin (`train.keep`) and evaluation's step, when on, into this process's executable cache under
+the key a restarted worker computes (`executables.program_key`). Entries already there are left
+alone. It runs at the lowest CPU priority and writes its `compile` events to
+`WORKDIR/precompile/events.jsonl`, never the run's own log (its time is not the run's). Exit 0
+when done; anything else is a failure of this helper only, never of the run.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from resilient_jax.contracts.event_types import EventType
 from resilient_jax.events import EventLog
 from resilient_jax.train import compile as compile_lib
 from resilient_jax.train.context import prepare
+from resilient_jax.train.keep import KEEP_PROGRAM
 from resilient_jax.worker.candidates import SUBDIR
 from resilient_jax.worker.distributed import initialize_from_env
 
@@ -50,7 +51,10 @@ def compile_candidate(config: ml_collections.ConfigDict, workdir: str) -> dict[s
     initialize_from_env(coordinator, events)
     # A restart after a failure plans its mesh non-strictly (generation > 0): so does this.
     ctx = prepare(config, workdir, events, generation=1)
-    programs = {"train": compile_lib.train_lowering(ctx)}
+    programs = {
+        "train": compile_lib.train_lowering(ctx),
+        KEEP_PROGRAM: compile_lib.train_lowering(ctx, donate=False),  # the step after a save
+    }
     if config.eval.every_steps:
         programs["eval"] = compile_lib.eval_lowering(ctx)
     compiled: dict[str, bool] = {}

@@ -2,10 +2,10 @@
 (waiting for its own saves first; the resume order is in `restore`).
 
 Save order per step (`after_step`): preemption sync point -> wall-clock decision (made by process
-0, shared two steps ahead) -> policy -> one device snapshot of the state -> local save ->
-persistent save. A save blocks training only while the snapshot is dispatched (and the previous
-write of the tier, if still running, is waited for); both tiers write from the snapshot in
-background threads (`snapshot`), and each commit is reported by `save_committed`.
+0, shared two steps ahead) -> policy -> one snapshot (the state the next step keeps, else a copy)
+-> local save -> persistent save. A save blocks training only for that (and the tier's previous
+write, if still running); both tiers write from the snapshot in background threads (`snapshot`),
+and each commit is reported by `save_committed`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier, per
 from resilient_jax.checkpoint.policy import Decision, SavePolicy, SaveReason, local_interval_steps
 from resilient_jax.checkpoint.preemption import PreemptionNotice
 from resilient_jax.checkpoint.restore import Restored, Restorer, check_persistent_dir
-from resilient_jax.checkpoint.snapshot import PersistentWriter, device_snapshot
+from resilient_jax.checkpoint.snapshot import PersistentWriter, saved_state
 from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.contracts import env_vars
@@ -298,9 +298,9 @@ class Checkpointer(Hook):
             raise error
         position = info.data_position.to_json()
         started = time.perf_counter()
-        # One copy for both tiers, which the loop's next step cannot donate; each tier's `save`
-        # event counts it in its blocking time.
-        snapshot = device_snapshot(state)
+        # One snapshot for both tiers, which the loop's next step leaves valid; each tier's
+        # `save` event counts it in its blocking time.
+        snapshot = saved_state(state, ctx.keeper)
         snapshot_s = time.perf_counter() - started
         if d.local and self._local is not None:
             self._save_local(ctx, snapshot, info.step, position, snapshot_s)

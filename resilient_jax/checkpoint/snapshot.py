@@ -1,10 +1,12 @@
 """What a save costs the training thread: one copy of the state, then everything in the background.
 
-`device_snapshot` dispatches a copy of the train state into fresh buffers with the same shardings.
-The loop's next step donates the state's buffers, so a save must copy them before that step runs;
-dispatching the copy returns before it is done, and every later stage reads the copy, not the
-live state. One snapshot feeds both tiers when they save the same step: the local tier's writer
-thread and the persistent tier's writer thread each read it from there.
+`saved_state` is what a save reads: the state itself when the loop's next step keeps it (runs
+without donating it, `train.keep`: no copy at all), else `device_snapshot`, a copy of the state
+into fresh buffers with the same shardings (the loop's next step donates the state's buffers, so
+an unkept state must be copied before that step runs; dispatching the copy returns before it is
+done). Every later stage reads that, not the live state. One snapshot feeds both tiers when they
+save the same step: the local tier's writer thread and the persistent tier's writer thread each
+read it from there.
 
 `PersistentWriter` runs the persistent tier's save off the training thread: it computes this
 process's share of the per-array digests on the host, adds up the shares of all processes through
@@ -32,12 +34,19 @@ from resilient_jax.checkpoint.background import BackgroundThread, Job
 from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier
 from resilient_jax.checkpoint.sync import ProcessSync
+from resilient_jax.train.keep import StateKeeper
 
 _STOP_WAIT_S = 10.0  # an idle writer thread ends within milliseconds
 
 # A fresh buffer for every leaf (the input is not donated, so XLA must copy; `jnp.copy` is not
 # forwarded like an identity would be), with the same shardings.
 device_snapshot = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
+
+
+def saved_state(state: Any, keeper: StateKeeper) -> Any:
+    """`state` for a save to read in the background: itself if the loop's next step keeps it
+    (`keeper.keep`), else a `device_snapshot` of it."""
+    return state if keeper.keep(state) else device_snapshot(state)
 
 
 @dataclasses.dataclass

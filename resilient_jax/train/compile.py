@@ -19,17 +19,33 @@ from resilient_jax import executables
 from resilient_jax import mesh as mesh_lib
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.train.context import RunContext
+from resilient_jax.train.deferred import DeferredProgram
 from resilient_jax.train.eval import EvalStepFn, make_eval_step
+from resilient_jax.train.keep import KEEP_PROGRAM, KeepingStep
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import Metrics, ScaledStepFn, StepFn, make_train_step
 
 
-def compile_step(ctx: RunContext, cache_dir: str | None = None) -> ScaledStepFn:
+def compile_step(ctx: RunContext, cache_dir: str | None = None) -> KeepingStep:
     """The compiled train step for the context's mesh; emits a `compile` event with its duration
     and, with a cache, whether it came from it. `cache_dir`: where executables are kept (default:
-    `executables.default_dir()`, none when JAX's compilation cache is off)."""
+    `executables.default_dir()`, none when JAX's compilation cache is off).
+
+    Its non-donating twin, for the step after a save (`train.keep`), is loaded or compiled in the
+    background once a save asks `ctx.keeper` for it (a `compile_background` event)."""
     start = time.perf_counter()
-    return _compile(ctx, train_lowering(ctx), start, cache_dir, "train")
+    donating = _compile(ctx, train_lowering(ctx), start, cache_dir, "train")
+    keeping = DeferredProgram(
+        lambda: _compile(
+            ctx,
+            train_lowering(ctx, donate=False),
+            time.perf_counter(),
+            cache_dir,
+            KEEP_PROGRAM,
+            background=True,
+        )
+    )
+    return KeepingStep(donating, keeping, ctx.keeper)
 
 
 def compile_eval_step(
@@ -41,12 +57,13 @@ def compile_eval_step(
     return _compile(ctx, eval_lowering(ctx), start, cache_dir, "eval", background)
 
 
-def train_lowering(ctx: RunContext) -> Callable[[], jax.stages.Lowered]:
-    """Traces and lowers the train step for the context's mesh when called (only on a miss)."""
+def train_lowering(ctx: RunContext, donate: bool = True) -> Callable[[], jax.stages.Lowered]:
+    """Traces and lowers the train step for the context's mesh when called (only on a miss);
+    `donate=False`: its non-donating twin (`train.keep`)."""
 
     def lower() -> jax.stages.Lowered:
         scale = jax.ShapeDtypeStruct((), jnp.float32, sharding=mesh_lib.replicated(ctx.mesh))
-        return make_train_step(ctx.config, ctx.mesh).lower(
+        return make_train_step(ctx.config, ctx.mesh, donate).lower(
             ctx.abstract_state, _abstract_batch(ctx), scale
         )
 

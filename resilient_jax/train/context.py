@@ -13,6 +13,7 @@ from resilient_jax import mesh as mesh_lib
 from resilient_jax import topology as topology_lib
 from resilient_jax.events import EventLog
 from resilient_jax.topology import MeshPlan, Topology
+from resilient_jax.train.keep import StateKeeper
 from resilient_jax.train.state import TrainState, abstract_state
 
 
@@ -26,6 +27,8 @@ class RunContext:
     events: EventLog
     abstract_state: TrainState  # ShapeDtypeStructs with shardings: the target of every restore
     generation: int = 0  # how many times the coordinator has restarted this job
+    # Which state the loop's next step must not donate (a save reads it in the background).
+    keeper: StateKeeper = dataclasses.field(default_factory=StateKeeper)
 
     @classmethod
     def on_mesh(

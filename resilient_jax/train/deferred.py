@@ -37,6 +37,15 @@ class DeferredProgram:
         except BaseException as e:  # raised in the caller's thread at the first call
             self._error = e
 
+    def ready(self) -> bool:
+        """Whether the program is compiled (without waiting); False after a failed compile."""
+        return self._program is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The compile's error, once it failed (a call raises it)."""
+        return self._error
+
     def wait(self) -> None:
         """Returns once the program is compiled (starting the compile if need be)."""
         self.start()

@@ -113,8 +113,12 @@ def make_update(config: ml_collections.ConfigDict):
     return update
 
 
-def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStepFn:
-    """The step, jitted with the state donated and every input and output sharding fixed."""
+def make_train_step(
+    config: ml_collections.ConfigDict, mesh: Mesh, donate: bool = True
+) -> ScaledStepFn:
+    """The step, jitted with every input and output sharding fixed and the state donated (its
+    buffers become the new state's). `donate=False`: the same program writing the new state into
+    fresh buffers, leaving the input state valid (`train.keep`)."""
     model = make_model(config)
     moe = model.cfg.moe
     num_moe_layers = moe.num_moe_layers(model.cfg.num_layers)
@@ -150,5 +154,5 @@ def make_train_step(config: ml_collections.ConfigDict, mesh: Mesh) -> ScaledStep
         step,
         in_shardings=(shardings, mesh_lib.batch_sharding(mesh), replicated),
         out_shardings=(shardings, replicated),
-        donate_argnums=0,
+        donate_argnums=0 if donate else (),
     )

@@ -1,0 +1,191 @@
+"""The step after a save keeps the saved state (`train.keep`): its non-donating twin computes the
+same bits, leaves its input valid, and a save of that state reads the right bits after later
+(donating) steps have run, on both tiers; nothing is kept before the twin is loaded."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+from conftest import checkpoint_config, data_position, run_context, tiny_config
+
+from resilient_jax import mesh as mesh_lib
+from resilient_jax.checkpoint import Checkpointer, snapshot
+from resilient_jax.checkpoint.local import LocalTier
+from resilient_jax.checkpoint.persistent import PersistentTier
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.events import read_events
+from resilient_jax.train.compile import compile_step
+from resilient_jax.train.hooks import StepInfo
+from resilient_jax.train.keep import KEEP_PROGRAM
+from resilient_jax.train.state import init_state
+
+
+def _batches(ctx, count: int) -> list[jax.Array]:
+    rows = ctx.config.global_batch_size // ctx.plan.microbatches
+    shape = (ctx.plan.microbatches, rows, ctx.config.data.seq_len + 1)
+    rng = np.random.default_rng(0)
+    return [
+        jax.device_put(
+            rng.integers(0, 256, shape, dtype=np.int32), mesh_lib.batch_sharding(ctx.mesh)
+        )
+        for _ in range(count)
+    ]
+
+
+def _host_bytes(tree) -> list[bytes]:
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def _donated(state) -> bool:
+    """Whether a step donated `state` (its parameters: a leaf the step does not read, such as
+    the health state's `lr_scale`, is never donated)."""
+    return all(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
+
+
+def _buffers(state) -> set[int]:
+    return {
+        shard.data.unsafe_buffer_pointer()
+        for leaf in jax.tree.leaves(state)
+        for shard in leaf.addressable_shards
+    }
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {
+            "optimizer.galore.rank": 8,
+            "optimizer.galore.update_interval": 2,
+            "model.moe.num_experts": 4,
+        },
+    ],
+    ids=["dense", "galore_moe"],
+)
+def test_the_non_donating_step_is_bitwise_the_donating_one_and_keeps_its_input(tmp_path, overrides):
+    ctx = run_context(tiny_config(**overrides), str(tmp_path))
+    step = compile_step(ctx)
+    # The dense model also takes a skipped (NaN) step.
+    scales = [np.float32(s) for s in (1.0, np.nan if not overrides else 1.0, 1.0, 1.0)]
+    batches = _batches(ctx, len(scales))
+
+    state = init_state(ctx.config, ctx.mesh)
+    donated = []
+    for batch, scale in zip(batches, scales, strict=True):
+        previous = state
+        state, metrics = step(state, batch, scale)
+        assert _donated(previous)
+        donated.append(_host_bytes((state, metrics)))
+
+    step.load_keeping()
+    state = init_state(ctx.config, ctx.mesh)
+    kept_states = []
+    for i, (batch, scale) in enumerate(zip(batches, scales, strict=True)):
+        assert ctx.keeper.keep(state)
+        new, metrics = step(state, batch, scale)
+        assert _host_bytes((new, metrics)) == donated[i], f"step {i + 1} differs"
+        assert not _buffers(new) & _buffers(state), "an output shares a buffer with the input"
+        kept_states.append(state)
+        state = new
+    assert not any(leaf.is_deleted() for s in kept_states for leaf in jax.tree.leaves(s))
+    # Unkept, the next step donates again.
+    step(state, batches[0], scales[0])
+    assert _donated(state)
+
+
+def test_nothing_is_kept_before_the_twin_is_loaded_nor_a_state_the_step_is_not_given(tmp_path):
+    ctx = run_context(tiny_config(), str(tmp_path))
+    step = compile_step(ctx)
+    (batch,) = _batches(ctx, 1)
+    one = np.float32(1.0)
+    state = init_state(ctx.config, ctx.mesh)
+    assert not ctx.keeper.keep(state)  # not loaded, and not before the first step has run
+    state, _ = step(state, batch, one)
+    assert not ctx.keeper.keep(state)
+    state, _ = step(state, batch, one)
+    ctx.keeper.keep(state)  # the first save after the second step starts loading it
+    step.load_keeping()
+    background = [
+        e for e in read_events(str(tmp_path)) if e["type"] == EventType.COMPILE_BACKGROUND
+    ]
+    assert [e["program"] for e in background] == [KEEP_PROGRAM]
+    # Kept, but the loop hands the step another state (a rollback restored one): donated, and
+    # the request is gone.
+    assert ctx.keeper.keep(state)
+    other = init_state(ctx.config, ctx.mesh)
+    step(other, batch, one)
+    assert _donated(other)
+    step(state, batch, one)
+    assert _donated(state)
+
+
+def test_a_save_reads_the_kept_state_after_later_steps_donated_theirs(
+    tmp_path, local_root, monkeypatch
+):
+    config = checkpoint_config(
+        local_root,
+        **{
+            "checkpoint.every_steps": 2,
+            "checkpoint.local_every_steps": 2,
+            "checkpoint.local_auto_interval": False,
+        },
+    )
+    ctx = run_context(config, str(tmp_path / "run"))
+    step = compile_step(ctx)
+    step.load_keeping()
+    batches = _batches(ctx, 5)
+    one = np.float32(1.0)
+
+    # The reference: the same steps, all donating, the state after step 2 copied to the host.
+    state = init_state(config, ctx.mesh)
+    for i in range(2):
+        state, _ = step(state, batches[i], one)
+    expected = _host_bytes(state)
+    for i in range(2, 5):
+        state, _ = step(state, batches[i], one)
+
+    # Both tiers' writes of step 2 wait until steps 3-5 have run; the save must not copy.
+    gate = threading.Event()
+
+    def gated(original):
+        def call(*args, **kwargs):
+            assert gate.wait(120)
+            return original(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(LocalTier, "_write", gated(LocalTier._write))
+    monkeypatch.setattr(PersistentTier, "save", gated(PersistentTier.save))
+
+    def no_copy(tree):
+        raise AssertionError("the save copied a state the next step keeps")
+
+    monkeypatch.setattr(snapshot, "device_snapshot", no_copy)
+    checkpointer = Checkpointer(ctx, handle_sigterm=False)
+    state = init_state(config, ctx.mesh)
+    checkpointer.on_start(ctx, state)
+    for i in range(5):
+        state, _ = step(state, batches[i], one)
+        if i == 1:
+            checkpointer.after_step(ctx, state, StepInfo(2, 1, data_position(2), 0.01))
+    jax.block_until_ready(state)
+    gate.set()
+    checkpointer.wait_until_finished()
+    committed = [e for e in read_events(ctx.workdir) if e["type"] == EventType.SAVE_COMMITTED]
+    assert sorted(e["tier"] for e in committed if e["step"] == 2) == ["local", "persistent"]
+    restored = checkpointer.restore_step(ctx, 2)
+    assert restored.tier == "local"
+    assert _host_bytes(restored.state) == expected
+    checkpointer.close()
+
+    # The persistent copy alone (its digests were computed from the kept state too).
+    config.checkpoint.local_dir = ""
+    ctx = run_context(config, ctx.workdir)
+    persistent_only = Checkpointer(ctx, handle_sigterm=False)
+    restored = persistent_only.restore_step(ctx, 2)
+    assert restored.tier == "persistent"
+    assert _host_bytes(restored.state) == expected
+    persistent_only.close()
