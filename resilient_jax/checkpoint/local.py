@@ -184,7 +184,7 @@ def _load_piece(piece: Piece, dtype: np.dtype, verified: dict[Piece, bool]) -> n
 
 def _host_pieces(snapshot: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
     """One host copy of each distinct shard of `snapshot` this process holds, with its manifest
-    entry. `snapshot` must be a copy of the state of its own (`snapshot.device_snapshot`)."""
+    entry. `snapshot` must stay valid while it is read (`snapshot.saved_state`)."""
     entries, arrays, pending = [], [], []
     for path, leaf in named_leaves(snapshot):
         seen: set[Box] = set()
@@ -240,10 +240,10 @@ class LocalTier:
         """Copies this process's shards of `snapshot` to the host and writes them, in the
         background.
 
-        `snapshot`: the state copied into buffers of its own (`snapshot.device_snapshot`), which
-        the loop's next step cannot donate; the transfer to host and the files happen in a
-        thread. Returns the seconds the caller waited (for the previous write to finish). Raises
-        the error of a failed previous save.
+        `snapshot`: a state the loop's next step does not donate (`snapshot.saved_state`: kept
+        by that step, or copied); the transfer to host and the files happen in a thread.
+        Returns the seconds the caller waited (for the previous write to finish). Raises the
+        error of a failed previous save.
         """
         started = time.monotonic()
         self.finish()
