@@ -53,6 +53,7 @@ from resilient_jax.train.context import RunContext, prepare
 from resilient_jax.train.deferred import DeferredProgram
 from resilient_jax.train.eval import EvalStepFn, Evaluator
 from resilient_jax.train.hooks import Hook, StopTraining
+from resilient_jax.train.keep import KeepingStep
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.profile import Profiler
@@ -290,6 +291,7 @@ def _train(
 
     step_fn: StepFn
     loader: Any
+    compiled: KeepingStep | None = None
     if config.elastic.enabled and not config.rehearsal.mode:
         # Joins first: a slice that a live one heals receives its state and never loads one
         # (`load` runs only when no slice of the job has a state).
@@ -341,6 +343,11 @@ def _train(
         raise
     finally:
         loader.close()
+        # A process that exits while XLA compiles in a thread aborts: wait for those compiles.
+        if compiled is not None:
+            compiled.close()
+        if eval_step is not None:
+            eval_step.join()
     events.emit(EventType.STOP, reason=reason, exit_code=exit_code)
     if jax.process_index() == 0:
         goodput.print_summary(workdir)

@@ -46,6 +46,14 @@ class DeferredProgram:
         """The compile's error, once it failed (a call raises it)."""
         return self._error
 
+    def join(self) -> None:
+        """Returns once a started compile has ended (at once if none was started); its error,
+        if any, stays for the first call."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+
     def wait(self) -> None:
         """Returns once the program is compiled (starting the compile if need be)."""
         self.start()

@@ -88,6 +88,11 @@ class KeepingStep:
             return self._keeping(state, batch, fault_scale)
         return self._donating(state, batch, fault_scale)
 
+    def close(self) -> None:
+        """Waits for the non-donating program's compile, if one is running: a process that
+        exits while XLA compiles in a thread aborts (SIGABRT, after a finished run)."""
+        self._keeping.join()
+
     def load_keeping(self) -> None:
         """Loads (or compiles) the non-donating program now and waits for it."""
         self._keeping.wait()
