@@ -66,6 +66,7 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import report  # noqa: E402
 from cluster_runs import load_config, trainer_argv  # noqa: E402
 from host_scenarios import host_detection, supervisor_restart  # noqa: E402
 
@@ -291,11 +292,7 @@ def baseline_detection_model() -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     names = [n for n, r in results["scenarios"].items() if "phases_s" in r]  # with a restart
     fig, ax = plt.subplots(figsize=(10, 1.4 + 0.5 * len(names)))
     for i, name in enumerate(names):
@@ -311,7 +308,7 @@ def plot(results: dict[str, Any], path: str) -> None:
     ax.set_xlabel("seconds from the fault to the first step after recovery (symlog)")
     ax.legend(ncol=9, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path, dpi=120)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,7 +499,7 @@ def main(argv: list[str]) -> None:
         shutil.rmtree(shm, ignore_errors=True)
     results = {
         "what": "fault (SIGKILL of the slice-1 worker) to first step after recovery, by phase",
-        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs",
+        "machine": report.host_line(),
         "python": platform.python_version(),
         "setup": {
             "cluster": "2 slices x 1 process x 2 CPU devices (simulated slices)",
@@ -527,9 +524,7 @@ def main(argv: list[str]) -> None:
         with open(_OUT.value) as f:
             previous = json.load(f)
         results["scenarios"] = {**previous.get("scenarios", {}), **scenarios}
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(results, f, indent=2)
+    report.write_json(_OUT.value, results)
     plot(results, os.path.splitext(_OUT.value)[0] + ".png")
     print_table(scenarios)
 

@@ -13,7 +13,6 @@ experiments/results/bench_step.json.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -21,6 +20,7 @@ import sys
 import tempfile
 import time
 
+import report
 from absl import app, flags
 from ml_collections import config_flags
 
@@ -111,10 +111,7 @@ def main(argv: list[str]) -> None:
     print(f"ratio framework/bare = {f_med / b_med:.3f} (target <= 1.02) on {result['device']}")
     if mfu is not None:
         print(f"MFU estimate: {100 * mfu:.1f}%")
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {_OUT.value}")
+    report.write_json(_OUT.value, result)
 
 
 if __name__ == "__main__":

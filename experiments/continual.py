@@ -33,6 +33,7 @@ import sysconfig
 import tempfile
 import time
 
+import report
 from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,11 +117,7 @@ def eval_curve(workdir: str) -> list[dict]:
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     base = result["base"]
     for ax, domain, title in (
@@ -138,7 +135,7 @@ def plot(result: dict, path: str) -> None:
     axes[0].legend()
     fig.suptitle(f"Continual pretraining, rehearsal ratio {result['ratio']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str]) -> None:
@@ -199,11 +196,8 @@ def main(argv: list[str]) -> None:
         "variants": variants,
     }
     out = os.path.join(REPO, _OUT.value)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(out, result, indent=1)
     plot(result, out.removesuffix(".json") + ".png")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

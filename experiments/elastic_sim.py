@@ -44,6 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "experiments"))
 
+import report  # noqa: E402
 from goodput_scenarios import AtScale  # noqa: E402
 from goodput_sim import measured_strategies, point  # noqa: E402
 
@@ -265,11 +266,7 @@ def first_win(rows: list[dict[str, Any]], params: float, name: str) -> int | Non
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, axes = plt.subplots(1, len(MODEL_SIZES), figsize=(4.2 * len(MODEL_SIZES), 3.8))
     styles = {
         "single_runtime": ("#2ca02c", "single runtime (restart)"),
@@ -296,7 +293,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     axes[0].set_ylabel("goodput (%)")
     axes[0].legend(fontsize=8, loc="lower left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    report.save_figure(fig, path, dpi=110)
 
 
 def main() -> int:
@@ -329,11 +326,8 @@ def main() -> int:
         "mc_failures": args.mc_failures,
         "seed": args.seed,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "elastic_sim.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(os.path.join(args.out, "elastic_sim.json"), result, indent=1)
     plot(rows, os.path.join(args.out, "elastic_sim.png"))
-    print(f"wrote {args.out}/elastic_sim.json and elastic_sim.png")
     return 0
 
 

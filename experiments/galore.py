@@ -15,18 +15,15 @@ half of AdamW's). GaLore's other settings are the config's defaults unless a fla
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import shutil
-import sys
 import tempfile
 import time
 
+import in_process
+import report
 from absl import app, flags, logging
 from ml_collections import config_flags
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_cpu.py", "Experiment config.")
 _STEPS = flags.DEFINE_integer("steps", 100, "Training steps per optimizer.")
@@ -65,19 +62,11 @@ def _measure(name: str, config, root: str) -> dict:
     import jax.numpy as jnp
 
     from resilient_jax.checkpoint import Checkpointer
-    from resilient_jax.data import BatchLoader, make_source
     from resilient_jax.data.position import DataPosition
-    from resilient_jax.events import EventLog
-    from resilient_jax.run import prepare
     from resilient_jax.train.hooks import StepInfo
-    from resilient_jax.train.state import init_state
-    from resilient_jax.train.step import make_train_step
 
     workdir = os.path.join(root, name)
-    ctx = prepare(config, workdir, EventLog(workdir))
-    loader = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config))
-    step_fn = make_train_step(config, ctx.mesh)
-    state = init_state(config, ctx.mesh)
+    ctx, step_fn, state, loader = in_process.session(config, workdir)
     losses, start = [], time.perf_counter()
     for _ in range(config.total_steps):
         _, batch = loader.next()
@@ -119,15 +108,9 @@ def _measure(name: str, config, root: str) -> dict:
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
-    import jax
-
     base = _CONFIG.value
-    base.total_steps = _STEPS.value
-    base.log.progress_bar = False
-    base.log.tensorboard = False
-    base.checkpoint.local_dir = ""  # the persistent tier alone: the bytes a recovery reads
-    base.checkpoint.every_steps = 1
-    base.eval.every_steps = 0
+    # The persistent tier alone (no local tier): the bytes a recovery reads.
+    in_process.quiet(base, _STEPS.value, checkpoint_every=1)
     if _MODEL.value == "larger":
         base.update_from_flattened_dict(_LARGER)
     rank = _RANK.value or base.model.d_model // 4
@@ -166,25 +149,19 @@ def main(argv: list[str]) -> None:
             "seq_len": base.data.seq_len,
             "galore": galore.optimizer.galore.to_dict(),
         },
-        "machine": {"platform": platform.platform(), "devices": len(jax.devices())},
+        "machine": report.jax_machine(),
         "final_loss_is_mean_of_last_steps": _TAIL,
         "ratios_galore_over_adamw": {k: round(v, 4) for k, v in ratios.items()},
         "runs": runs,
     }
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(out, result, indent=1)
     m = base.model
     title = f"GaLore vs AdamW: {m.num_layers} layers, d_model {m.d_model}, {base.total_steps} steps"
     _plot(runs, rank, title, os.path.splitext(out)[0] + ".png")
 
 
 def _plot(runs: dict, rank: int, title: str, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, run in runs.items():
         label = f"GaLore (rank {rank})" if name == "galore" else "AdamW"
@@ -192,7 +169,7 @@ def _plot(runs: dict, rank: int, title: str, path: str) -> None:
     ax.set(xlabel="step", ylabel="training loss", title=title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,6 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -75,6 +74,7 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import report  # noqa: E402
 from goodput_scenarios import HOUR, AtScale  # noqa: E402
 
 from resilient_jax.events import read_events  # noqa: E402
@@ -232,11 +232,7 @@ def _fmt_s(seconds: float | None) -> str:
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, line in result["curves"].items():
         colour, label = STRATEGY_STYLE[name]
@@ -276,8 +272,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     right.legend(fontsize=8)
     fig.suptitle(result["title"], fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------- measured costs
@@ -469,8 +464,7 @@ def validate(path: str, out: str) -> dict[str, Any]:
         "within_target": all(c["within_target"] for c in compared.values()),
         "runs": compared,
     }
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    report.write_json(out, result)
     for name, c in compared.items():
         if "error" in c:
             print(f"{name}: not replayed: {c['error']}")
@@ -480,7 +474,6 @@ def validate(path: str, out: str) -> dict[str, Any]:
             f"{100 * c['predicted']['goodput']:.1f}% ({c['difference_points']:+.1f} points; "
             f"target within {goodput_validation.TARGET_POINTS:g})"
         )
-    print(f"wrote {out}")
     return result
 
 
@@ -585,7 +578,7 @@ def run_sweep(costs: str, mc_failures: int, seed: int, out_dir: str) -> dict[str
         "what": "goodput vs cluster size at the optimal checkpoint intervals",
         "title": title,
         "costs_mode": costs,
-        "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs (simulation)",
+        "machine": report.host_line(" (simulation)"),
         "assumptions": {
             **{k: v for k, v in dataclasses.asdict(scale).items()},
             "sources": sources,
@@ -594,11 +587,8 @@ def run_sweep(costs: str, mc_failures: int, seed: int, out_dir: str) -> dict[str
         "summary": summary(swept["points"]),
         **swept,
     }
-    json_path = os.path.join(out_dir, f"{stem}.json")
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=2)
+    report.write_json(os.path.join(out_dir, f"{stem}.json"), result)
     plot(result, os.path.join(out_dir, f"{stem}.png"))
-    print(f"wrote {json_path} and {stem}.png")
     return result
 
 

@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 
+import report
 from absl import app, flags
 
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Repetitions of each scenario (medians reported).")
@@ -451,10 +452,7 @@ def main(argv: list[str]) -> None:
         "hang_s": _HANG_S.value,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
     }
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {_OUT.value}")
+    report.write_json(_OUT.value, result)
 
 
 if __name__ == "__main__":

@@ -16,18 +16,16 @@ the router's first settling. The script exits non-zero when the bar is missed.
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 
+import in_process
+import report
 from absl import app, flags, logging
 from ml_collections import config_flags
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_cpu.py", "Experiment config.")
 _STEPS = flags.DEFINE_integer("steps", 150, "Training steps.")
@@ -44,28 +42,13 @@ def main(argv: list[str]) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from resilient_jax.data import BatchLoader, make_source
-    from resilient_jax.events import EventLog
     from resilient_jax.model.moe import expert_load_extremes
-    from resilient_jax.run import prepare
-    from resilient_jax.train.state import init_state
-    from resilient_jax.train.step import make_train_step
 
-    config = _CONFIG.value
-    config.total_steps = _STEPS.value
-    config.log.progress_bar = False
-    config.log.tensorboard = False
-    config.checkpoint.local_dir = ""
-    config.checkpoint.every_steps = 0
-    config.eval.every_steps = 0
-    config.model.moe.num_experts = _EXPERTS.value
-    config.model.moe.top_k = 2
-    config.model.moe.d_ff = config.model.d_ff // 2
+    in_process.quiet(_CONFIG.value, _STEPS.value)
+    config = in_process.with_experts(_CONFIG.value, _EXPERTS.value)
     workdir = tempfile.mkdtemp(prefix="moe_balance_")
     try:
-        ctx = prepare(config, workdir, EventLog(workdir))
-        loader = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config))
-        step_fn, state = make_train_step(config, ctx.mesh), init_state(config, ctx.mesh)
+        _, step_fn, state, loader = in_process.session(config, workdir)
         rows = []
         for _ in range(config.total_steps):
             _, batch = loader.next()
@@ -113,14 +96,12 @@ def main(argv: list[str]) -> None:
             "window": width,
             "settled": settled,
         },
-        "machine": {"platform": platform.platform(), "devices": len(jax.devices())},
+        "machine": report.jax_machine(),
         "summary": summary,
         "windows": windows,
         "expert_load": [[round(x, 4) for x in np.ravel(step)] for step in loads],
     }
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(_OUT.value, result, indent=1)
     _plot(np.asarray(loads), windows, os.path.splitext(_OUT.value)[0] + ".png")
     if not 0.5 <= summary["window_min"] <= summary["window_max"] <= 2.0:
         sys.exit(
@@ -130,11 +111,7 @@ def main(argv: list[str]) -> None:
 
 
 def _plot(loads, windows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     steps, layers, experts = loads.shape
     fig, (heat, band) = plt.subplots(1, 2, figsize=(11, 4))
     image = heat.imshow(
@@ -150,7 +127,7 @@ def _plot(loads, windows: list[dict], path: str) -> None:
     band.set(xlabel="step", ylabel="load / uniform", title="window means", ylim=(0, 2.5))
     band.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -17,19 +17,17 @@ compiling step excluded); wall-clock on the plot is the cumulative measured step
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 
+import in_process
+import report
 from absl import app, flags, logging
 from ml_collections import config_flags
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_cpu.py", "Experiment config.")
 _STEPS = flags.DEFINE_integer("steps", 150, "Training steps per model.")
@@ -46,26 +44,12 @@ _SETTLED = 50
 _DENSE_SHAPES = ((1, 1, 1), (1, 1, 2), (2, 1, 1), (2, 1, 2), (2, 1.5, 1.5), (3, 1.5, 1.5))
 
 
-def _session(config, root: str, name: str):
-    """(step function, state, loader) of `config` on the devices present."""
-    from resilient_jax.data import BatchLoader, make_source
-    from resilient_jax.events import EventLog
-    from resilient_jax.run import prepare
-    from resilient_jax.train.state import init_state
-    from resilient_jax.train.step import make_train_step
-
-    workdir = os.path.join(root, name)
-    ctx = prepare(config, workdir, EventLog(workdir))
-    loader = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config))
-    return make_train_step(config, ctx.mesh), init_state(config, ctx.mesh), loader
-
-
 def _train(config, root: str, name: str, steps: int) -> dict:
     """`steps` steps: each step's loss, token loss, step time and router metrics."""
     import jax
     import jax.numpy as jnp
 
-    step_fn, state, loader = _session(config, root, name)
+    _, step_fn, state, loader = in_process.session(config, os.path.join(root, name))
     rows = []
     for _ in range(steps):
         _, batch = loader.next()
@@ -106,21 +90,11 @@ def _smooth(values: list[float]) -> list[float]:
 def main(argv: list[str]) -> None:
     del argv
     logging.set_verbosity(logging.WARNING)
-    import jax
-
     from resilient_jax.model.moe import expert_load_extremes
 
     base = _CONFIG.value
-    base.total_steps = _STEPS.value
-    base.log.progress_bar = False
-    base.log.tensorboard = False
-    base.checkpoint.local_dir = ""
-    base.checkpoint.every_steps = 0
-    base.eval.every_steps = 0
-    moe = base.copy_and_resolve_references()
-    moe.model.moe.num_experts = _EXPERTS.value
-    moe.model.moe.top_k = 2
-    moe.model.moe.d_ff = base.model.d_ff // 2
+    in_process.quiet(base, _STEPS.value)
+    moe = in_process.with_experts(base, _EXPERTS.value)
     tokens_per_step = base.global_batch_size * base.data.seq_len
     root = tempfile.mkdtemp(prefix="moe_vs_dense_")
     try:
@@ -198,7 +172,7 @@ def main(argv: list[str]) -> None:
             "tokens_per_step": tokens_per_step,
             "moe": moe.model.moe.to_dict(),
         },
-        "machine": {"platform": platform.platform(), "devices": len(jax.devices())},
+        "machine": report.jax_machine(),
         "moe_timing_step_s": round(moe_time, 4),
         "dense_candidates": [
             {
@@ -217,9 +191,7 @@ def main(argv: list[str]) -> None:
             for name, run in runs.items()
         },
     }
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(result, f, indent=1)
+    report.write_json(_OUT.value, result, indent=1)
     _plot(runs, summary, tokens_per_step, os.path.splitext(_OUT.value)[0] + ".png")
     if not 0.5 <= summary["moe"]["load_min"] <= summary["moe"]["load_max"] <= 2.0:
         sys.exit(
@@ -229,11 +201,7 @@ def main(argv: list[str]) -> None:
 
 
 def _plot(runs: dict, summary: dict, tokens_per_step: int, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, (by_tokens, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for name, run in runs.items():
         s = summary[name]
@@ -250,7 +218,7 @@ def _plot(runs: dict, summary: dict, tokens_per_step: int, path: str) -> None:
     by_tokens.legend(fontsize=7)
     fig.suptitle("MoE vs dense at equal step time")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+import report
 
 from resilient_jax import config as config_lib
 from resilient_jax import health
@@ -148,11 +149,7 @@ def loss_change_after_spikes(loss: list[float], spikes: dict[int, float]) -> flo
 
 
 def plot(config, results: dict[str, dict], spikes: dict[int, float], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, height_ratios=(3, 1))
     for name, result in results.items():
         loss = np.asarray(result["history"]["loss"])
@@ -173,8 +170,7 @@ def plot(config, results: dict[str, dict], spikes: dict[int, float], path: str) 
     bottom.set_ylabel("lr scale (PID)")
     bottom.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save_figure(fig, path, dpi=110)
 
 
 def main() -> None:
@@ -200,19 +196,13 @@ def main() -> None:
         results[name] = train(variant, mesh, data, held_out, spikes)
         summary = {k: v for k, v in results[name].items() if k != "history"}
         print(f"{name:>28}: {json.dumps(summary)}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "pid_spikes.json"), "w") as f:
-        json.dump(
-            {
-                "config": config_lib.config_to_dict(config),
-                "spikes": {str(k): v for k, v in spikes.items()},
-                "results": results,
-            },
-            f,
-            indent=1,
-        )
+    result = {
+        "config": config_lib.config_to_dict(config),
+        "spikes": {str(k): v for k, v in spikes.items()},
+        "results": results,
+    }
+    report.write_json(os.path.join(args.out, "pid_spikes.json"), result, indent=1)
     plot(config, results, spikes, os.path.join(args.out, "pid_spikes.png"))
-    print(f"wrote {args.out}/pid_spikes.json and pid_spikes.png")
 
 
 if __name__ == "__main__":

@@ -19,11 +19,12 @@ policy.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
+
+import report
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -143,9 +144,7 @@ def main() -> None:
         "min_margin_over_best_fixed": min(margins),
         "mean_margin_over_best_fixed": statistics.mean(margins),
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    report.write_json(args.out, result)
     print(
         f"cost >= fixed policy at: {beats} of {len(rows)} points; margin over the best fixed: "
         f"min {min(margins):+.4f}, mean {statistics.mean(margins):+.4f}"
@@ -154,11 +153,7 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], sizes: tuple[int, ...], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     from resilient_jax.goodput.reconfiguration import POLICIES
 
     fig, axes = plt.subplots(2, len(sizes), figsize=(4 * len(sizes), 7), sharey="row")
@@ -179,7 +174,7 @@ def _plot(rows: list[dict], sizes: tuple[int, ...], path: str) -> None:
             ax.grid(alpha=0.3)
     axes[0][0].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

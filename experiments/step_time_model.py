@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 
+import report
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -141,9 +143,7 @@ def main() -> None:
         "max_abs_error": max(errors),
         "target_median_abs_error": 0.15,
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    report.write_json(args.out, result)
     print(
         f"{'devices':>7} {'replica':>7} {'fsdp':>5} {'tensor':>6} {'micro':>5} "
         f"{'measured s':>10} {'predicted s':>11} {'error':>7}"
@@ -160,11 +160,7 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 5))
     measured = [r["measured_s"] for r in rows]
     predicted = [r["predicted_s"] for r in rows]
@@ -183,7 +179,7 @@ def _plot(rows: list[dict], path: str) -> None:
     ax.set_title("step-time model (replica x fsdp x tensor, microbatches)")
     ax.legend(loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ machine in the same turns.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -26,23 +25,20 @@ import sys
 import tempfile
 import time
 
+import report
 from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from resilient_jax.events import read_events  # noqa: E402
+
 _CADENCES = flags.DEFINE_list("cadences", ["1", "10"], "local_every_steps values (0: no tier).")
 _KILLS = flags.DEFINE_integer("kills", 6, "Kills per cadence.")
 _DEVICES = flags.DEFINE_integer("devices", 4, "Simulated CPU devices per run.")
 _AHEAD = flags.DEFINE_integer("ahead", 6, "At most this many steps after a start before a kill.")
 _OUT = flags.DEFINE_string("out", "experiments/results/steps_lost.json", "Result file.")
 _TIMEOUT_S = 300.0
-
-
-def _events(workdir: str) -> list[dict]:
-    path = os.path.join(workdir, "events.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _starts(events: list[dict]) -> list[int]:
@@ -65,12 +61,12 @@ class Run:
 
     def _current(self) -> list[dict]:
         """The events of the current start (none until its process_start is logged)."""
-        events = _events(self.workdir)
+        events = list(read_events(self.workdir))
         starts = _starts(events)
         return events[starts[-1] :] if len(starts) > self._earlier_starts else []
 
     def start(self) -> None:
-        self._earlier_starts = len(_starts(_events(self.workdir)))
+        self._earlier_starts = len(_starts(list(read_events(self.workdir))))
         argv = [
             sys.executable,
             "launch/train.py",
@@ -191,10 +187,7 @@ def main(argv: list[str]) -> None:
             f"{r.cadence:>18}{row['mean_steps_lost']:>11.2f}{max(r.lost):>10}"
             f"{row['median_step_s']:>9.3f}{shown:>9}"
         )
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {_OUT.value}")
+    report.write_json(_OUT.value, result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,53 @@
+"""What the experiments share at their end: the result file under experiments/results/, the
+description of the machine it was measured on, and a matplotlib that draws into files.
+
+Scripts import it as `report` (an experiment runs as `python experiments/<name>.py`, which puts
+this folder on the path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from typing import Any
+
+
+def write_json(path: str, result: Any, indent: int = 2) -> None:
+    """Writes `result` to `path` as JSON, creating its folder, and says so on stdout."""
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=indent)
+    print(f"wrote {path}")
+
+
+def host_line(suffix: str = "") -> str:
+    """The host for a result's "machine" field: name, architecture and CPU count in one line."""
+    return f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs{suffix}"
+
+
+def jax_machine() -> dict[str, Any]:
+    """The machine of a one-process JAX experiment: the platform and the JAX devices it used."""
+    import jax
+
+    return {"platform": platform.platform(), "devices": len(jax.devices())}
+
+
+def pyplot():
+    """matplotlib.pyplot drawing into files (the Agg backend): experiments run without a display.
+    Imported on first use, so that a script's other paths do not need matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
+    """Saves `fig` as `path`, closes it and says so on stdout."""
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    print(f"wrote {path}")
