@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from resilient_jax.model.moe import DENSE, MoeConfig, MoeMlp
+from resilient_jax.perf import model_size
 
 Dtype = jnp.dtype
 
@@ -59,26 +60,11 @@ class ModelConfig:
     def num_params(self, active: bool = False) -> int:
         """Parameters of the model; `active`: only those one token's forward pass uses (of a
         mixture of experts, the router and `top_k` experts)."""
-        d, f, e = self.d_model, self.d_ff, self.head_dim
-        attn = d * e * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * d * f + 2 * d
-        head = 0 if self.tie_embeddings else d * self.vocab_size
-        total = self.vocab_size * d + self.num_layers * layer + d + head
-        moe = self.moe
-        if moe.num_experts:
-            experts = moe.top_k if active else moe.num_experts
-            moe_mlp = d * moe.num_experts + experts * 3 * d * moe.d_ff
-            total += moe.num_moe_layers(self.num_layers) * (moe_mlp - 3 * d * f)
-        return total
+        return model_size.num_params(self, active)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul parameters + attention scores (PaLM appendix B)."""
-        # The embedding lookup costs nothing; the output projection (tied or not) is a matmul.
-        matmul_params = self.num_params(active=True) - (
-            0 if self.tie_embeddings else self.vocab_size * self.d_model
-        )
-        attention = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
-        return 6.0 * matmul_params + attention
+        return model_size.flops_per_token(self, seq_len)
 
 
 @flax.struct.dataclass

@@ -33,6 +33,8 @@ from typing import Any, Protocol
 
 import ml_collections
 
+from resilient_jax.perf import model_size
+
 AXES = ("replica", "fsdp", "tensor")  # the axes whose collectives the model prices
 _PARAM_BYTES = 4  # parameters, gradients and their accumulator are float32
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -112,29 +114,12 @@ class Workload:
     @classmethod
     def from_config(cls, config: ml_collections.ConfigDict) -> Workload:
         m = config.model
-        d, f, e = m.d_model, m.d_ff, m.head_dim
-        attn = d * e * (m.num_heads * 2 + m.num_kv_heads * 2)
-        layer = attn + 3 * d * f + 2 * d
-        untied_head = 0 if m.tie_embeddings else d * m.vocab_size
-        moe = m.moe
-        params = m.vocab_size * d + m.num_layers * layer + d + untied_head
-        active = params
-        if moe.num_experts:
-            expert_ff = moe.d_ff or f
-            moe_layers = m.num_layers // moe.every
-            per_layer = d * moe.num_experts - 3 * d * f
-            params += moe_layers * (per_layer + moe.num_experts * 3 * d * expert_ff)
-            active += moe_layers * (per_layer + moe.top_k * 3 * d * expert_ff)
         seq_len = config.data.seq_len
-        # 6 x the matmul parameters a token uses (the embedding lookup is free, the output
-        # projection is a matmul) + the attention scores (PaLM, appendix B).
-        matmul = active - (0 if m.tie_embeddings else m.vocab_size * d)
-        flops = 6.0 * matmul + 12 * m.num_layers * m.num_heads * e * seq_len
         return cls(
-            params=params,
-            flops_per_token=flops,
+            params=model_size.num_params(m),
+            flops_per_token=model_size.flops_per_token(m, seq_len),
             num_layers=m.num_layers,
-            d_model=d,
+            d_model=m.d_model,
             activation_bytes=_DTYPE_BYTES.get(m.compute_dtype, 4),
             global_batch_size=config.global_batch_size,
             seq_len=seq_len,
