@@ -41,6 +41,7 @@ def main(argv: list[str]) -> None:
     from resilient_jax.events import EventLog
     from resilient_jax.model import ModelConfig
     from resilient_jax.run import compile_step, prepare
+    from resilient_jax.train.compile import without_fault_scale
     from resilient_jax.train.loop import Loop
     from resilient_jax.train.metrics import MetricsLogger, peak_flops_per_device
     from resilient_jax.train.state import init_state
@@ -52,7 +53,8 @@ def main(argv: list[str]) -> None:
     config.total_steps = 10**9  # the schedule's horizon; blocks stop the loop themselves
     workdir = tempfile.mkdtemp(prefix="bench_step_")
     ctx = prepare(config, workdir, EventLog(workdir))
-    step_fn = compile_step(ctx)
+    step_fn = compile_step(ctx)  # (state, batch, fault scale): the bare side calls it as it is
+    loop_step = without_fault_scale(step_fn)  # the loop's step, as a run without faults has it
     loader = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config))
     state = init_state(config, ctx.mesh)
     hooks = [MetricsLogger(ctx)]
@@ -63,7 +65,7 @@ def main(argv: list[str]) -> None:
     def framework_block(state, steps):
         config.total_steps = int(jax.device_get(state.step)) + steps
         start = time.perf_counter()
-        state, _ = Loop(ctx, step_fn, loader, hooks, restore=lambda max_step: None).run(state)
+        state, _ = Loop(ctx, loop_step, loader, hooks, restore=lambda max_step: None).run(state)
         jax.block_until_ready(state)
         return state, (time.perf_counter() - start) / steps
 
