@@ -11,7 +11,7 @@ run. The same run (same data, same seed, same faults) is trained four ways:
 
     unprotected   every update is applied
     PID only      every update is applied, scaled by the PID controller's learning-rate factor
-    skip          `health.assess` refuses anomalous updates (the default policy)
+    skip          `in_band.assess` refuses anomalous updates (the default policy)
     skip + PID    both
 
 Reported per variant: the held-out loss at the end, how the training loss moved in the 20 steps
@@ -44,10 +44,10 @@ import optax
 import report
 
 from resilient_jax import config as config_lib
-from resilient_jax import health
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import topology as topology_lib
 from resilient_jax.data import make_source
+from resilient_jax.train import in_band
 from resilient_jax.train.state import init_state, make_model, make_optimizer
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -95,11 +95,11 @@ def make_step(config: ml_collections.ConfigDict):
         loss = clean_loss * fault_scale
         grads = jax.tree.map(lambda g: g * fault_scale, grads)
         grad_norm = optax.global_norm(grads)
-        ok, stats, flags = health.assess(stats, loss, grad_norm, config.health)
+        ok, stats, flags = in_band.assess(stats, loss, grad_norm, config.health)
         updates, new_opt_state = optimizer.update(grads, opt_state, params)
-        updates = health.scale_updates(updates, flags["lr_scale"])
+        updates = in_band.scale_updates(updates, flags["lr_scale"])
         new_params = optax.apply_updates(params, updates)
-        params, opt_state = health.where_ok(ok, (new_params, new_opt_state), (params, opt_state))
+        params, opt_state = in_band.where_ok(ok, (new_params, new_opt_state), (params, opt_state))
         return params, opt_state, stats, {**flags, "loss": clean_loss, "grad_norm": grad_norm}
 
     return step, jax.jit(loss_fn)
@@ -117,7 +117,7 @@ def batches(config: ml_collections.ConfigDict, count: int, offset: int) -> np.nd
 def train(config, mesh, data, held_out, spikes: dict[int, float]) -> dict[str, object]:
     step_fn, eval_fn = make_step(config)
     state = init_state(config, mesh)
-    params, opt_state, stats = state.params, state.opt_state, health.HealthStats.init()
+    params, opt_state, stats = state.params, state.opt_state, in_band.HealthStats.init()
     history: dict[str, list[float]] = {}
     start = time.perf_counter()
     for s in range(config.total_steps):
