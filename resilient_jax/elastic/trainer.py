@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from resilient_jax import executables
+from resilient_jax import mesh as mesh_lib
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data.position import DataPosition
 from resilient_jax.elastic import step as elastic_step
@@ -72,12 +73,27 @@ def compile_programs(ctx: RunContext) -> Programs:
     apply, apply_hit = elastic_step.compile_apply(ctx)
     _report_compile(ctx, "elastic", start, sums_hit and apply_hit)
     programs = Programs(gradient_sums, apply)
+    _first_run(ctx, gradient_sums)
     if int(ctx.config.elastic.sync_every_steps) > 1:
         start = time.perf_counter()
         programs.delta, delta_hit = elastic_step.compile_delta(ctx)
         programs.outer, outer_hit = elastic_step.compile_outer(ctx)
         _report_compile(ctx, "elastic_outer", start, delta_hit and outer_hit)
     return programs
+
+
+def _first_run(ctx: RunContext, gradient_sums: Any) -> None:
+    """Runs the gradient sums once (zero parameters, a zero batch): the first run of a loaded
+    program takes several steps' time (0.1 s for a step of 0.02 s on the tests' small model),
+    which the members training would otherwise wait for at a joining slice's first exchange. A
+    warm standby pays it ahead, while it waits."""
+    params = jax.tree.map(
+        lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding),
+        ctx.abstract_state.params,
+    )
+    shape = elastic_step.part_shape(ctx)
+    batch = jax.device_put(np.zeros(shape, np.int32), mesh_lib.batch_sharding(ctx.mesh))
+    np.asarray(gradient_sums(params, batch))
 
 
 def _report_compile(ctx: RunContext, program: str, start: float, hit: bool) -> None:
@@ -133,8 +149,7 @@ class ElasticStep:
         job is training), its newest state and data position are received, and nothing is restored
         or initialised here. Only when no member has one (the job starts, or restarts as a whole)
         does `load` restore or initialise the state, and the slice asks again at its step, healing
-        from whoever is ahead as before. The step's program runs once first (`_warm_up`)."""
-        self._warm_up()
+        from whoever is ahead as before."""
         self._step = NO_STATE
         _, state, next_batch = self._adopt_quorum(None, 0)
         if state is not None:
@@ -297,17 +312,6 @@ class ElasticStep:
         self._decided = None  # the next quorum is asked for by every member alike
         self._emit_heal(quorum, source, size, start, "received")
         return state, batch_index + 1
-
-    def _warm_up(self) -> None:
-        """Runs the gradient sums once, before this slice asks to join (zero parameters, rows
-        of the first batch): the first run of a loaded program and the first read of the data
-        take several steps' time (0.1 s for a step of 0.02 s on the tests' small model), which
-        the members training would otherwise wait for at a joining slice's first exchange."""
-        zeros = jax.tree.map(
-            lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding),
-            self._ctx.abstract_state.params,
-        )
-        np.asarray(self._gradient_sums(zeros, self._rows(0, self._slice % self._parts)))
 
     def _finish_handover(self, handover: _Handover) -> None:
         """Waits for the handover's transfer (done by the time the step's exchange is: the
