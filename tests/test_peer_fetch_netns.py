@@ -197,7 +197,15 @@ def test_a_replaced_host_restores_the_newest_local_step_from_a_peer(
         ("local", restores[0]["step"])
     }, restores
     restored = restores[0]["step"]
-    assert PERSISTENT_EVERY < restored < 2 * PERSISTENT_EVERY, restores  # newer than persistent
+    assert PERSISTENT_EVERY < restored < 2 * PERSISTENT_EVERY, restores
+    persistent_before = [
+        e["step"]
+        for e in events
+        if e["type"] == "save_committed"
+        and e["tier"] == "persistent"
+        and e["time"] < restarts[-1]["time"]
+    ]
+    assert restored > max(persistent_before, default=0), persistent_before  # newer than persistent
     fetches = [e for e in after if e["type"] == "local_fetch"]
     (fetch,) = fetches  # only the spare's worker lacked pieces
     assert fetch["step"] == restored and fetch["process"] == 1 and fetch["bytes"] > 0, fetch
