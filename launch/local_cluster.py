@@ -31,6 +31,7 @@ from ml_collections import config_flags
 
 from resilient_jax import config as config_lib
 from resilient_jax.chaos import spec as chaos_spec
+from resilient_jax.config import command_line
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction
 from resilient_jax.control.elastic import ElasticSupervisor
@@ -158,4 +159,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=command_line.parse_flags)

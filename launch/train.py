@@ -28,7 +28,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from resilient_jax import config as config_lib
-from resilient_jax.config import BadInput
+from resilient_jax.config import BadInput, command_line
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.run import RunError, train
 from resilient_jax.train import memory_plan
@@ -47,69 +47,6 @@ _CLUSTER = flags.DEFINE_string(
     "cluster", "", f"The cluster --plan describes: {memory_plan.CLUSTER_SYNTAX}."
 )
 flags.mark_flags_as_required(["config"])
-
-
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's parser, with every bad flag, config file or override reduced to one line, exit 2."""
-    try:
-        rest = flags.FLAGS(argv)
-        _CONFIG.value.to_dict()  # config_flags loads lazily: surface a bad file here
-        return rest
-    except Exception as e:  # absl and config_flags raise plain errors for bad files and keys
-        reason = _flag_error(argv, e)
-    print(f"error: {reason}", file=sys.stderr)
-    sys.exit(ExitCode.BAD_INPUT)
-
-
-def _flag_error(argv: list[str], error: Exception) -> str:
-    """One line naming what is wrong on the command line: the config file, an unknown config key
-    (the first override the file does not define), or absl's own message."""
-    path = _config_path(argv)
-    try:
-        config = flags.FLAGS["config"].parser.parse(path) if path else None
-        if config is not None:
-            config.to_dict()  # a file that failed to load gives a stand-in that raises on use
-    except Exception as e:  # the config file itself does not load
-        cause = e.__cause__ or e.__context__ or e
-        why = "no such file" if not os.path.exists(path.split(":")[0]) else _first_line(cause)
-        return f"--config={path}: cannot load the config file ({why})"
-    for arg in argv[1:]:
-        if config is not None and arg.startswith("--config."):
-            key = arg[2:].split("=", 1)[0]
-            unknown = _unknown_key(config, key.split(".", 1)[1])
-            if unknown:
-                return f"{key} is not a known config key ({unknown})"
-    return _first_line(error)
-
-
-def _config_path(argv: list[str]) -> str:
-    for i, arg in enumerate(argv):
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-        if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-    return ""
-
-
-def _unknown_key(config: ml_collections.ConfigDict, dotted: str) -> str:
-    """Why `dotted` names no field of `config` ("" when it does)."""
-    node, prefix = config, "config"
-    for part in dotted.split("."):
-        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
-            known = ", ".join(sorted(node)) if isinstance(node, ml_collections.ConfigDict) else ""
-            return f"{prefix} has no {part!r}" + (f"; it has: {known}" if known else "")
-        node, prefix = node[part], f"{prefix}.{part}"
-    return ""
-
-
-def _first_line(error: BaseException) -> str:
-    while error.args and isinstance(error.args[0], BaseException):  # AttributeError(KeyError(..))
-        error = error.args[0]
-    # str() of a KeyError quotes its message; a locked ConfigDict's message goes on to list every
-    # field it has after the key it refused: keep the key.
-    text = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
-    text = str(text).split(". Other fields present", 1)[0]
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
 
 
 def _print_plan(config: ml_collections.ConfigDict, cluster: str) -> ExitCode:
@@ -144,7 +81,7 @@ def main(argv: list[str]) -> None:
         code = e.exit_code
     except Exception as e:  # unexpected: the traceback for the log, then one line saying what
         traceback.print_exc()
-        print(f"error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
+        print(f"error: {type(e).__name__}: {command_line.first_line(e)}", file=sys.stderr)
         code = ExitCode.FAILED
     if code != ExitCode.FINISHED:
         # After a failure JAX's exit-time shutdown barrier can wait minutes for peers stuck in a
@@ -156,4 +93,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=command_line.parse_flags)

@@ -114,6 +114,28 @@ def test_launcher_exits_2_with_one_line(tmp_path, flag, message):
 
 
 @pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--config.modle.d_model=3", "config.modle.d_model is not a known config key"),
+        ("--config.total_steps=many", "--config.total_steps=many"),
+        ("--num_slice=2", "Unknown command line flag 'num_slice'"),
+        ("--config=configs/missing.py", "--config=configs/missing.py: cannot load the config"),
+    ],
+)
+def test_local_cluster_exits_2_with_one_line(tmp_path, flag, message):
+    # The supervisor's program refuses bad flags like the worker's (absl alone exits 1 with its
+    # usage text), before it starts anything.
+    config = [] if flag.startswith("--config=") else ["--config=configs/tiny_cpu.py"]
+    result = run_python(
+        ["launch/local_cluster.py", *config, f"--workdir={tmp_path}", *flag.split()], timeout=120
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and message in line, result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
     ("overrides", "message"),
     [
         ({"elastic.slices": 3}, r"elastic.slices=3 is invalid: must divide global_batch_size=16"),
