@@ -214,6 +214,9 @@ def measured(failures: int, seed: int) -> dict[str, Any]:
     single = point(framework, cluster, failures, seed)
     kill = el["elastic_kill"]
     heal = kill.get("heal_transfer_s")
+    # The survivors' pause for the heal: the transfer runs beside a step they compute anyway
+    # (the hand-over), so what they lose is the join's pause, measured over the steps around it.
+    pause = kill.get("join_pause_s", heal)
     if kill.get("replacement_was_standby") and heal is not None:
         # A warm standby: from the kill to the heal's start (detected, given the slice, joined).
         replace = kill["replacement_kill_to_heal_s"] - heal
@@ -234,7 +237,7 @@ def measured(failures: int, seed: int) -> dict[str, Any]:
         # The replacement (measured when the run has one; else the single runtime's measured
         # restart and compile).
         replace_s=replace if replace is not None else framework.restart_s + framework.compile_s,
-        heal_s=heal if heal is not None else 0.0,
+        heal_s=max(pause, 0.0) if pause is not None else 0.0,
         fallback_s=framework.recovery_s(local.restore_s),
     )
     elastic = elastic_point(strategy, cluster, failures, seed)
@@ -247,7 +250,7 @@ def measured(failures: int, seed: int) -> dict[str, Any]:
             "elastic": "results/elastic.json: elastic.median_step_s, elastic_kill.reform_s; "
             + (
                 "replacement_kill_to_heal_s (a warm standby) or 1 s + replacement_spawn_to_heal_s "
-                "(cold), heal_transfer_s"
+                "(cold), less heal_transfer_s; heal_s = join_pause_s"
                 if replace is not None and heal is not None
                 else "no replacement heal measured there yet: replace_s = the single "
                 "runtime's measured restart + compile, heal_s = 0"
