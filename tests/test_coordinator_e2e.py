@@ -68,7 +68,9 @@ def clean(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 def test_killed_slice_reshapes_and_matches_the_undisturbed_loss(tmp_path, clean):
-    kill = SupervisorAction("kill", slice=1, at_step=15)
+    # At step 25: the persistent save of step 10 (local tier off) has had 15 steps to commit; at
+    # step 15 a loaded host could still be committing it, and the restart then starts over.
+    kill = SupervisorAction("kill", slice=1, at_step=25)
     code, events = run_trainer(tmp_path / "faulty", actions=[kill])
     assert code == 0
     sup = [e for e in events if e.get("source") == "supervisor"]
@@ -78,7 +80,7 @@ def test_killed_slice_reshapes_and_matches_the_undisturbed_loss(tmp_path, clean)
     assert restart["slices"] == [0]
     assert (restart["mesh"]["replica"], restart["mesh"]["fsdp"]) == (1, 2)
     restore = [e for e in events if e["type"] == "restore" and e["time"] > restart["time"]]
-    assert restore and restore[0]["step"] in (10, 15)
+    assert restore and restore[0]["step"] in (10, 20)
 
     assert final_loss(events) == pytest.approx(final_loss(clean[1]), rel=1e-5)
 
