@@ -221,12 +221,9 @@ class ElasticSupervisor:
                     exit_code=code,
                     failures=self._failures,
                 )
-                self._say(f"slice {slice_id} exited: {processes.describe_exit(code)}")
-                if code == ExitCode.BAD_INPUT:  # a replacement would be refused alike
-                    reason = f"slice {slice_id}: {processes.describe_exit(code)}"
-                    return ElasticResult(ExitCode.BAD_INPUT, reason, self._replacements)
-                if self._failures > self._max_restarts:
-                    return ElasticResult(1, f"{self._failures} slice failures", self._replacements)
+                ended = self._after_failed_exit(f"slice {slice_id}", code)
+                if ended is not None:
+                    return ended
                 if self._done or self._stopping:
                     continue  # the job is finished or being stopped: nothing replaces it
                 if self._standby_ready():  # warm: it heals and joins at once
@@ -257,6 +254,18 @@ class ElasticSupervisor:
             if deadline is not None and now > deadline:
                 return ElasticResult(1, "time limit", self._replacements)
             time.sleep(poll_s)
+
+    def _after_failed_exit(self, who: str, code: int) -> ElasticResult | None:
+        """Reports a failed exit of a slice or the standby (already counted in `_failures`);
+        the job's result when it must end: bad input, which any replacement would meet alike,
+        or more failures than `coordinator.max_restarts`."""
+        self._say(f"{who} exited: {processes.describe_exit(code)}")
+        if code == ExitCode.BAD_INPUT:
+            reason = f"{who}: {processes.describe_exit(code)}"
+            return ElasticResult(ExitCode.BAD_INPUT, reason, self._replacements)
+        if self._failures > self._max_restarts:
+            return ElasticResult(1, f"{self._failures} slice failures", self._replacements)
+        return None
 
     def _standby_ready(self) -> bool:
         """A standby is running (ready or still starting: either way it joins sooner than a
@@ -303,12 +312,9 @@ class ElasticSupervisor:
             self._events.emit(
                 EventType.ELASTIC_STANDBY_EXIT, pid=pid, exit_code=code, failures=self._failures
             )
-            self._say(f"standby exited: {processes.describe_exit(code)}")
-            if code == ExitCode.BAD_INPUT:  # every slice would be refused alike
-                reason = f"standby: {processes.describe_exit(code)}"
-                return ElasticResult(ExitCode.BAD_INPUT, reason, self._replacements)
-            if self._failures > self._max_restarts:
-                return ElasticResult(1, f"{self._failures} slice failures", self._replacements)
+            ended = self._after_failed_exit("standby", code)
+            if ended is not None:
+                return ended
             self._standby_at = now + self._restart_delay_s
         if self._joining is not None:
             slice_id, pid, since = self._joining
