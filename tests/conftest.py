@@ -345,6 +345,21 @@ def events_of(workdir: str, kind: str) -> list[dict]:
 # resume, self-healing and golden-loss tests through the `launcher` fixture.
 
 
+def plain_orbax_state(workdir, step: int) -> dict:
+    """The saved `state` of `step`, read with plain Orbax: {key path: numpy array}."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    path = os.path.join(workdir, "checkpoints", str(step), "state")
+    checkpointer = ocp.PyTreeCheckpointer()
+    meta = checkpointer.metadata(path).item_metadata.tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    tree = checkpointer.restore(path, restore_args=args)
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(p): v for p, v in flat}
+
+
 class LauncherRuns:
     total_steps = 40
     flags = as_flags(
@@ -405,18 +420,7 @@ class LauncherRuns:
         pytest.fail(f"no step {step} within {timeout}s")
 
     def plain_orbax_state(self, workdir, step: int) -> dict:
-        """The saved `state` of `step`, read with plain Orbax: {key path: numpy array}."""
-        import jax
-        import numpy as np
-        import orbax.checkpoint as ocp
-
-        path = os.path.join(workdir, "checkpoints", str(step), "state")
-        checkpointer = ocp.PyTreeCheckpointer()
-        meta = checkpointer.metadata(path).item_metadata.tree
-        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-        tree = checkpointer.restore(path, restore_args=args)
-        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-        return {jax.tree_util.keystr(p): v for p, v in flat}
+        return plain_orbax_state(workdir, step)
 
     def step_losses(self, workdir) -> dict[int, float]:
         """The loss of each step, the last one logged for a step that was run twice."""

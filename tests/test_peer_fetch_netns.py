@@ -23,7 +23,9 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import REPO, SMALL, as_flags, run_python
+from conftest import REPO, SMALL, as_flags, plain_orbax_state, run_python
+
+from resilient_jax.events import read_events
 
 pytestmark = pytest.mark.slow
 
@@ -55,25 +57,11 @@ OVERRIDES = {
 }
 
 
-def read_events(workdir) -> list[dict]:
-    path = os.path.join(workdir, "events.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def final_params(workdir) -> dict:
     """The final step's parameters, read with plain Orbax: {key path: numpy array}."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    path = os.path.join(workdir, "checkpoints", str(TOTAL_STEPS), "state")
-    checkpointer = ocp.PyTreeCheckpointer()
-    meta = checkpointer.metadata(path).item_metadata.tree
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-    tree = checkpointer.restore(path, restore_args=args)["params"]
-    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    prefix = "['params']"
+    state = plain_orbax_state(workdir, TOTAL_STEPS)
+    return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
 
 
 @pytest.fixture
@@ -170,7 +158,7 @@ def test_a_replaced_host_restores_the_newest_local_step_from_a_peer(
 
         deadline = time.monotonic() + 240
         while not any(
-            e["type"] == "step" and e["step"] >= FAULT_STEP for e in read_events(workdir)
+            e["type"] == "step" and e["step"] >= FAULT_STEP for e in read_events(str(workdir))
         ):
             assert time.monotonic() < deadline, log("supervisor")
             assert supervisor.poll() is None, log("supervisor")
@@ -188,7 +176,7 @@ def test_a_replaced_host_restores_the_newest_local_step_from_a_peer(
                     os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
-    events = read_events(workdir)
+    events = list(read_events(str(workdir)))
     restarts = [e for e in events if e["type"] == "restart"]
     assert restarts and restarts[-1]["slices"] == [0, 2], restarts
     after = [e for e in events if e["time"] > restarts[-1]["time"]]
