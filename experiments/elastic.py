@@ -227,17 +227,22 @@ def elastic_kill(root: str, reference: dict[int, str], standby: bool) -> dict[st
     return {"exit_code": result.exit_code, **analyze_kill(workdir, reference)}
 
 
+def fault_time(workdir: str, failed: list[dict[str, Any]]) -> tuple[float, str]:
+    """When the fault struck and how that is known: the kill's time (`kill_time.json`), or else
+    the survivor's first failed exchange `failed` (a killed peer resets its connections at once)."""
+    kill_file = os.path.join(workdir, "kill_time.json")
+    if os.path.exists(kill_file):
+        with open(kill_file) as f:
+            return json.load(f)["time"], "kill"
+    return failed[0]["time"], "first failed exchange"
+
+
 def analyze_kill(workdir: str, reference: dict[int, str]) -> dict[str, Any]:
     """The kill run's numbers from its events. The fault time is the kill's (`kill_time.json`),
     or else the survivor's first failed exchange (a killed peer resets its connections at once)."""
     survivor = slice_events(workdir, 0, "elastic_step")
     failed = slice_events(workdir, 0, "elastic_exchange_failed")
-    kill_file = os.path.join(workdir, "kill_time.json")
-    if os.path.exists(kill_file):
-        with open(kill_file) as f:
-            t_kill, fault_source = json.load(f)["time"], "kill"
-    else:
-        t_kill, fault_source = failed[0]["time"], "first failed exchange"
+    t_kill, fault_source = fault_time(workdir, failed)
     before = [e for e in survivor if e["time"] < t_kill]
     after = [e for e in survivor if e["time"] >= t_kill]
     intervals = [b["time"] - a["time"] for a, b in itertools.pairwise(survivor[2:])]

@@ -149,12 +149,7 @@ def analyze_kill(workdir: str, reference: dict[int, str]) -> dict[str, Any]:
     or else the survivor's first failed exchange (a killed peer resets its connections at once)."""
     survivor = el.slice_events(workdir, 0, "elastic_step")
     failed = el.slice_events(workdir, 0, "elastic_exchange_failed")
-    kill_file = os.path.join(workdir, "kill_time.json")
-    if os.path.exists(kill_file):
-        with open(kill_file) as f:
-            t_kill, fault_source = json.load(f)["time"], "kill"
-    else:
-        t_kill, fault_source = failed[0]["time"], "first failed exchange"
+    t_kill, fault_source = el.fault_time(workdir, failed)
     before = [e for e in survivor if e["time"] < t_kill]
     after = [e for e in survivor if e["time"] >= t_kill]
     intervals = [b["time"] - a["time"] for a, b in itertools.pairwise(survivor[2:])]
