@@ -70,6 +70,7 @@ import report  # noqa: E402
 from cluster_runs import load_config, trainer_argv  # noqa: E402
 from host_scenarios import host_detection, supervisor_restart  # noqa: E402
 
+from configs import small_cpu  # noqa: E402
 from resilient_jax.contracts import env_vars  # noqa: E402
 from resilient_jax.contracts.faults import HOST_FAULT_KINDS, FaultKind  # noqa: E402
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
@@ -100,13 +101,7 @@ PHASES = (
     "first_step",
 )
 BASE_OVERRIDES = {
-    "model.d_model": 64,
-    "model.num_layers": 2,
-    "model.num_heads": 2,
-    "model.num_kv_heads": 2,
-    "model.head_dim": 32,
-    "model.d_ff": 128,
-    "data.seq_len": 32,
+    **small_cpu.MODEL,
     "global_batch_size": 8,
     "log.progress_bar": False,
     "log.tensorboard": False,

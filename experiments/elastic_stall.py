@@ -48,6 +48,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import elastic as el
 
+from configs import small_cpu
 from resilient_jax.control.elastic import ElasticSupervisor
 
 FLAGS = flags.FLAGS
@@ -58,16 +59,7 @@ _BASELINE = flags.DEFINE_string(
     "baseline", "", "A checkout of another commit: its slices run the kill once more."
 )
 
-# The tests' SMALL variant of tiny_cpu (tests/conftest.py).
-SMALL = {
-    "model.d_model": 64,
-    "model.num_layers": 2,
-    "model.num_heads": 2,
-    "model.num_kv_heads": 2,
-    "model.head_dim": 32,
-    "model.d_ff": 128,
-    "data.seq_len": 32,
-}
+SMALL = small_cpu.MODEL  # configs/small_cpu.py, as the tests train it
 KILLS = ("elastic_kill", "elastic_kill_baseline")
 
 

@@ -15,6 +15,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
+from configs import small_cpu
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -49,13 +51,7 @@ def run_python(
 
 # The tiny default made smaller still, for fast tests (as dotted config keys).
 SMALL = {
-    "model.d_model": 64,
-    "model.num_layers": 2,
-    "model.num_heads": 2,
-    "model.num_kv_heads": 2,
-    "model.head_dim": 32,
-    "model.d_ff": 128,
-    "data.seq_len": 32,
+    **small_cpu.MODEL,
     "total_steps": 20,
     "log.progress_bar": False,
     "log.tensorboard": False,

@@ -13,11 +13,9 @@ import os
 import shutil
 import uuid
 
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from conftest import SMALL, run_python
+from conftest import SMALL, plain_orbax_state, run_python
 
 from resilient_jax.events import read_events
 
@@ -62,12 +60,8 @@ OVERRIDES = {
 
 
 def final_state(workdir) -> dict[str, np.ndarray]:
-    path = os.path.join(workdir, "checkpoints", str(TOTAL_STEPS), "state")
-    checkpointer = ocp.PyTreeCheckpointer()
-    meta = checkpointer.metadata(path).item_metadata.tree
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-    tree = checkpointer.restore(path, restore_args=args)
-    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    """The final step's `state`, read with plain Orbax."""
+    return plain_orbax_state(workdir, TOTAL_STEPS)
 
 
 @pytest.fixture

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import os
 
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from conftest import SMALL, supervise_tiny_cpu
+from conftest import SMALL, plain_orbax_state, supervise_tiny_cpu
 
 from resilient_jax.control import SupervisorAction
 
@@ -49,12 +47,7 @@ def final_loss(events: list[dict]) -> float:
 
 def final_state(workdir) -> dict[str, np.ndarray]:
     """The final step's `state`, read with plain Orbax."""
-    path = os.path.join(workdir, "checkpoints", "30", "state")
-    checkpointer = ocp.PyTreeCheckpointer()
-    meta = checkpointer.metadata(path).item_metadata.tree
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-    tree = checkpointer.restore(path, restore_args=args)
-    return {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return plain_orbax_state(workdir, 30)
 
 
 @pytest.fixture(scope="module")

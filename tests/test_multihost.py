@@ -21,6 +21,8 @@ import time
 import pytest
 from conftest import REPO, SMALL, as_flags, run_python
 
+from resilient_jax import events as events_lib
+
 pytestmark = pytest.mark.slow
 
 TOTAL_STEPS = 30
@@ -54,11 +56,7 @@ FLAGS = ["--config.checkpoint.local_dir=", *as_flags(OVERRIDES)]
 
 
 def read_events(workdir) -> list[dict]:
-    path = os.path.join(workdir, "events.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return list(events_lib.read_events(str(workdir)))
 
 
 def final_loss(workdir) -> float:
