@@ -144,15 +144,24 @@ def test_local_cluster_exits_2_with_one_line(tmp_path, flag, message):
         ({"elastic.sync_every_steps": 0}, r"elastic.sync_every_steps=0 is invalid: must be an"),
         ({"elastic.outer_learning_rate": 0.0}, r"elastic.outer_learning_rate=0.0 is invalid"),
         ({"elastic.outer_momentum": 1.0}, r"elastic.outer_momentum=1.0 is invalid: must be in"),
-        (
-            {"model.moe.num_experts": 2},
-            r"elastic.enabled=True is invalid: elastic mode trains dense",
-        ),
     ],
 )
 def test_elastic_mode_refuses_what_it_cannot_run(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config_lib.validate(tiny_config(**{"elastic.enabled": True, **overrides}))
+
+
+def test_elastic_mode_takes_a_mixture_of_experts_with_an_expert_axis():
+    config_lib.validate(
+        tiny_config(
+            **{
+                "elastic.enabled": True,
+                "model.moe.num_experts": 4,
+                "mesh.expert": 2,
+                "per_device_batch_size": 2,
+            }
+        )
+    )
 
 
 def test_a_sync_interval_needs_elastic_mode():

@@ -11,7 +11,16 @@ from conftest import assert_bitwise, events_of, run_context, tiny_config
 pytest.importorskip("torch")
 
 
-def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_path):
+# A mixture of experts with its experts over the `expert` axis of the slice's 2 devices.
+MOE = {"model.moe.num_experts": 4, "mesh.expert": 2, "per_device_batch_size": 2}
+
+
+@pytest.mark.parametrize("model", [{}, MOE], ids=["dense", "moe"])
+def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_path, model):
+    """Loss, parameters and (for a mixture of experts) the router's metrics match the
+    single-runtime step's to float tolerance, not bitwise: the elastic step sums each part's
+    microbatches and then the parts, the single-runtime step all microbatches in one scan, so
+    the float additions run in another order."""
     from resilient_jax.control.quorum import QuorumServer
     from resilient_jax.data import BatchLoader, make_source
     from resilient_jax.data.position import DataPosition
@@ -22,8 +31,9 @@ def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_p
     from resilient_jax.train.compile import compile_step, without_fault_scale
     from resilient_jax.train.state import init_state
 
-    config = tiny_config(**{"elastic.enabled": True, "elastic.slices": 2})
+    config = tiny_config(**{"elastic.enabled": True, "elastic.slices": 2, **model})
     ctx = run_context(config, str(tmp_path), devices=2)
+    assert ctx.plan.expert == (2 if model else 1)
     source = make_source(config)
     server = QuorumServer("t", join_timeout_s=0.5, expected=1, settle_s=0.0)
     exchange = make_exchange("gloo", "127.0.0.1", 5.0)
@@ -34,7 +44,7 @@ def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_p
         loader = StepIndex(position)
         for _ in range(3):
             state, metrics = step(state, loader.next()[1])
-        elastic_params, elastic_loss = jax.device_get(state.params), float(metrics["loss"])
+        elastic_params, elastic_metrics = jax.device_get((state.params, metrics))
     finally:
         client.close()
         exchange.close()
@@ -46,7 +56,15 @@ def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_p
         reference, ref_metrics = train_step(reference, batches.next()[1])
     batches.close()
     assert int(state.step) == 3
-    assert elastic_loss == pytest.approx(float(ref_metrics["loss"]), rel=1e-5)
+    ref_metrics = jax.device_get(ref_metrics)
+    assert sorted(elastic_metrics) == sorted(ref_metrics)  # the same metrics.jsonl keys
+    assert ("moe_expert_load" in ref_metrics) == bool(model)
+    for key in ("loss", "grad_norm", "lm_loss", "moe_balance_loss", "moe_z_loss"):
+        if key in ref_metrics:
+            assert float(elastic_metrics[key]) == pytest.approx(float(ref_metrics[key]), rel=1e-5)
+    for key in ("moe_dropped_fraction", "moe_expert_load"):  # counts: exact in float32
+        if key in ref_metrics:
+            np.testing.assert_array_equal(elastic_metrics[key], ref_metrics[key])
     close = jax.tree.map(
         lambda a, b: np.allclose(a, b, rtol=1e-4, atol=1e-6),
         elastic_params,
@@ -272,3 +290,65 @@ def test_a_joining_slice_is_handed_the_state_over_a_step_the_survivor_computes_a
         (s, [1]) for s in range(joined + 1, total + 1)
     ]
     assert not events_of(str(tmp_path / "s0"), "elastic_exchange_failed")
+
+
+def test_moe_parts_split_across_two_slices_give_a_lone_slices_bits(tmp_path, shared_programs):
+    """A mixture of experts trained by two slices over a real quorum server and gloo, each
+    computing its own part: parameters and every metric (the router's sums included) are
+    bitwise those of one slice computing both parts. Each part is a row of the exchanged buffer
+    that one member fills, and every member adds the rows up in part order."""
+    import threading
+
+    from resilient_jax.control.quorum import QuorumServer
+    from resilient_jax.data import make_source
+    from resilient_jax.data.position import DataPosition
+    from resilient_jax.elastic.exchange import make_exchange
+    from resilient_jax.elastic.quorum_client import QuorumClient
+    from resilient_jax.elastic.trainer import ElasticStep
+    from resilient_jax.train.state import init_state
+
+    config = tiny_config(**{"elastic.enabled": True, "elastic.slices": 2, **MOE})
+
+    def train(slices: int, workdir: str) -> dict:
+        """2 steps of `slices` slices from a fresh state: each one's (params, last metrics)."""
+        server = QuorumServer("t", join_timeout_s=1.0, expected=slices, settle_s=60.0)
+        results, errors = {}, []
+
+        def slice_run(slice_id: int) -> None:
+            exchange = make_exchange("gloo", "127.0.0.1", 10.0)
+            client = QuorumClient(server.address, "t", slice_id)
+            try:
+                ctx = run_context(config, f"{workdir}/{slice_id}", devices=2)
+                store = exchange.store_address
+                step = ElasticStep(ctx, make_source(config), exchange, store, client, slice_id)
+                state, position = step.join(lambda: (init_state(config, ctx.mesh), DataPosition()))
+                for batch_index in range(position.next_batch, position.next_batch + 2):
+                    state, metrics = step(state, batch_index)
+                results[slice_id] = jax.device_get((state.params, metrics))
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+            finally:
+                client.close()
+                exchange.close()
+
+        threads = [threading.Thread(target=slice_run, args=(i,)) for i in range(slices)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+        finally:
+            server.close()
+        assert not errors, errors
+        return results
+
+    lone = train(1, str(tmp_path / "lone"))[0]
+    pair = train(2, str(tmp_path / "pair"))
+    owned = [e["owned"] for e in events_of(str(tmp_path / "pair" / "1"), "elastic_step")]
+    assert owned == [[1], [1]]
+    assert "moe_expert_load" in lone[1] and lone[1]["moe_dropped_fraction"] > 0
+    for params, metrics in pair.values():
+        assert_bitwise(params, lone[0])
+        assert sorted(metrics) == sorted(lone[1])
+        for key, value in metrics.items():
+            np.testing.assert_array_equal(value, lone[1][key], err_msg=key)

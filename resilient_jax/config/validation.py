@@ -393,5 +393,3 @@ def _validate_elastic(config: ml_collections.ConfigDict) -> None:
         _fail("elastic.standby", e.standby, "must be true or false")
     if e.check_every_steps < 0:
         _fail("elastic.check_every_steps", e.check_every_steps, "must be >= 0 (0 = off)")
-    if config.model.moe.num_experts:
-        _fail("elastic.enabled", True, "elastic mode trains dense models (model.moe.num_experts=0)")

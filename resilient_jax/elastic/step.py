@@ -1,10 +1,13 @@
 """The two compiled halves of an elastic step, and the train state as one host buffer.
 
 `gradient_sums` runs on one part of the global batch (the rows of one of `elastic.slices` parts,
-scanned in microbatches) and returns its token-loss sum and gradient sums as one flat float32
-vector `[num_params + 1]` on the host's side of the exchange. `apply` takes the sum of every part's
-vector and makes the update the single-runtime step makes (`train.step.make_update`: in-band
-health, optimizer, a bad step leaves the state as it was). Both are compiled once per slice shape:
+scanned in microbatches) and returns its gradient sums, its token-loss sum and, for a mixture of
+experts, the router's sums (the loss without the router's terms, the load-balance and z sums, the
+dropped assignments, each expert's load) as one flat float32 vector `[vector_width]` on the host's
+side of the exchange. Every entry is a sum over the part's tokens, so the sum of every part's
+vector is the global batch's. `apply` takes that sum and makes the update and the metrics the
+single-runtime step makes (`train.step.make_update`: in-band health, optimizer, a bad step leaves
+the state as it was; `train.step.make_router_metrics`). Both are compiled once per slice shape:
 a lost or returning slice changes how many parts a slice computes, never a shape. They go through
 the per-process executable cache (`resilient_jax.executables`, keyed like the train step), so a
 replacement slice loads what the slice it replaces compiled instead of compiling it again.
@@ -29,7 +32,13 @@ from resilient_jax.train.compile import load_or_compile_program
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.outer import nesterov_step
 from resilient_jax.train.state import TrainState
-from resilient_jax.train.step import Metrics, make_gradient_sums, make_update
+from resilient_jax.train.step import (
+    Metrics,
+    make_gradient_sums,
+    make_router_metrics,
+    make_update,
+    router_zeros,
+)
 
 
 def part_rows(ctx: RunContext) -> int:
@@ -43,9 +52,16 @@ def part_shape(ctx: RunContext) -> tuple[int, int, int]:
     return (microbatches, part_rows(ctx) // microbatches, ctx.config.data.seq_len + 1)
 
 
+def vector_width(ctx: RunContext) -> int:
+    """Entries of a part's vector: the gradient sums, the loss sum, the router's sums (if any)."""
+    router = router_zeros(ctx.config)
+    router_size = ravel_pytree(router)[0].size if router is not None else 0
+    return num_params(ctx) + 1 + router_size
+
+
 def compile_gradient_sums(ctx: RunContext) -> tuple[object, bool]:
-    """(params, part batch) -> flat [num_params + 1] float32: gradient sums, then the loss sum.
-    Returns (compiled, loaded from the cache)."""
+    """(params, part batch) -> flat [vector_width] float32: gradient sums, the loss sum, then the
+    router's sums (a mixture of experts). Returns (compiled, loaded from the cache)."""
     gradient_sums = make_gradient_sums(ctx.config)
     mesh = ctx.mesh
 
@@ -54,9 +70,11 @@ def compile_gradient_sums(ctx: RunContext) -> tuple[object, bool]:
             jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
             nn.logical_axis_rules(mesh_lib.LOGICAL_AXIS_RULES),
         ):
-            loss_sum, grad_sum, _ = gradient_sums(params, batch)
-        flat, _ = ravel_pytree(grad_sum)
-        return jnp.concatenate([flat.astype(jnp.float32), loss_sum[None].astype(jnp.float32)])
+            loss_sum, grad_sum, router = gradient_sums(params, batch)
+        parts = [ravel_pytree(grad_sum)[0], loss_sum[None]]
+        if router is not None:
+            parts.append(ravel_pytree(router)[0])
+        return jnp.concatenate([p.astype(jnp.float32) for p in parts])
 
     batch = jax.ShapeDtypeStruct(part_shape(ctx), jnp.int32, sharding=mesh_lib.batch_sharding(mesh))
     params = ctx.abstract_state.params
@@ -76,20 +94,27 @@ def num_params(ctx: RunContext) -> int:
 
 
 def compile_apply(ctx: RunContext) -> tuple[object, bool]:
-    """(state, summed [num_params + 1]) -> (state, metrics): the update from every part's sums.
-    Returns (compiled, loaded from the cache)."""
-    update = make_update(ctx.config)
+    """(state, summed [vector_width]) -> (state, metrics): the update from every part's sums,
+    and the single-runtime step's metrics (the router's too). Returns (compiled, loaded from the
+    cache)."""
     config = ctx.config
+    update, router_metrics = make_update(config), make_router_metrics(config)
     num_tokens = config.global_batch_size * config.data.seq_len
+    n = num_params(ctx)
+    zeros = router_zeros(config)
 
     def fn(state: TrainState, summed: jax.Array) -> tuple[TrainState, Metrics]:
         _, unravel = ravel_pytree(state.params)
-        grads = unravel(summed[:-1] / num_tokens)
-        return update(state, summed[-1] / num_tokens, grads, jnp.float32(1.0))
+        grads = unravel(summed[:n] / num_tokens)
+        router = None
+        if zeros is not None:
+            router = ravel_pytree(zeros)[1](summed[n + 1 :])
+        state, metrics = update(state, summed[n] / num_tokens, grads, jnp.float32(1.0))
+        return state, {**metrics, **router_metrics(router, num_tokens)}
 
     shardings = jax.tree.map(lambda a: a.sharding, ctx.abstract_state)
     replicated = mesh_lib.replicated(ctx.mesh)
-    summed = jax.ShapeDtypeStruct((num_params(ctx) + 1,), jnp.float32, sharding=replicated)
+    summed = jax.ShapeDtypeStruct((vector_width(ctx),), jnp.float32, sharding=replicated)
     jitted = jax.jit(
         fn,
         in_shardings=(shardings, replicated),

@@ -131,7 +131,7 @@ class ElasticStep:
         programs = programs or compile_programs(ctx)
         self._gradient_sums, self._apply = programs.gradient_sums, programs.apply
         self._programs = programs
-        self._width = elastic_step.num_params(ctx) + 1
+        self._width = elastic_step.vector_width(ctx)
         self._rows = PartRows(ctx, source, elastic_step.part_shape(ctx))
         self._step = 0  # steps the state has applied
         self._quorum: Quorum | None = None  # the group formed, if any

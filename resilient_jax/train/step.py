@@ -41,6 +41,17 @@ def token_loss_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).sum()
 
 
+def router_zeros(config: ml_collections.ConfigDict) -> tuple[jax.Array, moe_lib.RouterSums] | None:
+    """The router's sums of no tokens: (token-loss sum without the router's terms, the sums of
+    `moe_lib.RouterSums`); None for a dense model."""
+    model = make_model(config)
+    num_moe_layers = model.cfg.moe.num_moe_layers(model.cfg.num_layers)
+    if not num_moe_layers:
+        return None
+    zero = jnp.zeros((), jnp.float32)
+    return zero, moe_lib.RouterSums.zeros(num_moe_layers, model.cfg.moe.num_experts)
+
+
 def make_gradient_sums(config: ml_collections.ConfigDict):
     """(params, batch [microbatches, rows, seq_len + 1]) -> (token-loss sum, gradient sums, the
     router's sums or None): the scan over microbatches, not yet divided by the token count (the
@@ -72,13 +83,33 @@ def make_gradient_sums(config: ml_collections.ConfigDict):
             return (total_loss + loss_sum, total_grads, total_router), None
 
         zero = jnp.zeros((), jnp.float32)
-        router_zeros = (zero, moe_lib.RouterSums.zeros(num_moe_layers, moe.num_experts))
-        router_zeros = router_zeros if num_moe_layers else None
-        zeros = (zero, jax.tree.map(jnp.zeros_like, params), router_zeros)
+        zeros = (zero, jax.tree.map(jnp.zeros_like, params), router_zeros(config))
         (loss_sum, grad_sum, router), _ = jax.lax.scan(microbatch, zeros, batch_MBL)
         return loss_sum, grad_sum, router
 
     return gradient_sums
+
+
+def make_router_metrics(config: ml_collections.ConfigDict):
+    """(the router's sums of a step or None, the step's token count) -> the step's router
+    metrics: the loss without the router's terms (`lm_loss`) and the router's health
+    (`moe_lib.router_metrics`); none for a dense model. The single-runtime and the elastic step
+    report them alike."""
+    model = make_model(config)
+    moe = model.cfg.moe
+    num_moe_layers = moe.num_moe_layers(model.cfg.num_layers)
+    seq_len = config.data.seq_len
+
+    def router_metrics(router, num_tokens: int) -> Metrics:
+        if router is None:
+            return {}
+        lm_loss_sum, sums = router
+        return {
+            "lm_loss": lm_loss_sum / num_tokens,
+            **moe_lib.router_metrics(sums, moe, num_tokens, seq_len, num_moe_layers),
+        }
+
+    return router_metrics
 
 
 def make_update(config: ml_collections.ConfigDict):
@@ -119,23 +150,14 @@ def make_train_step(
     """The step, jitted with every input and output sharding fixed and the state donated (its
     buffers become the new state's). `donate=False`: the same program writing the new state into
     fresh buffers, leaving the input state valid (`train.keep`)."""
-    model = make_model(config)
-    moe = model.cfg.moe
-    num_moe_layers = moe.num_moe_layers(model.cfg.num_layers)
-    seq_len = config.data.seq_len
     gradient_sums, update = make_gradient_sums(config), make_update(config)
+    router_metrics = make_router_metrics(config)
 
     def loss_and_grads(params, batch_MBL: jax.Array):
         loss_sum, grad_sum, router = gradient_sums(params, batch_MBL)
         num_tokens = batch_MBL.shape[0] * batch_MBL.shape[1] * (batch_MBL.shape[2] - 1)
-        router_metrics = {}
-        if num_moe_layers:  # the loss without the router's terms, and the router's health
-            router_metrics = {
-                "lm_loss": router[0] / num_tokens,
-                **moe_lib.router_metrics(router[1], moe, num_tokens, seq_len, num_moe_layers),
-            }
         grads = jax.tree.map(lambda g: g / num_tokens, grad_sum)
-        return loss_sum / num_tokens, grads, router_metrics
+        return loss_sum / num_tokens, grads, router_metrics(router, num_tokens)
 
     def step(state: TrainState, batch: jax.Array, fault_scale: jax.Array):
         # The mesh and the rules make the model's activation constraints (`batch` rows over the
