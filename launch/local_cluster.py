@@ -12,11 +12,11 @@ the job training through failures (see `resilient_jax.control`). The run's token
 RJ_RUN_TOKEN or RJ_RUN_TOKEN_FILE (mode 0600), else a fresh one is made for local agents. Worker
 output is merged here (and kept in DIR/logs/<host>/workers.log), each line prefixed with
 `[g<generation> s<slice> p<process>]`. With `--config.elastic.enabled=true` each slice is
-its own single-process JAX runtime (`resilient_jax.control.elastic`, DIR/slices/<id>/), and a
-lost slice is replaced while the others train on; if this process dies, the slices train on, and
-the same command (with the same run token) takes them over. Ctrl-C asks the workers to save and
-stop. Exits 0 only when training completed; otherwise non-zero with a one-line reason on stderr.
-Events: DIR/events.jsonl.
+its own JAX runtime of processes_per_slice processes (`resilient_jax.control.elastic`,
+DIR/slices/<id>/), and a lost slice is replaced while the others train on; if this process dies,
+the slices train on, and the same command (with the same run token) takes them over. Ctrl-C asks
+the workers to save and stop. Exits 0 only when training completed; otherwise non-zero with a
+one-line reason on stderr. Events: DIR/events.jsonl.
 """
 
 from __future__ import annotations
@@ -86,12 +86,12 @@ def worker_argv(worker: str, config_path: str, workdir: str, overrides: list[str
 
 
 def run_elastic(config, argv: list[str], workdir: str) -> int:
-    """Elastic mode: elastic.slices single-process slices, each its own JAX runtime, and the
-    quorum server here; a lost slice is replaced while the others train on."""
-    if _PROCESSES.value != 1 or _HOST_AGENTS.value != "local" or _SPARES.value:
+    """Elastic mode: elastic.slices slices of --processes_per_slice processes, each slice its own
+    JAX runtime, and the quorum server here; a lost slice is replaced while the others train on."""
+    if _HOST_AGENTS.value != "local" or _SPARES.value:
         print(
-            "error: elastic.enabled runs one process per slice on this machine "
-            "(--processes_per_slice=1, --host_agents=local, no --spare_slices)",
+            "error: elastic.enabled runs its slices on this machine and keeps its own warm "
+            "standby (--host_agents=local, no --spare_slices; see elastic.standby)",
             file=sys.stderr,
         )
         return ExitCode.BAD_INPUT
@@ -100,7 +100,9 @@ def run_elastic(config, argv: list[str], workdir: str) -> int:
         return [f"--workdir={slice_dir}" if a.startswith("--workdir=") else a for a in argv]
 
     try:  # a supervisor started again takes over the slices still running in `workdir`
-        supervisor = ElasticSupervisor(config, argv_for, workdir, _DEVICES.value)
+        supervisor = ElasticSupervisor(
+            config, argv_for, workdir, _DEVICES.value, processes_per_slice=_PROCESSES.value
+        )
     except ValueError as e:  # another run token, or a bad one
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT

@@ -172,7 +172,7 @@ def _become_slice(ctx: RunContext, watchdog: Watchdog) -> str:
     except elastic_standby.NoSupervisor as e:
         raise RunError(str(e), ExitCode.FAILED) from e
     watchdog.resume()
-    elastic_standby.become(assignment)
+    elastic_standby.become(assignment, process=jax.process_index())
     ctx.events.move(assignment.workdir)
     ctx.events.update_common(slice=assignment.slice_id)
     ctx.workdir = assignment.workdir

@@ -260,10 +260,16 @@ def supervise_tiny_cpu(
 
 
 def supervise_elastic(
-    workdir: str, overrides: dict, during=None, restart_delay_s: float = 1.0, time_limit_s=400
+    workdir: str,
+    overrides: dict,
+    during=None,
+    restart_delay_s: float = 1.0,
+    time_limit_s=400,
+    processes_per_slice: int = 1,
+    devices_per_process: int = 2,
 ):
     """`configs/tiny_cpu.py` with `overrides` in elastic mode under the elastic supervisor (in a
-    thread; one single-process slice of 2 devices per part): its result, once done.
+    thread; by default one single-process slice of 2 devices per part): its result, once done.
     `during(supervisor)` is called every 50 ms meanwhile and returns True once it has acted."""
     import io
     import runpy
@@ -288,10 +294,11 @@ def supervise_elastic(
         config,
         argv,
         workdir,
-        devices_per_process=2,
+        devices_per_process=devices_per_process,
         out=io.StringIO(),
         restart_delay_s=restart_delay_s,
         cwd=REPO,
+        processes_per_slice=processes_per_slice,
     )
     result = {}
     thread = threading.Thread(target=lambda: result.update(r=supervisor.run(time_limit_s)))
@@ -314,9 +321,11 @@ ELASTIC_SMALL = {
 }
 
 
-def slice_digests(workdir: str, slice_id: int) -> dict[int, str]:
-    """The parameter digest of each step of one slice of an elastic run, by step."""
-    return {e["step"]: e["digest"] for e in slice_events(workdir, slice_id, "elastic_step")}
+def slice_digests(workdir: str, slice_id: int, process: int = 0) -> dict[int, str]:
+    """The parameter digest of each step of one slice of an elastic run, by step (of the pieces
+    of the parameters that process `process` of the slice holds)."""
+    steps = slice_events(workdir, slice_id, "elastic_step")
+    return {e["step"]: e["digest"] for e in steps if e.get("process", 0) == process}
 
 
 def slice_events(workdir: str, slice_id: int, kind: str | None = None) -> list[dict]:

@@ -1,23 +1,27 @@
-"""The supervisor of elastic mode: one process per slice, each its own JAX runtime, joined by the
-quorum server; a lost slice is replaced while the others keep training.
+"""The supervisor of elastic mode: each slice its own JAX runtime (one process, or several with a
+coordinator of their own: `elastic_slice`), joined by the quorum server; a lost slice is replaced
+while the others keep training.
 
 Unlike `supervisor.Supervisor`, which stops every worker at a failure and restarts the job on what
 is left, this one never stops a survivor: the survivors re-form their exchange without the lost
 slice within a step (the quorum server sees its connection close) and take over its part of the
 global batch, and the replacement, started after `restart_delay_s`, heals from a live slice at a
 step boundary and takes its part back. Each slice writes into `<workdir>/slices/<id>/` (events,
-metrics, its own checkpoints, and its output in `output.log`: no pipe through this process, so a
-slice outlives it). The job is done when every slice has exited 0; it fails when every
-slice has failed more than `max_restarts` times in all. The quorum server lives in this process;
-the workers keep their last quorum while it is away (`elastic.trainer`). Started again on the same
-workdir with the same run token (`RJ_RUN_TOKEN` or `RJ_RUN_TOKEN_FILE`), it takes over the slices
-still running (`elastic_state`): same quorum address, no slice restarted.
+metrics, its own checkpoints, and its output in `output.log`, `output.p<p>.log` for its process
+p > 0: no pipe through this process, so a slice outlives it). A slice is lost when any of its
+processes exits non-zero (the others are ended with it), and done when all of them have exited 0.
+The job is done when every slice is; it fails after more than `max_restarts` failures in all.
+The quorum server lives in this process; the workers keep their last quorum while it is away
+(`elastic.trainer`). Started again on the same workdir with the same run token (`RJ_RUN_TOKEN` or
+`RJ_RUN_TOKEN_FILE`), it takes over the slices still running (`elastic_state`): same quorum
+address, no slice restarted.
 
-With `elastic.standby` (the default) it also keeps one warm standby slice: a slice process started
-ahead that waits, idle, at the join point (`<workdir>/standby/`: its output and events until it is
-given a slice). A lost slice's identity goes to it at once (no restart delay: it heals and joins
-within about a second), and a new standby is started; only when none is running is a replacement
-started cold. A standby that dies is started again; at the run's end it is ended by its pid.
+With `elastic.standby` (the default) it also keeps one warm standby slice: a slice's processes
+started ahead that wait, idle, at the join point (`<workdir>/standby/`: their output and events
+until they are given a slice). A lost slice's identity goes to it at once (no restart delay: it
+heals and joins within about a second), and a new standby is started; only when none is running
+is a replacement started cold. A standby that dies is started again; at the run's end it is
+ended by its pids.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control import agent_protocol, compile_cache, elastic_state, processes, protocol
+from resilient_jax.control.elastic_slice import SliceProcesses, output_file, runtime_env
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.worker_env import shared_env
 from resilient_jax.events import EventLog
@@ -82,8 +87,10 @@ class ElasticSupervisor:
         max_restarts: int | None = None,
         token: str | None = None,
         cwd: str | None = None,
+        processes_per_slice: int = 1,
     ) -> None:
         self._cwd = cwd
+        self._processes = processes_per_slice
         self._config = config
         self._slices = int(config.elastic.slices)
         self._argv_for = argv_for
@@ -126,10 +133,10 @@ class ElasticSupervisor:
         env.pop(env_vars.SUPERVISOR_PID, None)  # a slice outlives this process
         env[env_vars.QUORUM_ADDRESS] = self.quorum.address
         self._env = env
-        self.workers: dict[int, subprocess.Popen[bytes] | elastic_state.AdoptedWorker] = {}
+        self.workers: dict[int, SliceProcesses] = {}
         self.adopted: list[int] = []
         self._standby_enabled = bool(config.elastic.standby)
-        self.standby: subprocess.Popen[bytes] | elastic_state.AdoptedWorker | None = None
+        self.standby: SliceProcesses | None = None
         self._standby_at: float | None = None  # when to start the next standby
         # the slice given to the last standby, its pid, when
         self._joining: tuple[int, int, float] | None = None
@@ -150,29 +157,39 @@ class ElasticSupervisor:
         worker = self._spawn(slice_id, workdir, {env_vars.ELASTIC_SLICE: str(slice_id)})
         self.workers[slice_id] = worker
         self._save_state()
-        self._events.emit(EventType.ELASTIC_SLICE_START, slice=slice_id, pid=worker.pid)
-        self._say(f"slice {slice_id} started (pid {worker.pid}, output in {workdir}/output.log)")
+        self._events.emit(
+            EventType.ELASTIC_SLICE_START, slice=slice_id, pid=worker.pid, **_pids(worker)
+        )
+        self._say(f"slice {slice_id} started ({_describe(worker)}, output in {workdir}/output.log)")
 
     def start_standby(self) -> None:
         self._standby_at = None
         workdir = standby_workdir(self._workdir)
         self.standby = self._spawn(STANDBY, workdir, {env_vars.ELASTIC_STANDBY: "1"})
         self._save_state()
-        self._events.emit(EventType.ELASTIC_STANDBY_START, pid=self.standby.pid)
-        self._say(f"standby started (pid {self.standby.pid}, output in {workdir}/output.log)")
+        self._events.emit(
+            EventType.ELASTIC_STANDBY_START, pid=self.standby.pid, **_pids(self.standby)
+        )
+        self._say(f"standby started ({_describe(self.standby)}, output in {workdir}/output.log)")
 
-    def _spawn(self, slice_id: int, workdir: str, extra_env: dict[str, str]):
+    def _spawn(self, slice_id: int, workdir: str, extra_env: dict[str, str]) -> SliceProcesses:
+        """The slice's processes, started together (with their own JAX coordinator if several)."""
         os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "output.log"), "ab") as log:
-            return subprocess.Popen(
-                list(self._argv_for(slice_id, workdir)),
-                env={**self._env, **extra_env},
-                cwd=self._cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # ended by PID with its children
-            )
+        members = []
+        for process, place in enumerate(runtime_env(self._processes)):
+            with open(os.path.join(workdir, output_file(process)), "ab") as log:
+                members.append(
+                    subprocess.Popen(
+                        list(self._argv_for(slice_id, workdir)),
+                        env={**self._env, **extra_env, **place},
+                        cwd=self._cwd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # ended by PID with its children
+                    )
+                )
+        return SliceProcesses(members)
 
     def run(self, time_limit_s: float | None = None, poll_s: float = 0.05) -> ElasticResult:
         deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
@@ -248,8 +265,7 @@ class ElasticSupervisor:
             if self._stop_signal is not None:
                 self._stopping = True
                 for worker in self.workers.values():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(worker.pid, self._stop_signal)
+                    worker.signal(self._stop_signal)
                 self._stop_signal = None
             if deadline is not None and now > deadline:
                 return ElasticResult(1, "time limit", self._replacements)
@@ -278,14 +294,20 @@ class ElasticSupervisor:
         worker, self.standby = self.standby, None
         assert worker is not None
         self.workers[slice_id] = worker
-        if isinstance(worker, elastic_state.AdoptedWorker):  # its `stop` event goes there now
-            worker.workdir = slice_workdir(self._workdir, slice_id)
+        for member in worker.members:
+            if isinstance(member, elastic_state.AdoptedWorker):  # its `stop` event goes there now
+                member.workdir = slice_workdir(self._workdir, slice_id)
         self._save_state()  # first: a supervisor restarted from here on knows it as the slice
-        self.quorum.assign(worker.pid, slice_id, slice_workdir(self._workdir, slice_id))
+        for pid in worker.pids:  # every process of the standby becomes this slice's
+            self.quorum.assign(pid, slice_id, slice_workdir(self._workdir, slice_id))
         self._events.emit(
-            EventType.ELASTIC_SLICE_START, slice=slice_id, pid=worker.pid, standby=True
+            EventType.ELASTIC_SLICE_START,
+            slice=slice_id,
+            pid=worker.pid,
+            standby=True,
+            **_pids(worker),
         )
-        self._say(f"slice {slice_id} given to the standby (pid {worker.pid})")
+        self._say(f"slice {slice_id} given to the standby ({_describe(worker)})")
         # The next standby starts once this one has joined (its start-up would take CPU from the
         # join on a shared host), or at the latest after STANDBY_AFTER_S.
         self._joining = (slice_id, worker.pid, time.monotonic())
@@ -300,8 +322,8 @@ class ElasticSupervisor:
         # the supervisor was restarted. Sent again.
         standby_pids = set(self.quorum.ready_standbys())
         for slice_id, worker in self.workers.items():
-            if worker.pid in standby_pids:
-                self.quorum.assign(worker.pid, slice_id, slice_workdir(self._workdir, slice_id))
+            for pid in standby_pids.intersection(worker.pids):
+                self.quorum.assign(pid, slice_id, slice_workdir(self._workdir, slice_id))
         if self.standby is not None:
             code = self.standby.poll()
             if code is None:
@@ -335,7 +357,7 @@ class ElasticSupervisor:
         if worker is None:
             return
         self._save_state()
-        _kill(worker)
+        worker.kill()
         self._events.emit(
             EventType.ELASTIC_STANDBY_EXIT, pid=worker.pid, exit_code=worker.returncode
         )
@@ -349,7 +371,7 @@ class ElasticSupervisor:
                 continue
             del self.workers[slice_id]
             self._save_state()
-            _kill(worker)
+            worker.kill()
             self._events.emit(
                 EventType.ELASTIC_SLICE_EXIT,
                 slice=slice_id,
@@ -367,26 +389,36 @@ class ElasticSupervisor:
         )
         if standby is not None and not self._adoptable and ours:
             # Its slices are gone: the job starts afresh, on another quorum address it cannot
-            # reach. Ended (this job's, by its recorded pid and start time).
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(standby.pid, signal.SIGKILL)
+            # reach. Ended (this job's, by its recorded pids and start times).
+            for record in standby:
+                if elastic_state.start_time(record.pid) == record.started:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(record.pid, signal.SIGKILL)
         if not self._adoptable:
             self._save_state()
             return
         assert self._previous is not None
         self._done.update(self._previous.done)
         if standby is not None:
-            self.standby = elastic_state.AdoptedWorker(standby, standby_workdir(self._workdir))
-            self._events.emit(EventType.ELASTIC_STANDBY_START, pid=standby.pid, adopted=True)
-            self._say(f"standby adopted (pid {standby.pid}, still running)")
-        for slice_id, record in sorted(self._previous.slices.items()):
+            self.standby = elastic_state.adopt(standby, standby_workdir(self._workdir))
+            self._events.emit(
+                EventType.ELASTIC_STANDBY_START,
+                pid=self.standby.pid,
+                adopted=True,
+                **_pids(self.standby),
+            )
+            self._say(f"standby adopted ({_describe(self.standby)}, still running)")
+        for slice_id, records in sorted(self._previous.slices.items()):
             slice_dir = slice_workdir(self._workdir, slice_id)
             if slice_id in self._adoptable:
-                self.workers[slice_id] = elastic_state.AdoptedWorker(record, slice_dir)
+                worker = elastic_state.adopt(records, slice_dir)
+                self.workers[slice_id] = worker
                 self.adopted.append(slice_id)
-                self._events.emit(EventType.ELASTIC_SLICE_ADOPTED, slice=slice_id, pid=record.pid)
-                self._say(f"slice {slice_id} adopted (pid {record.pid}, still running)")
-            elif elastic_state.stop_exit_code(slice_dir, record.pid) == 0:
+                self._events.emit(
+                    EventType.ELASTIC_SLICE_ADOPTED, slice=slice_id, pid=worker.pid, **_pids(worker)
+                )
+                self._say(f"slice {slice_id} adopted ({_describe(worker)}, still running)")
+            elif elastic_state.finished(records, slice_dir):
                 self._done.add(slice_id)
         self._save_state()
 
@@ -412,27 +444,26 @@ class ElasticSupervisor:
                 token_sha256=elastic_state.token_digest(self._token),
                 slices=elastic_state.slice_records(self.workers),
                 done=sorted(self._done),
-                standby=elastic_state.process_record(self.standby),
+                standby=elastic_state.process_records(self.standby),
             ),
         )
 
     def _stop_all(self) -> None:
         workers = list(self.workers.values()) + ([self.standby] if self.standby else [])
         for worker in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(worker.pid, signal.SIGKILL)
-        for worker in workers:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                worker.wait(timeout=5.0)
+            worker.kill()
 
     def _say(self, text: str) -> None:
         self._out.write(f"[elastic] {text}\n")
         self._out.flush()
 
 
-def _kill(worker: subprocess.Popen[bytes] | elastic_state.AdoptedWorker) -> None:
-    """Ends a worker's process group by its pid, and reaps it (bounded)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(worker.pid, signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        worker.wait(timeout=5.0)
+def _pids(worker: SliceProcesses) -> dict[str, list[int]]:
+    """An event's `pids` field for a slice of several processes (none for one)."""
+    return {"pids": worker.pids} if len(worker.members) > 1 else {}
+
+
+def _describe(worker: SliceProcesses) -> str:
+    if len(worker.members) == 1:
+        return f"pid {worker.pid}"
+    return "pids " + ", ".join(str(pid) for pid in worker.pids)

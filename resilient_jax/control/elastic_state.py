@@ -1,7 +1,8 @@
 """What a restarted elastic supervisor needs to take over a running job: `<workdir>/elastic.json`.
 
 The elastic supervisor writes there the quorum server's address, its own pid, a digest of the run
-token, each slice's worker (pid and start time) and its warm standby slice's, if one runs. The
+token, each slice's processes (pid and start time of each) and its warm standby slice's, if one
+runs. The
 slices run in sessions of their own and outlive the supervisor; while it is away they train on with
 their last quorum. A supervisor started again on the same workdir (with the same run token) finds
 them here, listens on the same address, so their quorum clients reconnect, and adopts them: no
@@ -22,6 +23,7 @@ import time
 from collections.abc import Mapping
 
 from resilient_jax.contracts.event_types import EventType
+from resilient_jax.control.elastic_slice import SliceProcesses
 from resilient_jax.events import read_events
 
 STATE_FILE = "elastic.json"
@@ -54,29 +56,34 @@ class SliceRecord:
     started: int  # `start_time(pid)` when it was started
 
 
+# A slice's processes, process 0 first.
+Records = tuple[SliceRecord, ...]
+
+
+def _running(records: Records) -> bool:
+    """Whether any of the recorded processes still runs (the same process): a slice one of whose
+    processes died is adopted all the same, and then lost and replaced as a whole."""
+    return any(start_time(r.pid) == r.started for r in records)
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticState:
     address: str  # the quorum server's
     supervisor_pid: int
     token_sha256: str
-    slices: dict[int, SliceRecord]
+    slices: dict[int, Records]
     done: list[int]  # slices whose worker finished the run (exit 0)
-    standby: SliceRecord | None = None  # the warm standby slice's process, if one runs
+    standby: Records | None = None  # the warm standby slice's processes, if one runs
 
-    def standby_running(self) -> SliceRecord | None:
-        """The recorded standby, if it is still running (the same process)."""
-        record = self.standby
-        if record is not None and start_time(record.pid) == record.started:
-            return record
+    def standby_running(self) -> Records | None:
+        """The recorded standby, if it is still running."""
+        if self.standby is not None and _running(self.standby):
+            return self.standby
         return None
 
-    def running(self) -> dict[int, SliceRecord]:
-        """The recorded workers that are still running (the same processes)."""
-        return {
-            slice_id: record
-            for slice_id, record in self.slices.items()
-            if start_time(record.pid) == record.started
-        }
+    def running(self) -> dict[int, Records]:
+        """The recorded slices that are still running."""
+        return {s: records for s, records in self.slices.items() if _running(records)}
 
 
 def write_state(workdir: str, state: ElasticState) -> None:
@@ -85,9 +92,9 @@ def write_state(workdir: str, state: ElasticState) -> None:
         "address": state.address,
         "supervisor_pid": state.supervisor_pid,
         "token_sha256": state.token_sha256,
-        "slices": {str(s): [r.pid, r.started] for s, r in sorted(state.slices.items())},
+        "slices": {str(s): _to_json(records) for s, records in sorted(state.slices.items())},
         "done": sorted(state.done),
-        "standby": None if state.standby is None else [state.standby.pid, state.standby.started],
+        "standby": None if state.standby is None else _to_json(state.standby),
     }
     with open(path + ".tmp", "w") as f:
         json.dump(data, f)
@@ -103,15 +110,22 @@ def read_state(workdir: str) -> ElasticState | None:
             address=str(data["address"]),
             supervisor_pid=int(data["supervisor_pid"]),
             token_sha256=str(data["token_sha256"]),
-            slices={
-                int(s): SliceRecord(int(pid), int(started))
-                for s, (pid, started) in data["slices"].items()
-            },
+            slices={int(s): _from_json(records) for s, records in data["slices"].items()},
             done=[int(s) for s in data["done"]],
-            standby=SliceRecord(*map(int, data["standby"])) if data.get("standby") else None,
+            standby=_from_json(data["standby"]) if data.get("standby") else None,
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _to_json(records: Records) -> list[list[int]]:
+    return [[r.pid, r.started] for r in records]
+
+
+def _from_json(data: list) -> Records:
+    if data and isinstance(data[0], int):  # one process, as written before slices had several
+        data = [data]
+    return tuple(SliceRecord(int(pid), int(started)) for pid, started in data)
 
 
 def stop_exit_code(slice_workdir: str, pid: int) -> int | None:
@@ -149,17 +163,30 @@ class AdoptedWorker:
         return self.returncode
 
 
-def slice_records(workers: Mapping[int, subprocess.Popen[bytes] | AdoptedWorker]) -> dict:
-    """Records of the running workers, for `write_state`."""
+def slice_records(workers: Mapping[int, SliceProcesses]) -> dict[int, Records]:
+    """Records of the running slices, for `write_state`."""
     records = {}
     for slice_id, worker in workers.items():
-        record = process_record(worker)
+        record = process_records(worker)
         if record is not None:
             records[slice_id] = record
     return records
 
 
-def process_record(worker: subprocess.Popen[bytes] | AdoptedWorker | None) -> SliceRecord | None:
-    """The record of a running worker, None when there is none or it has ended."""
-    started = start_time(worker.pid) if worker is not None else None
-    return SliceRecord(worker.pid, started) if worker is not None and started is not None else None
+def process_records(worker: SliceProcesses | None) -> Records | None:
+    """The records of a slice's processes (one that ended: started 0, so never taken for a running
+    one), None when there is none or all have ended."""
+    if worker is None:
+        return None
+    records = tuple(SliceRecord(m.pid, start_time(m.pid) or 0) for m in worker.members)
+    return records if any(r.started for r in records) else None
+
+
+def adopt(records: Records, slice_workdir: str) -> SliceProcesses:
+    """The processes of a slice started by an earlier supervisor, adopted."""
+    return SliceProcesses([AdoptedWorker(r, slice_workdir) for r in records])
+
+
+def finished(records: Records, slice_workdir: str) -> bool:
+    """Whether every recorded process of a slice wrote a `stop` event with exit code 0."""
+    return all(stop_exit_code(slice_workdir, r.pid) == 0 for r in records)

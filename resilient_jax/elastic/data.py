@@ -19,6 +19,7 @@ import numpy as np
 
 from resilient_jax.data.mixture import example_stream
 from resilient_jax.data.position import DataPosition, skip_forward
+from resilient_jax.elastic.step import global_array
 from resilient_jax.mesh import batch_sharding
 from resilient_jax.train.context import RunContext
 
@@ -45,7 +46,7 @@ class PartRows:
     def __call__(self, batch_index: int, part: int) -> jax.Array:
         first = batch_index * self._batch + part * self._rows
         rows = np.stack([self._examples[first + i] for i in range(self._rows)])
-        return jax.device_put(rows.reshape(self._shape), self._sharding)
+        return global_array(rows.reshape(self._shape), self._sharding)
 
 
 class StepIndex:

@@ -40,7 +40,7 @@ from resilient_jax.train.step import Metrics
 class _Round:
     start: int  # the step the round began at
     quorum: Quorum
-    snapshot: TrainState  # host copy of the state at `start`
+    snapshot: np.ndarray  # host copy of the state at `start` (`step.host_copy`)
     owned: list[int]  # the parts this slice trains in this round
     batches: list[int]  # batch indices of the round's steps so far
 
@@ -96,7 +96,7 @@ class SyncIntervalStep(ElasticStep):
             total += np.asarray(vector)
         if len(owned) != self._parts:  # `apply` divides by the global batch's tokens
             total *= np.float32(self._parts / len(owned))
-        return self._apply(state, total)
+        return self._apply(state, elastic_step.replicated_input(self._ctx, total))
 
     def _sync(self, state: TrainState) -> tuple[TrainState, float]:
         """The exchange of the round's deltas and the outer step; a failed one redoes the round."""
@@ -121,7 +121,7 @@ class SyncIntervalStep(ElasticStep):
             owned = len(owned_parts(r.quorum.slices, member.slice, self._parts))
             mean += summed[rank] * np.float32(owned)
         mean /= np.float32(self._parts)
-        return self._outer(state, mean), exchange_s
+        return self._outer(state, elastic_step.replicated_input(self._ctx, mean)), exchange_s
 
     def _redo(self, state: TrainState) -> TrainState:
         """Back to the round's start, a new quorum, and the round trained again under it (or

@@ -109,10 +109,12 @@ class Exchange(Protocol):
         """Drops the group and stops the store this process hosts."""
 
 
-def make_exchange(backend: str, host: str, timeout_s: float) -> Exchange:
-    """The exchange of `elastic.backend`; this process hosts its rendezvous store on `host`."""
+def make_exchange(backend: str, host: str, timeout_s: float, process: int = 0) -> Exchange:
+    """The exchange of `elastic.backend`; this process hosts its rendezvous store on `host`.
+    `process`: this process's index in its slice (process p of each member slice forms a group
+    with process p of the others)."""
     if backend == "gloo":
         from resilient_jax.elastic.gloo import GlooExchange  # torch: the optional extra
 
-        return GlooExchange(host, timeout_s)
+        return GlooExchange(host, timeout_s, process)
     raise ValueError(f"unknown elastic.backend {backend!r}")

@@ -1,7 +1,9 @@
 """`Exchange` on the gloo process group of `torch.distributed` (CPU, TCP): the reference backend.
 
 Every process hosts a `TCPStore` for its whole life; a quorum rendezvouses on the store of its
-first member, under the quorum's id as key prefix, so groups of successive quorums never mix. The
+first member (its process 0's), under the quorum's id as key prefix, so groups of successive
+quorums never mix; in slices of several processes, process p of each member forms a group of its
+own with process p of the others, under a prefix of its own. The
 group is created directly (`ProcessGroupGloo(store, rank, size, timeout)`), not through
 `init_process_group`, so that it can be dropped and formed again in the same process. Gloo
 notices a killed peer at once (its TCP connection resets) and a hung one after `timeout_s`; both
@@ -28,8 +30,9 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 
 class GlooExchange:
-    def __init__(self, host: str, timeout_s: float) -> None:
+    def __init__(self, host: str, timeout_s: float, process: int = 0) -> None:
         self._timeout = datetime.timedelta(seconds=timeout_s)
+        self._process = process  # this process's index in its slice: its group's key prefix
         # Port 0: the kernel picks a free port; members learn it from the quorum.
         self._own_store = dist.TCPStore(
             host, 0, is_master=True, wait_for_workers=False, timeout=self._timeout
@@ -49,7 +52,11 @@ class GlooExchange:
             store = dist.TCPStore(
                 host, int(port), is_master=False, wait_for_workers=False, timeout=self._timeout
             )
-            prefixed = dist.PrefixStore(f"quorum/{quorum.quorum_id}", store)
+            # Process p of each member slice forms the group of index p: each its own keys.
+            prefix = f"quorum/{quorum.quorum_id}"
+            if self._process:
+                prefix = f"quorum-p{self._process}/{quorum.quorum_id}"
+            prefixed = dist.PrefixStore(prefix, store)
             self._group = dist.ProcessGroupGloo(prefixed, self._rank, self._size, self._timeout)
         except (RuntimeError, ValueError) as e:  # DistStoreError, DistNetworkError, timeouts
             raise ExchangeError(f"forming quorum {quorum.quorum_id}: {_one_line(e)}") from e

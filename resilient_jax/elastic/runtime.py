@@ -3,7 +3,9 @@
 `start` is what `run.py` calls instead of restoring or initialising the state, compiling the
 single-runtime step and opening the batch loader; it returns the loop's step function and loader
 with the state the slice trains from: the newest one a live slice sent it, or, when no slice of the
-job has one, its own (restored or initialised then). `ElasticSession` closes the exchange and the
+job has one, its own (restored or initialised then). A slice may be several processes (one JAX
+runtime among them): process 0 talks to the quorum server, and the processes act as one member
+(`slice_link`). `ElasticSession` closes the exchange and the
 connection to the quorum server at the end of the run.
 """
 
@@ -24,6 +26,7 @@ from resilient_jax.elastic.data import StepIndex
 from resilient_jax.elastic.diloco import SyncIntervalStep
 from resilient_jax.elastic.exchange import Exchange, make_exchange
 from resilient_jax.elastic.quorum_client import QuorumClient
+from resilient_jax.elastic.slice_link import SliceExchange, SliceLink
 from resilient_jax.elastic.trainer import ElasticStep, Programs, compile_programs
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook
@@ -31,11 +34,12 @@ from resilient_jax.train.state import TrainState
 
 
 class ElasticSession(Hook):
-    def __init__(self, exchange: Any, client: QuorumClient) -> None:
+    def __init__(self, exchange: Any, client: QuorumClient | None) -> None:
         self._exchange, self._client = exchange, client
 
     def close(self) -> None:
-        self._client.close()
+        if self._client is not None:
+            self._client.close()
         self._exchange.close()
 
 
@@ -67,7 +71,8 @@ class Warm(Hook):
 
 def warm_up(ctx: RunContext) -> Warm:
     e = ctx.config.elastic
-    exchange = make_exchange(e.backend, e.host or socket.gethostname(), float(e.timeout_s))
+    host = e.host or socket.gethostname()
+    exchange = make_exchange(e.backend, host, float(e.timeout_s), jax.process_index())
     try:
         return Warm(exchange, compile_programs(ctx))
     except BaseException:
@@ -86,18 +91,22 @@ def start(
     calls `load` (restore or initialise) only when no live slice has a state to heal this one.
     `warm`: what a standby built ahead (`warm_up`), else built here."""
     this_slice = slice_id(environ)
-    if jax.process_count() > 1:
-        raise BadInput("elastic.enabled: a slice is one process (its own JAX runtime) for now")
+    e = ctx.config.elastic
     warm = warm or warm_up(ctx)
-    exchange = warm.exchange
-    client = QuorumClient(
-        environ[env_vars.QUORUM_ADDRESS], environ.get(env_vars.RUN_TOKEN, ""), this_slice
-    )
+    exchange: Exchange = warm.exchange
+    # A slice of several processes: process 0 alone asks for quorums; every exchange is agreed on.
+    link = SliceLink.of_runtime(float(e.quorum_timeout_s) + 2 * float(e.timeout_s) + 30.0)
+    client = None
+    if link is None or link.process == 0:
+        token = environ.get(env_vars.RUN_TOKEN, "")
+        client = QuorumClient(environ[env_vars.QUORUM_ADDRESS], token, this_slice)
+    if link is not None:
+        exchange = SliceExchange(exchange, link)
     session = ElasticSession(exchange, client)
     try:
-        kind = SyncIntervalStep if int(ctx.config.elastic.sync_every_steps) > 1 else ElasticStep
+        kind = SyncIntervalStep if int(e.sync_every_steps) > 1 else ElasticStep
         step = kind(
-            ctx, source, exchange, exchange.store_address, client, this_slice, warm.programs
+            ctx, source, exchange, exchange.store_address, client, this_slice, warm.programs, link
         )
         state, position = step.join(load)
     except BaseException:

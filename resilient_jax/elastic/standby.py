@@ -1,12 +1,13 @@
 """A warm standby slice's wait for the identity of the slice it replaces.
 
-In elastic mode the supervisor keeps a spare slice process started ahead (`elastic.standby`): it
-has imported everything, built its runtime, loaded its steps from the job's executable cache and
-opened its exchange, and waits here, on a connection to the quorum server, blocked in a read (no
-CPU) until the supervisor gives it a dead slice's identity (`control.quorum.MSG_ASSIGN`). It then
-becomes that slice (its workdir, events, output) and joins the next quorum, healing from a live
-slice. A restarted supervisor listens on the same address: the standby connects again and
-registers again; a supervisor away for longer than `give_up_s` ends it.
+In elastic mode the supervisor keeps a spare slice started ahead (`elastic.standby`; each of its
+processes waits here alike, and all are given the same identity): it has imported everything,
+built its runtime, loaded its steps from the job's executable cache and opened its exchange, and
+waits here, on a connection to the quorum server, blocked in a read (no CPU) until the supervisor
+gives it a dead slice's identity (`control.quorum.MSG_ASSIGN`). It then becomes that slice (its
+workdir, events, output) and joins the next quorum, healing from a live slice. A restarted
+supervisor listens on the same address: the standby connects again and registers again; a
+supervisor away for longer than `give_up_s` ends it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Mapping
 
 from resilient_jax.contracts import env_vars
 from resilient_jax.control import protocol
+from resilient_jax.control.elastic_slice import output_file
 from resilient_jax.control.quorum import MSG_ASSIGN, MSG_STANDBY
 
 RETRY_S = 0.5  # how often an absent quorum server is tried again
@@ -68,9 +70,9 @@ def wait_for_assignment(
         time.sleep(RETRY_S)
 
 
-def become(assignment: Assignment, environ: dict[str, str] | None = None) -> None:
-    """Takes the assigned slice's identity in this process: its id in the environment (what an
-    elastic slice reads) and its `output.log` as stdout and stderr."""
+def become(assignment: Assignment, environ: dict[str, str] | None = None, process: int = 0) -> None:
+    """Takes the assigned slice's identity in this process (`process` of the slice's): its id in
+    the environment (what an elastic slice reads) and its output file as stdout and stderr."""
     environ = os.environ if environ is None else environ
     environ[env_vars.ELASTIC_SLICE] = str(assignment.slice_id)
     environ.pop(env_vars.ELASTIC_STANDBY, None)
@@ -78,7 +80,7 @@ def become(assignment: Assignment, environ: dict[str, str] | None = None) -> Non
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(
-        os.path.join(assignment.workdir, "output.log"),
+        os.path.join(assignment.workdir, output_file(process)),
         os.O_WRONLY | os.O_APPEND | os.O_CREAT,
         0o644,
     )

@@ -16,7 +16,9 @@ With a sync interval (`elastic.sync_every_steps` > 1) the slices exchange, every
 delta of their parameters from the outer ones (`delta`), and `outer` makes the outer step.
 
 `state_bytes` / `state_from_bytes` turn the state into one uint8 buffer and back, for a joining
-slice to heal from a live one (device to host, the exchange's broadcast, host to device).
+slice to heal from a live one (device to host, the exchange's broadcast, host to device): this
+process's pieces of it, so that in slices of several processes each heals its counterpart. Host
+arrays go into the programs through `global_array` (each process puts its own devices' pieces).
 """
 
 from __future__ import annotations
@@ -126,28 +128,74 @@ def compile_apply(ctx: RunContext) -> tuple[object, bool]:
     )
 
 
+def _local_pieces(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list[tuple]:
+    """The distinct indices of an array's pieces that this process holds, in a fixed order (the
+    same on every slice of the same shape: process p of one slice holds the pieces process p of
+    another holds)."""
+    held = sharding.addressable_devices_indices_map(shape).values()
+    indices = {_index_key(i, shape): i for i in held}
+    return [indices[k] for k in sorted(indices)]
+
+
+def _index_key(index: tuple, shape: tuple[int, ...]) -> tuple:
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+
+
 def state_bytes(state: TrainState) -> np.ndarray:
-    """Every leaf of the state, in tree order, as one uint8 buffer (pulls the state to the host)."""
-    leaves = jax.device_get(jax.tree.leaves(state))
-    return np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in leaves])
+    """Every leaf of the state, in tree order, as one uint8 buffer (pulls the state to the host):
+    of each leaf, one copy of each distinct piece this process holds, in `_local_pieces` order.
+    A slice of one process holds every piece; in a slice of several, process p of one slice
+    heals process p of another (the same slice shape: the same pieces)."""
+    parts = []
+    for a in jax.tree.leaves(state):
+        shards = {_index_key(s.index, a.shape): s for s in a.addressable_shards}
+        for key in sorted(shards):
+            parts.append(np.ascontiguousarray(shards[key].data).reshape(-1).view(np.uint8))
+    return np.concatenate(parts)
+
+
+def _pieces(a: jax.ShapeDtypeStruct) -> list[tuple[tuple, tuple[int, ...], int]]:
+    """(index key, shape, bytes) of each piece of a leaf in `state_bytes`."""
+    itemsize = np.dtype(a.dtype).itemsize
+    out = []
+    for index in _local_pieces(a.sharding, a.shape):
+        key = _index_key(index, a.shape)
+        shape = tuple(stop - start for start, stop in key)
+        out.append((key, shape, int(np.prod(shape)) * itemsize))
+    return out
 
 
 def state_nbytes(ctx: RunContext) -> int:
-    leaves = jax.tree.leaves(ctx.abstract_state)
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in leaves)
+    return sum(n for a in jax.tree.leaves(ctx.abstract_state) for _, _, n in _pieces(a))
 
 
 def state_from_bytes(ctx: RunContext, buffer: np.ndarray) -> TrainState:
-    """The state `state_bytes` made, on this slice's mesh with the run's shardings."""
-    abstract = ctx.abstract_state
-    leaves, tree = jax.tree.flatten(abstract)
+    """The state `state_bytes` made, on this slice's mesh with the run's shardings (each device
+    gets the piece of its index)."""
+    leaves, tree = jax.tree.flatten(ctx.abstract_state)
     arrays, offset = [], 0
     for a in leaves:
-        size = int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-        host = buffer[offset : offset + size].view(a.dtype).reshape(a.shape)
-        arrays.append(jax.device_put(host, a.sharding))
-        offset += size
+        pieces = {}
+        for key, shape, size in _pieces(a):
+            pieces[key] = buffer[offset : offset + size].view(a.dtype).reshape(shape)
+            offset += size
+        arrays.append(
+            jax.make_array_from_callback(
+                a.shape, a.sharding, lambda i, a=a, p=pieces: p[_index_key(i, a.shape)]
+            )
+        )
     return jax.tree.unflatten(tree, arrays)
+
+
+def global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """A host array every process of the slice holds alike, as a program's input: each process
+    puts only its own devices' pieces (a slice may span several processes)."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def replicated_input(ctx: RunContext, host: np.ndarray) -> jax.Array:
+    """A host vector (the exchanged sums, a mean delta) replicated over this slice's mesh."""
+    return global_array(host, mesh_lib.replicated(ctx.mesh))
 
 
 def compile_delta(ctx: RunContext) -> tuple[object, bool]:
@@ -193,11 +241,12 @@ def compile_outer(ctx: RunContext) -> tuple[object, bool]:
     )
 
 
-def host_copy(state: TrainState) -> TrainState:
-    """The state on the host, in arrays of its own (the device's may be donated later)."""
-    return jax.tree.map(lambda a: np.array(a, copy=True), jax.device_get(state))
+def host_copy(state: TrainState) -> np.ndarray:
+    """The state on the host, in a buffer of its own (the device's may be donated later): this
+    process's pieces, as `state_bytes`."""
+    return state_bytes(state)
 
 
-def to_device(ctx: RunContext, host: TrainState) -> TrainState:
+def to_device(ctx: RunContext, host: np.ndarray) -> TrainState:
     """A `host_copy` back on this slice's mesh with the run's shardings."""
-    return jax.device_put(host, jax.tree.map(lambda a: a.sharding, ctx.abstract_state))
+    return state_from_bytes(ctx, host)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,7 @@ from resilient_jax.elastic import step as elastic_step
 from resilient_jax.elastic.data import PartRows, owned_parts
 from resilient_jax.elastic.exchange import NO_STATE, Exchange, ExchangeError, Quorum, Transfer
 from resilient_jax.elastic.quorum_client import QuorumClient
+from resilient_jax.elastic.slice_link import SliceLink
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import Metrics
@@ -88,11 +90,11 @@ def _first_run(ctx: RunContext, gradient_sums: Any) -> None:
     which the members training would otherwise wait for at a joining slice's first exchange. A
     warm standby pays it ahead, while it waits."""
     params = jax.tree.map(
-        lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding),
+        lambda a: elastic_step.global_array(np.zeros(a.shape, a.dtype), a.sharding),
         ctx.abstract_state.params,
     )
     shape = elastic_step.part_shape(ctx)
-    batch = jax.device_put(np.zeros(shape, np.int32), mesh_lib.batch_sharding(ctx.mesh))
+    batch = elastic_step.global_array(np.zeros(shape, np.int32), mesh_lib.batch_sharding(ctx.mesh))
     np.asarray(gradient_sums(params, batch))
 
 
@@ -119,11 +121,13 @@ class ElasticStep:
         source: Any,
         exchange: Exchange,
         store_address: str,
-        client: QuorumClient,
+        client: QuorumClient | None,
         slice_id: int,
         programs: Programs | None = None,
+        link: SliceLink | None = None,
     ) -> None:
-        self._ctx, self._exchange, self._client = ctx, exchange, client
+        # In a slice of several processes (`link`), only process 0 has a quorum client.
+        self._ctx, self._exchange, self._client, self._link = ctx, exchange, client, link
         self._store = store_address
         self._slice = slice_id
         self._e = ctx.config.elastic
@@ -226,6 +230,28 @@ class ElasticStep:
     def _quorum_of(self, step: int) -> Quorum:
         if self._decided is not None and self._decided[0] == step:
             return self._decided[1]
+        if self._link is None:
+            quorum, decided = self._ask(step)
+        elif self._link.process == 0:  # asks, and hands the answer to the slice's others
+            try:
+                quorum, decided = self._ask(step)
+            except NoQuorum as e:
+                self._link.share(json.dumps({"error": str(e)}))
+                raise
+            self._link.share(json.dumps({"quorum": quorum.to_json(), "decided": decided}))
+        else:
+            answer = json.loads(self._link.share(None))
+            if "error" in answer:
+                raise NoQuorum(answer["error"])
+            quorum, decided = Quorum.from_json(answer["quorum"]), answer["decided"]
+        if decided:
+            self._decided = (step, quorum)
+        return quorum
+
+    def _ask(self, step: int) -> tuple[Quorum, bool]:
+        """The quorum server's quorum of `step` (True), or, when it does not answer, the last
+        quorum to train on with (False)."""
+        assert self._client is not None
         deadline = time.monotonic() + float(self._e.quorum_timeout_s)
         # A group that broke asks the server to re-form without whoever stays silent; a slice
         # that never had one (starting, joining) only waits to be let in.
@@ -237,10 +263,9 @@ class ElasticStep:
             timeout_s = float(self._e.timeout_s)
             quorum = self._client.request(step, self._store, reform, timeout_s, last)
             if quorum is not None:
-                self._decided = (step, quorum)
-                return quorum
+                return quorum, True
             if not self._broken and self._quorum is not None:
-                return self._quorum  # no answer: train on with the last quorum
+                return self._quorum, False  # no answer: train on with the last quorum
             if time.monotonic() > deadline:
                 raise NoQuorum(
                     f"elastic: no quorum for step {step} within elastic.quorum_timeout_s="
@@ -379,12 +404,13 @@ class ElasticStep:
 
     # The step's work.
 
-    def _in_part_order(self, summed: np.ndarray) -> np.ndarray:
-        """The exchanged rows added up in part order: the same bits on every member."""
+    def _in_part_order(self, summed: np.ndarray) -> jax.Array:
+        """The exchanged rows added up in part order (the same bits on every member), as
+        `apply`'s input."""
         total = summed[0].copy()
         for part in range(1, self._parts):
             total += summed[part]
-        return total
+        return elastic_step.replicated_input(self._ctx, total)
 
     def _contributions(
         self, state: TrainState, batch_index: int, owned: list[int], rows: dict[int, np.ndarray]
