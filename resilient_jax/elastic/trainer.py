@@ -15,6 +15,11 @@ and is redone, computing only the parts this slice newly owns (the rows it alrea
 this state are kept: the same bits as computing them again). Without a quorum server (the
 supervisor is down or restarting) a slice keeps the last quorum and trains on; only a failed
 exchange with no server to re-form through ends the run (after `elastic.quorum_timeout_s`).
+
+In a slice of several processes every process runs this step alike (`slice_link`): process 0
+asks for the quorum and shares it, each process exchanges the whole buffer with its counterparts
+in the other slices, and the exchange's outcome is agreed on, so the processes never part ways.
+The `digest` of a step's event is of this process's pieces of the parameters.
 """
 
 from __future__ import annotations
