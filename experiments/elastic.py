@@ -7,7 +7,7 @@ replacement heals and joins, and goodput under a slice kill a minute.
 Runs the real trainer (`launch/train.py`, configs/tiny_cpu.py: the 3.7M-parameter model, batch
 16 x 128 tokens) on 2 slices x 1 process x 2 CPU devices.
 
-`--mode=kill` (default), four runs one after the other:
+`--mode=kill` (default), five runs one after the other:
 
 - `single_runtime`: today's default, the supervisor and one JAX runtime over both slices,
   undisturbed: the step time the elastic mode is compared with.
@@ -15,16 +15,21 @@ Runs the real trainer (`launch/train.py`, configs/tiny_cpu.py: the 3.7M-paramete
   exchange on the host) and its per-step parameter digests.
 - `elastic_kill`: as `elastic`, slice 1's worker SIGKILLed once slice 0 has logged `fault_step`
   and the warm standby slice (`elastic.standby`) waits at the join point; the elastic supervisor
-  gives the standby slice 1's identity at once, and it heals from slice 0 and joins.
+  gives the standby slice 1's identity at once, and it heals from slice 0 and joins. The standby
+  runs under SCHED_IDLE until then (`elastic.standby_idle_cpu`, its default).
+- `elastic_kill_standby_normal_cpu`: the same with `elastic.standby_idle_cpu=false`: the standby,
+  and the next one started after the join, at the slices' own CPU priority (the code before).
 - `elastic_kill_cold`: the same with `elastic.standby=false`: the supervisor starts a replacement
   process at once, which starts up (its steps loaded from the job's executable cache; no state
   initialised: it heals), heals from slice 0 and joins. Measured from the events, in that one
   run: the survivor's stall (from the kill to its next step; and that step interval less the
   median one), the steps redone (exchanges that failed), the replacement's time from its spawn to
   the heal and to its first step in the quorum (and from the kill to the heal), the heal's own
-  transfer time, and the survivor's step intervals around the join against its median step with
-  2 slices (the pause at the join); and whether every step's parameters, on both slices, equal
-  the undisturbed run's bit for bit.
+  transfer time, and the survivor's step intervals around the join; the pause at the join (the
+  survivor's time beyond its own work over the join step, the heal's step, in which it computes
+  every part while it hands the state over, and the two after it; a join step that is also the
+  survivor's first step after the kill is the stall and not counted again: `analyze_join`); and
+  whether every step's parameters, on both slices, equal the undisturbed run's bit for bit.
 
 `--mode=chaos`, two runs of `--chaos_s` seconds of training each (from each run's first step;
 the whole run is cut by the supervisor's time limit), one after the other:
@@ -207,8 +212,18 @@ def standby_ready(workdir: str) -> bool:
     return any(e["type"] == "elastic_standby_ready" for e in rows)
 
 
-def elastic_kill(root: str, reference: dict[int, str], standby: bool) -> dict[str, Any]:
-    workdir = os.path.join(root, "elastic_kill" if standby else "elastic_kill_cold")
+# The kill runs: name, a warm standby, the standby under SCHED_IDLE until it is given a slice.
+KILLS = (
+    ("elastic_kill", True, True),
+    ("elastic_kill_standby_normal_cpu", True, False),
+    ("elastic_kill_cold", False, True),
+)
+
+
+def elastic_kill(
+    root: str, name: str, reference: dict[int, str], standby: bool, idle_cpu: bool
+) -> dict[str, Any]:
+    workdir = os.path.join(root, name)
     killed: dict[str, float] = {}
 
     def kill(supervisor) -> bool:
@@ -223,7 +238,8 @@ def elastic_kill(root: str, reference: dict[int, str], standby: bool) -> dict[st
             json.dump(killed, f)
         return True
 
-    result = run_elastic(workdir, during=kill, extra={"elastic.standby": standby})
+    extra = {"elastic.standby": standby, "elastic.standby_idle_cpu": idle_cpu}
+    result = run_elastic(workdir, during=kill, extra=extra)
     return {"exit_code": result.exit_code, **analyze_kill(workdir, reference)}
 
 
@@ -266,15 +282,27 @@ def analyze_kill(workdir: str, reference: dict[int, str]) -> dict[str, Any]:
         and all(reference[s] == d for s, d in replacement.items()),
         "rejoined": any(e["slices"] == [0, 1] for e in after),
     }
-    out.update(analyze_join(workdir, survivor, median, t_kill))
+    out.update(analyze_join(workdir, survivor, median, out["median_step_alone_s"], t_kill))
     return out
 
 
 def analyze_join(
-    workdir: str, survivor: list[dict[str, Any]], median: float, t_kill: float
+    workdir: str,
+    survivor: list[dict[str, Any]],
+    median: float,
+    median_alone: float | None,
+    t_kill: float,
 ) -> dict[str, Any]:
     """The replacement's heal and join, and the survivor's step intervals around it. With a warm
-    standby, its "spawn" is the supervisor giving it slice 1 (it was started long before)."""
+    standby, its "spawn" is the supervisor giving it slice 1 (it was started long before).
+
+    The join step is the heal's step: the handover, in which the survivor computes every part
+    (as alone) while it sends the state, and the replacement trains its own part from the next
+    step. The pause at the join is the survivor's time beyond its own work over the join step and
+    the two after it: a step of every part against its median step alone, a step of its own part
+    against its median with 2 slices. A join step that is also the survivor's first step after the
+    kill (the standby joined the first quorum without slice 1's old worker) is the stall, measured
+    as such, and is not counted again here."""
     starts = [e for e in read(os.path.join(workdir, "events.jsonl"))]
     spawned = [e for e in starts if e["type"] == "elastic_slice_start" and e["slice"] == 1][-1]
     pid = spawned["pid"]
@@ -285,7 +313,7 @@ def analyze_join(
     heal = heals[-1]
     compiles = [e for e in slice_events(workdir, 1, "compile") if e["pid"] == pid]
     inits = [e for e in slice_events(workdir, 1, "init") if e["pid"] == pid]
-    # The survivor's step intervals: the last ones alone, the join step, the first ones after.
+    # The survivor's step intervals: the last ones before the join, the join step, the next.
     joined = heal["step"]
     by_step = {e["step"]: e for e in survivor}
     intervals = {
@@ -293,6 +321,15 @@ def analyze_join(
         for s in range(joined - 2, joined + 4)
         if s in by_step and s - 1 in by_step
     }
+    first_after_kill = next(e["step"] for e in survivor if e["time"] >= t_kill)
+    excess = {}
+    for s in range(joined, joined + 3):
+        if s not in intervals or s == first_after_kill:
+            continue
+        own_work = median_alone if len(by_step[s]["owned"]) == 2 else median
+        if own_work is not None:
+            excess[s] = intervals[s] - own_work
+    pause = sum(excess.values())
     after = [by_step[s]["time"] - by_step[s - 1]["time"] for s in by_step if s - 1 in by_step]
     after = after[joined + 3 :]  # steps are 1..N: index s-2 is step s; from joined + 5 on
     replacement_digests = {e["step"]: e["digest"] for e in steps}
@@ -320,8 +357,10 @@ def analyze_join(
         "heal_bytes": heal["bytes"],
         "survivor_step_intervals_around_join_s": {str(k): v for k, v in intervals.items()},
         "median_step_after_join_s": statistics.median(after) if after else None,
-        "join_pause_s": intervals.get(joined + 1, float("nan")) - median,
-        "join_pause_in_steps": intervals.get(joined + 1, float("nan")) / median,
+        "join_step_is_the_stall": joined == first_after_kill,
+        "survivor_excess_over_own_work_s": {str(k): v for k, v in excess.items()},
+        "join_pause_s": pause,
+        "join_pause_in_steps": pause / median,
         "replicas_bitwise_equal_after_join": all(
             survivor_digests.get(s) == d for s, d in replacement_digests.items()
         ),
@@ -498,16 +537,16 @@ def main(argv_: list[str]) -> None:
         results["single_runtime"] = single_runtime_result(os.path.join(root, "single_runtime"), 0)
         results["elastic"] = elastic_result(os.path.join(root, "elastic"), 0)
         reference = results["elastic"].pop("digests")
-        kill_dir = os.path.join(root, "elastic_kill")
-        results["elastic_kill"] = {"exit_code": 0, **analyze_kill(kill_dir, reference)}
-        cold_dir = os.path.join(root, "elastic_kill_cold")
-        results["elastic_kill_cold"] = {"exit_code": 0, **analyze_kill(cold_dir, reference)}
+        for name, _, _ in KILLS:
+            if os.path.isdir(os.path.join(root, name)):
+                kill_dir = os.path.join(root, name)
+                results[name] = {"exit_code": 0, **analyze_kill(kill_dir, reference)}
     else:
         results["single_runtime"] = single_runtime(root)
         results["elastic"] = elastic(root)
         reference = results["elastic"].pop("digests")
-        results["elastic_kill"] = elastic_kill(root, reference, standby=True)
-        results["elastic_kill_cold"] = elastic_kill(root, reference, standby=False)
+        for name, standby, idle_cpu in KILLS:
+            results[name] = elastic_kill(root, name, reference, standby, idle_cpu)
     single, plain = results["single_runtime"], results["elastic"]
     results["step_time_ratio_elastic_to_single"] = plain["median_step_s"] / single["median_step_s"]
     add_before(results)
@@ -515,17 +554,18 @@ def main(argv_: list[str]) -> None:
     with open(os.path.join(RESULTS, "elastic.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(f"{'scenario':<18} {'median step s':>14}")
-    for name in ("single_runtime", "elastic", "elastic_kill", "elastic_kill_cold"):
-        print(f"{name:<18} {results[name]['median_step_s']:>14.3f}")
+    kills = [name for name, _, _ in KILLS if name in results]
+    for name in ("single_runtime", "elastic", *kills):
+        print(f"{name:<32} {results[name]['median_step_s']:>14.3f}")
     print(f"elastic / single-runtime step time: {results['step_time_ratio_elastic_to_single']:.2f}")
-    warm, cold = results["elastic_kill"], results["elastic_kill_cold"]
-    print(f"  {'':<36} {'standby':>10} {'cold':>10}")
-    for key, value in warm.items():
+    columns = {"elastic_kill": "standby", "elastic_kill_standby_normal_cpu": "standby, normal cpu"}
+    print(f"  {'':<36}" + "".join(f"{columns.get(k, 'cold'):>20}" for k in kills))
+    for key, value in results["elastic_kill"].items():
         if isinstance(value, dict):
             continue
-        other = cold.get(key)
-        cells = [v if not isinstance(v, float) else round(v, 3) for v in (value, other)]
-        print(f"  {key:<36} {cells[0]!s:>10} {cells[1]!s:>10}")
+        row = [results[k].get(key) for k in kills]
+        cells = [v if not isinstance(v, float) else round(v, 3) for v in row]
+        print(f"  {key:<36}" + "".join(f"{c!s:>20}" for c in cells))
     plot(results)
 
 

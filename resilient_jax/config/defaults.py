@@ -284,6 +284,11 @@ def default_config() -> ml_collections.ConfigDict:
     # within about a second instead of a cold start's tens of seconds; a new standby is then
     # started. Costs one process's memory while idle (on a cluster: a spare host).
     c.elastic.standby = True
+    # The standby runs under SCHED_IDLE (only on CPU no slice wants) until it is given a slice,
+    # then under the supervisor's own policy again: on a host it shares with training slices its
+    # start-up (about 20 s of CPU) does not slow their steps. Only where the supervisor may raise
+    # a thread back (CAP_SYS_NICE or RLIMIT_NICE 20, Linux); elsewhere it starts at normal priority.
+    c.elastic.standby_idle_cpu = True
     c.elastic.check_every_steps = 0  # a sha256 of the parameters in every Nth step's event; 0 = off
     # Sync interval (DiLoCo): every slice takes this many inner steps with its own optimizer on
     # its share of each global batch, then the slices average their parameter deltas and an outer

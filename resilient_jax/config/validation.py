@@ -389,7 +389,8 @@ def _validate_elastic(config: ml_collections.ConfigDict) -> None:
         _fail(
             "elastic.slices", e.slices, f"must divide global_batch_size={config.global_batch_size}"
         )
-    if not isinstance(e.standby, bool):
-        _fail("elastic.standby", e.standby, "must be true or false")
+    for key in ("standby", "standby_idle_cpu"):
+        if not isinstance(e[key], bool):
+            _fail(f"elastic.{key}", e[key], "must be true or false")
     if e.check_every_steps < 0:
         _fail("elastic.check_every_steps", e.check_every_steps, "must be >= 0 (0 = off)")

@@ -21,7 +21,9 @@ started ahead that wait, idle, at the join point (`<workdir>/standby/`: their ou
 until they are given a slice). A lost slice's identity goes to it at once (no restart delay: it
 heals and joins within about a second), and a new standby is started; only when none is running
 is a replacement started cold. A standby that dies is started again; at the run's end it is
-ended by its pids.
+ended by its pids. Until it is given a slice the standby runs under SCHED_IDLE
+(`elastic.standby_idle_cpu`, `standby_cpu`): on a host shared with the slices its start-up takes
+only the CPU they leave idle.
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ import ml_collections
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.control import agent_protocol, compile_cache, elastic_state, processes, protocol
+from resilient_jax.control import (
+    agent_protocol,
+    compile_cache,
+    elastic_state,
+    processes,
+    protocol,
+    standby_cpu,
+)
 from resilient_jax.control.elastic_slice import SliceProcesses, output_file, runtime_env
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.worker_env import shared_env
@@ -136,6 +145,7 @@ class ElasticSupervisor:
         self.workers: dict[int, SliceProcesses] = {}
         self.adopted: list[int] = []
         self._standby_enabled = bool(config.elastic.standby)
+        self._standby_idle = self._standby_enabled and _idle_cpu_usable(config, self._say)
         self.standby: SliceProcesses | None = None
         self._standby_at: float | None = None  # when to start the next standby
         # the slice given to the last standby, its pid, when
@@ -166,6 +176,9 @@ class ElasticSupervisor:
         self._standby_at = None
         workdir = standby_workdir(self._workdir)
         self.standby = self._spawn(STANDBY, workdir, {env_vars.ELASTIC_STANDBY: "1"})
+        if self._standby_idle:  # before their first threads: every thread they make inherits it
+            for pid in self.standby.pids:
+                standby_cpu.lower(pid)
         self._save_state()
         self._events.emit(
             EventType.ELASTIC_STANDBY_START, pid=self.standby.pid, **_pids(self.standby)
@@ -298,7 +311,9 @@ class ElasticSupervisor:
             if isinstance(member, elastic_state.AdoptedWorker):  # its `stop` event goes there now
                 member.workdir = slice_workdir(self._workdir, slice_id)
         self._save_state()  # first: a supervisor restarted from here on knows it as the slice
+        raised = 0
         for pid in worker.pids:  # every process of the standby becomes this slice's
+            raised += standby_cpu.restore(pid) if self._standby_idle else 0
             self.quorum.assign(pid, slice_id, slice_workdir(self._workdir, slice_id))
         self._events.emit(
             EventType.ELASTIC_SLICE_START,
@@ -306,6 +321,7 @@ class ElasticSupervisor:
             pid=worker.pid,
             standby=True,
             **_pids(worker),
+            threads_raised=raised,
         )
         self._say(f"slice {slice_id} given to the standby ({_describe(worker)})")
         # The next standby starts once this one has joined (its start-up would take CPU from the
@@ -467,3 +483,17 @@ def _describe(worker: SliceProcesses) -> str:
     if len(worker.members) == 1:
         return f"pid {worker.pid}"
     return "pids " + ", ".join(str(pid) for pid in worker.pids)
+
+
+def _idle_cpu_usable(config: ml_collections.ConfigDict, say: Callable[[str], None]) -> bool:
+    """Whether the standby runs under SCHED_IDLE until it is given a slice (`standby_cpu`):
+    `elastic.standby_idle_cpu`, where this process may raise its threads back."""
+    if not config.elastic.standby_idle_cpu:
+        return False
+    if standby_cpu.raising_permitted():
+        return True
+    say(
+        "the standby starts at normal CPU priority: this process may not raise a thread out of "
+        "SCHED_IDLE (needs CAP_SYS_NICE or RLIMIT_NICE 20, on Linux)"
+    )
+    return False

@@ -1,0 +1,101 @@
+"""The warm standby's CPU priority on a host it shares with training slices (Linux).
+
+A standby's start-up (Python imports, the JAX runtime, loading the job's executables, a first run
+of its gradient-sums program: about 20 s of CPU for tiny_cpu) is work nobody waits for. On a host
+where slices train, at normal priority it takes their CPU for those seconds, right after each join
+(the next standby starts then). So the elastic supervisor puts the standby under SCHED_IDLE (it runs
+only on CPU no other thread wants) from its spawn until it is given a slice, and puts every thread
+of it back under the supervisor's own policy (the one its slices inherit) before it sends the
+slice's identity: the takeover and the slice's training run at full priority.
+
+The policy belongs to each thread, and a thread inherits its creator's at creation. Set right
+after the spawn, while Python has not started a thread of its own, every thread the standby later
+creates (XLA's pools, gloo's) inherits it; `set_policy` goes over /proc/<pid>/task again until a
+pass finds nothing left to change, so a thread created meanwhile by one not yet changed is caught.
+Taking a thread out of SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of 20 (sched(7)); where that
+is not permitted (`raising_permitted`) the standby keeps the normal priority, since a slice left
+under SCHED_IDLE would starve.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+MAX_PASSES = 10  # passes over a process's threads; each finds only threads created meanwhile
+
+
+def supported() -> bool:
+    """Per-thread scheduling policies through /proc (Linux)."""
+    return hasattr(os, "SCHED_IDLE") and os.path.isdir("/proc/self/task")
+
+
+def thread_ids(pid: int) -> list[int]:
+    """The ids of process `pid`'s threads ([] for a process that has ended)."""
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return []
+
+
+def set_policy(pid: int, policy: int, priority: int = 0, only_from: int | None = None) -> int:
+    """Sets `policy` on every thread of process `pid` (with `only_from`: on those under that
+    policy), pass after pass until one changes nothing; returns how many threads it changed.
+    Threads that end meanwhile are skipped; raises PermissionError where the change is refused."""
+    changed_in_all = 0
+    for _ in range(MAX_PASSES):
+        changed = 0
+        for tid in thread_ids(pid):
+            try:
+                current = os.sched_getscheduler(tid)
+                if current == policy or (only_from is not None and current != only_from):
+                    continue
+                os.sched_setscheduler(tid, policy, os.sched_param(priority))
+            except ProcessLookupError:  # the thread ended
+                continue
+            changed += 1
+        if not changed:
+            break
+        changed_in_all += changed
+    return changed_in_all
+
+
+def own_policy() -> tuple[int, int]:
+    """This process's policy and static priority: what the slices it starts inherit."""
+    return os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
+
+
+def lower(pid: int) -> int:
+    """Puts every thread of process `pid` under SCHED_IDLE; returns how many it changed."""
+    return set_policy(pid, os.SCHED_IDLE)
+
+
+def restore(pid: int) -> int:
+    """Puts every SCHED_IDLE thread of process `pid` back under this process's own policy;
+    returns how many it changed."""
+    policy, priority = own_policy()
+    return set_policy(pid, policy, priority, only_from=os.SCHED_IDLE)
+
+
+def raising_permitted() -> bool:
+    """Whether this process may take a thread out of SCHED_IDLE (tried on a thread of its own,
+    which ends after the try)."""
+    if not supported():
+        return False
+    policy, priority = own_policy()
+    permitted: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))  # lowering: always allowed
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(priority))
+        except PermissionError:
+            permitted.append(False)
+        else:
+            permitted.append(True)
+
+    thread = threading.Thread(target=probe, name="sched-idle-probe", daemon=True)
+    thread.start()
+    thread.join()
+    return permitted == [True]

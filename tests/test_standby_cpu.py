@@ -1,0 +1,135 @@
+"""The warm standby's CPU priority (`control.standby_cpu`): every thread of a process put under
+SCHED_IDLE, threads it creates afterwards inheriting it, every one put back under the supervisor's
+policy; and the elastic supervisor doing so around a standby's wait (stand-in processes, no JAX)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+from resilient_jax.config import default_config
+from resilient_jax.control import elastic, standby_cpu
+from resilient_jax.control.elastic import ElasticSupervisor
+from resilient_jax.events import read_events
+
+pytestmark = pytest.mark.skipif(
+    not standby_cpu.raising_permitted(),
+    reason="needs Linux and the right to raise a thread out of SCHED_IDLE",
+)
+
+# Starts 3 threads, says "ready"; at a line on stdin one of those threads starts another, which
+# says "made"; at end of input it exits.
+_THREADS = """
+import sys, threading
+made = threading.Event()
+def wait():
+    made.wait()
+def maker():
+    sys.stdin.readline()
+    threading.Thread(target=wait, daemon=True).start()
+    print("made", flush=True)
+    sys.stdin.readline()
+    made.set()
+threads = [threading.Thread(target=wait, daemon=True) for _ in range(2)]
+threads.append(threading.Thread(target=maker))
+for t in threads:
+    t.start()
+print("ready", flush=True)
+threads[-1].join()
+"""
+
+
+def _policies(pid: int) -> list[int]:
+    return [os.sched_getscheduler(tid) for tid in standby_cpu.thread_ids(pid)]
+
+
+def test_every_thread_is_lowered_inherits_it_and_is_restored():
+    child = subprocess.Popen(
+        [sys.executable, "-c", _THREADS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline() == "ready\n"
+        own_policy, _ = standby_cpu.own_policy()
+        assert set(_policies(child.pid)) == {own_policy}
+        assert standby_cpu.lower(child.pid) == 4  # the main thread and its 3
+        assert set(_policies(child.pid)) == {os.SCHED_IDLE}
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "made\n"
+        # made by a lowered thread: lowered too
+        assert _policies(child.pid) == [os.SCHED_IDLE] * 5
+        assert standby_cpu.restore(child.pid) == 5
+        assert _policies(child.pid) == [own_policy] * 5
+        assert standby_cpu.restore(child.pid) == 0  # nothing left under SCHED_IDLE
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=10) == 0
+    finally:
+        child.kill()
+        child.wait()
+    assert standby_cpu.lower(child.pid) == 0  # an ended process: nothing to change
+
+
+# A standby stand-in: waits until it runs under SCHED_IDLE (set by the supervisor after its spawn;
+# bounded), starts a thread, waits like the real one (`elastic.standby`), and as the slice given
+# writes the policy of every one of its threads before and after, and the slice's `stop` event.
+_STANDBY = """
+import json, os, sys, threading, time
+from resilient_jax.control.standby_cpu import thread_ids
+from resilient_jax.elastic.standby import wait_for_assignment
+deadline = time.monotonic() + 10
+while os.sched_getscheduler(0) != os.SCHED_IDLE and time.monotonic() < deadline:
+    time.sleep(0.01)
+done = threading.Event()
+threading.Thread(target=done.wait, daemon=True).start()
+def policies():
+    return [os.sched_getscheduler(tid) for tid in thread_ids(os.getpid())]
+waiting = policies()
+a = wait_for_assignment(os.environ['RJ_QUORUM_ADDRESS'], os.environ['RJ_RUN_TOKEN'], 30)
+with open(os.path.join(a.workdir, 'policies.json'), 'w') as f:
+    json.dump({'waiting': waiting, 'slice': policies()}, f)
+with open(os.path.join(a.workdir, 'events.jsonl'), 'a') as f:
+    f.write(json.dumps({'type': 'stop', 'pid': os.getpid(), 'exit_code': 0}) + '\\n')
+"""
+# A slice stand-in: argv[1] its workdir, argv[2] seconds to run, argv[3] its exit code.
+_SLICE = """
+import json, os, sys, time
+time.sleep(float(sys.argv[2]))
+if sys.argv[3] == '0':
+    with open(os.path.join(sys.argv[1], 'events.jsonl'), 'a') as f:
+        f.write(json.dumps({'type': 'stop', 'pid': os.getpid(), 'exit_code': 0}) + '\\n')
+sys.exit(int(sys.argv[3]))
+"""
+
+
+def test_the_supervisor_runs_the_standby_idle_until_it_is_given_a_slice(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", REPO)
+    monkeypatch.setattr(elastic, "STANDBY_AFTER_S", 60.0)  # no second standby in this test
+    config = default_config()
+    config.elastic.slices = 2
+    config.coordinator.startup_timeout_s = 1.0
+    runs = {0: (5.0, 0), 1: (2.0, 1)}  # slice 1 fails after 2 s: the standby becomes it
+
+    def argv(slice_id: int, slice_dir: str) -> list[str]:
+        if slice_id < 0:
+            return [sys.executable, "-c", _STANDBY]
+        seconds, code = runs[slice_id]
+        return [sys.executable, "-c", _SLICE, slice_dir, str(seconds), str(code)]
+
+    supervisor = ElasticSupervisor(
+        config, argv, str(tmp_path), 1, out=io.StringIO(), token="c" * 32, cwd=REPO
+    )
+    result = supervisor.run(time_limit_s=30)
+    assert (result.exit_code, result.replacements) == (0, 1), result
+    with open(os.path.join(elastic.slice_workdir(str(tmp_path), 1), "policies.json")) as f:
+        policies = json.load(f)
+    own_policy, _ = standby_cpu.own_policy()
+    assert policies == {"waiting": [os.SCHED_IDLE] * 2, "slice": [own_policy] * 2}
+    given = [e for e in read_events(str(tmp_path)) if e["type"] == "elastic_slice_start"][-1]
+    assert (given["standby"], given["threads_raised"]) == (True, 2)
