@@ -1,6 +1,7 @@
 """The warm standby's CPU priority (`control.standby_cpu`): every thread of a process put under
 SCHED_IDLE, threads it creates afterwards inheriting it, every one put back under the supervisor's
-policy; and the elastic supervisor doing so around a standby's wait (stand-in processes, no JAX)."""
+policy, and its session's autogroup lowered and put back (where the kernel groups by session);
+and the elastic supervisor doing so around a standby's wait (stand-in processes, no JAX)."""
 
 from __future__ import annotations
 
@@ -51,14 +52,21 @@ def _policies(pid: int) -> list[int]:
 
 def test_every_thread_is_lowered_inherits_it_and_is_restored():
     child = subprocess.Popen(
-        [sys.executable, "-c", _THREADS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _THREADS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own autogroup, as a standby's
     )
+    own_group = standby_cpu.read_autogroup("self")
     try:
         assert child.stdout.readline() == "ready\n"
         own_policy, _ = standby_cpu.own_policy()
         assert set(_policies(child.pid)) == {own_policy}
         assert standby_cpu.lower(child.pid) == 4  # the main thread and its 3
         assert set(_policies(child.pid)) == {os.SCHED_IDLE}
+        if own_group is not None:
+            assert standby_cpu.read_autogroup(child.pid)[1] == standby_cpu.LOWEST_NICE
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.stdout.readline() == "made\n"
@@ -66,6 +74,8 @@ def test_every_thread_is_lowered_inherits_it_and_is_restored():
         assert _policies(child.pid) == [os.SCHED_IDLE] * 5
         assert standby_cpu.restore(child.pid) == 5
         assert _policies(child.pid) == [own_policy] * 5
+        if own_group is not None:
+            assert standby_cpu.read_autogroup(child.pid)[1] == own_group[1]
         assert standby_cpu.restore(child.pid) == 0  # nothing left under SCHED_IDLE
         child.stdin.write("\n")
         child.stdin.flush()
@@ -76,12 +86,23 @@ def test_every_thread_is_lowered_inherits_it_and_is_restored():
     assert standby_cpu.lower(child.pid) == 0  # an ended process: nothing to change
 
 
+def test_the_own_autogroup_is_never_changed():
+    """A process in this one's session shares its autogroup: lowering it would lower this one."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not standby_cpu.set_autogroup_nice(child.pid, standby_cpu.LOWEST_NICE)
+        assert standby_cpu.read_autogroup("self") == standby_cpu.read_autogroup(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+
+
 # A standby stand-in: waits until it runs under SCHED_IDLE (set by the supervisor after its spawn;
 # bounded), starts a thread, waits like the real one (`elastic.standby`), and as the slice given
 # writes the policy of every one of its threads before and after, and the slice's `stop` event.
 _STANDBY = """
 import json, os, sys, threading, time
-from resilient_jax.control.standby_cpu import thread_ids
+from resilient_jax.control.standby_cpu import read_autogroup, thread_ids
 from resilient_jax.elastic.standby import wait_for_assignment
 deadline = time.monotonic() + 10
 while os.sched_getscheduler(0) != os.SCHED_IDLE and time.monotonic() < deadline:
@@ -89,7 +110,8 @@ while os.sched_getscheduler(0) != os.SCHED_IDLE and time.monotonic() < deadline:
 done = threading.Event()
 threading.Thread(target=done.wait, daemon=True).start()
 def policies():
-    return [os.sched_getscheduler(tid) for tid in thread_ids(os.getpid())]
+    group = read_autogroup('self')
+    return [os.sched_getscheduler(tid) for tid in thread_ids(os.getpid())], group and group[1]
 waiting = policies()
 a = wait_for_assignment(os.environ['RJ_QUORUM_ADDRESS'], os.environ['RJ_RUN_TOKEN'], 30)
 with open(os.path.join(a.workdir, 'policies.json'), 'w') as f:
@@ -130,6 +152,11 @@ def test_the_supervisor_runs_the_standby_idle_until_it_is_given_a_slice(tmp_path
     with open(os.path.join(elastic.slice_workdir(str(tmp_path), 1), "policies.json")) as f:
         policies = json.load(f)
     own_policy, _ = standby_cpu.own_policy()
-    assert policies == {"waiting": [os.SCHED_IDLE] * 2, "slice": [own_policy] * 2}
+    group = standby_cpu.read_autogroup("self")
+    nices = (standby_cpu.LOWEST_NICE, group[1]) if group else (None, None)
+    assert policies == {
+        "waiting": [[os.SCHED_IDLE] * 2, nices[0]],
+        "slice": [[own_policy] * 2, nices[1]],
+    }
     given = [e for e in read_events(str(tmp_path)) if e["type"] == "elastic_slice_start"][-1]
     assert (given["standby"], given["threads_raised"]) == (True, 2)

@@ -8,6 +8,13 @@ only on CPU no other thread wants) from its spawn until it is given a slice, and
 of it back under the supervisor's own policy (the one its slices inherit) before it sends the
 slice's identity: the takeover and the slice's training run at full priority.
 
+A thread's policy alone does not do it where the kernel groups tasks by session (autogroup,
+/proc/sys/kernel/sched_autogroup_enabled): the CPU is first shared fairly between the groups, and
+the standby, started in a session of its own, is a group of its own, as is each slice. So its
+session's group is lowered too, to the lowest nice (19: about 1.5% of a CPU against a busy group of
+nice 0), and put back at the supervisor's group's nice with the threads. (A nice of the threads
+would not help either: it too counts only inside the group.)
+
 The policy belongs to each thread, and a thread inherits its creator's at creation. Set right
 after the spawn, while Python has not started a thread of its own, every thread the standby later
 creates (XLA's pools, gloo's) inherits it; `set_policy` goes over /proc/<pid>/task again until a
@@ -21,8 +28,13 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 MAX_PASSES = 10  # passes over a process's threads; each finds only threads created meanwhile
+LOWEST_NICE = 19
+# The kernel lets a process without CAP_SYS_ADMIN set an autogroup's nice 10 times a second.
+AUTOGROUP_TRIES = 5
+AUTOGROUP_RETRY_S = 0.11
 
 
 def supported() -> bool:
@@ -65,14 +77,54 @@ def own_policy() -> tuple[int, int]:
     return os.sched_getscheduler(0), os.sched_getparam(0).sched_priority
 
 
+def read_autogroup(pid: int | str) -> tuple[str, int] | None:
+    """Process `pid`'s autogroup and its nice ("/autogroup-12 nice 0"); None where the kernel
+    does not group by session, or the process has ended."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            if f.read().strip() != "1":
+                return None
+        with open(f"/proc/{pid}/autogroup") as f:
+            group, _, nice = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return group, int(nice)
+
+
+def set_autogroup_nice(pid: int, nice: int) -> bool:
+    """Sets the nice of process `pid`'s autogroup, unless it is this process's own (the
+    supervisor's session: never lowered). Whether it was set."""
+    theirs, own = read_autogroup(pid), read_autogroup("self")
+    if theirs is None or own is None or theirs[0] == own[0]:
+        return False
+    for attempt in range(AUTOGROUP_TRIES):
+        try:
+            with open(f"/proc/{pid}/autogroup", "w") as f:
+                f.write(str(nice))
+            return True
+        except BlockingIOError:  # EAGAIN: the kernel's rate limit on these writes
+            if attempt + 1 == AUTOGROUP_TRIES:
+                raise
+            time.sleep(AUTOGROUP_RETRY_S)
+        except (FileNotFoundError, ProcessLookupError):  # it ended
+            return False
+    return False
+
+
 def lower(pid: int) -> int:
-    """Puts every thread of process `pid` under SCHED_IDLE; returns how many it changed."""
-    return set_policy(pid, os.SCHED_IDLE)
+    """Puts every thread of process `pid` under SCHED_IDLE, and its session's autogroup at the
+    lowest nice; returns how many threads it changed."""
+    changed = set_policy(pid, os.SCHED_IDLE)
+    set_autogroup_nice(pid, LOWEST_NICE)
+    return changed
 
 
 def restore(pid: int) -> int:
-    """Puts every SCHED_IDLE thread of process `pid` back under this process's own policy;
-    returns how many it changed."""
+    """Puts every SCHED_IDLE thread of process `pid` back under this process's own policy, and
+    its autogroup at the nice of this process's; returns how many threads it changed."""
+    own = read_autogroup("self")
+    if own is not None:
+        set_autogroup_nice(pid, own[1])
     policy, priority = own_policy()
     return set_policy(pid, policy, priority, only_from=os.SCHED_IDLE)
 
