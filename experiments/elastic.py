@@ -302,7 +302,9 @@ def analyze_join(
     the two after it: a step of every part against its median step alone, a step of its own part
     against its median with 2 slices. A join step that is also the survivor's first step after the
     kill (the standby joined the first quorum without slice 1's old worker) is the stall, measured
-    as such, and is not counted again here."""
+    as such, and is not counted again here. A run with no step alone (a warm standby) has no
+    median step alone: its join step is held against the median with 2 slices, which counts the
+    part the survivor computes for the replacement in that step as pause (an upper bound)."""
     starts = [e for e in read(os.path.join(workdir, "events.jsonl"))]
     spawned = [e for e in starts if e["type"] == "elastic_slice_start" and e["slice"] == 1][-1]
     pid = spawned["pid"]
@@ -326,9 +328,8 @@ def analyze_join(
     for s in range(joined, joined + 3):
         if s not in intervals or s == first_after_kill:
             continue
-        own_work = median_alone if len(by_step[s]["owned"]) == 2 else median
-        if own_work is not None:
-            excess[s] = intervals[s] - own_work
+        every_part = len(by_step[s]["owned"]) == 2
+        excess[s] = intervals[s] - (median_alone if every_part and median_alone else median)
     pause = sum(excess.values())
     after = [by_step[s]["time"] - by_step[s - 1]["time"] for s in by_step if s - 1 in by_step]
     after = after[joined + 3 :]  # steps are 1..N: index s-2 is step s; from joined + 5 on

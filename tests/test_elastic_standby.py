@@ -51,6 +51,9 @@ def _supervisor(workdir, slices: dict, standby_exit: int = -1, max_restarts: int
     config = default_config()
     config.elastic.slices = len(slices)
     config.coordinator.startup_timeout_s = 1.0
+    # At normal priority: under SCHED_IDLE a stand-in could wait for idle CPU on a busy host and
+    # fail these tests' timing (the priority itself: test_standby_cpu.py).
+    config.elastic.standby_idle_cpu = False
 
     def argv(slice_id: int, slice_dir: str) -> list[str]:
         if slice_id < 0:
