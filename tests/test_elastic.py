@@ -21,7 +21,10 @@ pytest.importorskip("torch")
 # while the survivor trains on alone (about 30 ms a step).
 STEPS = 2000
 KILL_AT = 5
-OVERRIDES = {**ELASTIC_SMALL, "total_steps": STEPS}
+# The standby at normal priority: under SCHED_IDLE (the default) beside the training slices and
+# other jobs on 2 cores it was ready only at step 1919 of 2000 in one run; the priority itself is
+# tested in test_standby_cpu.py.
+OVERRIDES = {**ELASTIC_SMALL, "total_steps": STEPS, "elastic.standby_idle_cpu": False}
 
 
 def _supervise(workdir: str, during=None, restart_delay_s: float = 1.0, standby: bool = True):
