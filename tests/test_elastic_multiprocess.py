@@ -28,8 +28,10 @@ pytest.importorskip("torch")
 # join well before the end (a step takes about 0.15 s with 6 processes on a busy 2-core host).
 STEPS = 400
 KILL_AT = 5
-# A final save (the run's last step): the final parameters, read back with plain Orbax.
-OVERRIDES = {**ELASTIC_SMALL, "total_steps": STEPS}
+# A final save (the run's last step): the final parameters, read back with plain Orbax. The
+# standby at normal priority: under SCHED_IDLE (the default) beside the slices and other jobs on 2
+# cores it may be ready too late for this run (the priority itself: test_standby_cpu.py).
+OVERRIDES = {**ELASTIC_SMALL, "total_steps": STEPS, "elastic.standby_idle_cpu": False}
 
 
 def _supervise(workdir: str, processes: int, during=None):
