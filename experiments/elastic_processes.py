@@ -63,6 +63,9 @@ def overrides() -> dict[str, Any]:
         "eval.every_steps": 0,
         "checkpoint.every_steps": 0,
         "checkpoint.local_every_steps": 0,
+        # The standby at normal priority, as measured (under SCHED_IDLE on a busy 2-core host its
+        # two processes may be ready only late in the run).
+        "elastic.standby_idle_cpu": False,
     }
 
 
