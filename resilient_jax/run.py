@@ -53,7 +53,7 @@ from resilient_jax.train.context import RunContext, prepare
 from resilient_jax.train.deferred import DeferredProgram
 from resilient_jax.train.eval import EvalStepFn, Evaluator
 from resilient_jax.train.hooks import Hook, StopTraining
-from resilient_jax.train.keep import KeepingStep
+from resilient_jax.train.keep import KeepingProgram
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.profile import Profiler
@@ -256,7 +256,7 @@ def _train(
     hf_source = HFSource.from_config(config)
     warm = None
     if standby:  # built ahead; then idle until given the identity of the slice it replaces
-        warm = elastic_runtime.warm_up(ctx)
+        warm = elastic_runtime.warm_up(ctx, standby=True)
         opened.append(warm)
         workdir = _become_slice(ctx, watchdog)
     checkpointer = _checked(lambda: Checkpointer(ctx))
@@ -291,7 +291,7 @@ def _train(
 
     step_fn: StepFn
     loader: Any
-    compiled: KeepingStep | None = None
+    compiled: KeepingProgram | None = None
     if config.elastic.enabled and not config.rehearsal.mode:
         # Joins first: a slice that a live one heals receives its state and never loads one
         # (`load` runs only when no slice of the job has a state).

@@ -34,13 +34,14 @@ from resilient_jax.train.state import TrainState
 
 
 class ElasticSession(Hook):
-    def __init__(self, exchange: Any, client: QuorumClient | None) -> None:
-        self._exchange, self._client = exchange, client
+    def __init__(self, exchange: Any, client: QuorumClient | None, programs: Programs) -> None:
+        self._exchange, self._client, self._programs = exchange, client, programs
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
         self._exchange.close()
+        self._programs.close()
 
 
 def slice_id(environ: Mapping[str, str] = os.environ) -> int:
@@ -67,17 +68,24 @@ class Warm(Hook):
 
     def close(self) -> None:
         self.exchange.close()
+        self.programs.close()
 
 
-def warm_up(ctx: RunContext) -> Warm:
+def warm_up(ctx: RunContext, standby: bool = False) -> Warm:
+    """The exchange and the step's programs. `standby`: a warm standby, which also starts
+    loading the update that runs after a save (`train.keep`) while it waits; a slice started
+    directly loads it beside training, from its first save on."""
     e = ctx.config.elastic
     host = e.host or socket.gethostname()
     exchange = make_exchange(e.backend, host, float(e.timeout_s), jax.process_index())
     try:
-        return Warm(exchange, compile_programs(ctx))
+        programs = compile_programs(ctx)
     except BaseException:
         exchange.close()
         raise
+    if standby:
+        programs.apply.start_loading()
+    return Warm(exchange, programs)
 
 
 def start(
@@ -102,7 +110,7 @@ def start(
         client = QuorumClient(environ[env_vars.QUORUM_ADDRESS], token, this_slice)
     if link is not None:
         exchange = SliceExchange(exchange, link)
-    session = ElasticSession(exchange, client)
+    session = ElasticSession(exchange, client, warm.programs)
     try:
         kind = SyncIntervalStep if int(e.sync_every_steps) > 1 else ElasticStep
         step = kind(

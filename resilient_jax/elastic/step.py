@@ -12,8 +12,13 @@ a lost or returning slice changes how many parts a slice computes, never a shape
 the per-process executable cache (`resilient_jax.executables`, keyed like the train step), so a
 replacement slice loads what the slice it replaces compiled instead of compiling it again.
 
+`apply` donates its state; its non-donating twin (`keeping_apply`, "elastic_apply_keep" in the
+cache) runs on a state a save keeps (`train.keep`), so an elastic save copies nothing either.
+
 With a sync interval (`elastic.sync_every_steps` > 1) the slices exchange, every H steps, the
-delta of their parameters from the outer ones (`delta`), and `outer` makes the outer step.
+delta of their parameters from the outer ones (`delta`), and `outer` makes the outer step. `outer`
+needs no twin: it takes the state the round's last inner step (an `apply`) made in the same call,
+never the one the loop holds.
 
 `state_bytes` / `state_from_bytes` turn the state into one uint8 buffer and back, for a joining
 slice to heal from a live one (device to host, the exchange's broadcast, host to device): this
@@ -23,6 +28,8 @@ arrays go into the programs through `global_array` (each process puts its own de
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -30,8 +37,9 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from resilient_jax import mesh as mesh_lib
-from resilient_jax.train.compile import load_or_compile_program
+from resilient_jax.train.compile import background_program, load_or_compile_program
 from resilient_jax.train.context import RunContext
+from resilient_jax.train.deferred import DeferredProgram
 from resilient_jax.train.outer import nesterov_step
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import (
@@ -41,6 +49,8 @@ from resilient_jax.train.step import (
     make_update,
     router_zeros,
 )
+
+APPLY_KEEP_PROGRAM = "elastic_apply_keep"  # `apply` without donation, in the executable cache
 
 
 def part_rows(ctx: RunContext) -> int:
@@ -99,6 +109,18 @@ def compile_apply(ctx: RunContext) -> tuple[object, bool]:
     """(state, summed [vector_width]) -> (state, metrics): the update from every part's sums,
     and the single-runtime step's metrics (the router's too). Returns (compiled, loaded from the
     cache)."""
+    return load_or_compile_program(ctx, "elastic_apply", apply_lowering(ctx))
+
+
+def keeping_apply(ctx: RunContext) -> DeferredProgram:
+    """`apply` compiled without donating its state (`train.keep`: the update after a save, which
+    leaves the saved state valid), loaded or compiled in the background once started."""
+    return background_program(ctx, APPLY_KEEP_PROGRAM, apply_lowering(ctx, donate=False))
+
+
+def apply_lowering(ctx: RunContext, donate: bool = True) -> Callable[[], jax.stages.Lowered]:
+    """Traces and lowers `apply` when called (only on an executable cache miss); `donate=False`:
+    its non-donating twin, bitwise the same results in fresh buffers."""
     config = ctx.config
     update, router_metrics = make_update(config), make_router_metrics(config)
     num_tokens = config.global_batch_size * config.data.seq_len
@@ -114,18 +136,19 @@ def compile_apply(ctx: RunContext) -> tuple[object, bool]:
         state, metrics = update(state, summed[n] / num_tokens, grads, jnp.float32(1.0))
         return state, {**metrics, **router_metrics(router, num_tokens)}
 
-    shardings = jax.tree.map(lambda a: a.sharding, ctx.abstract_state)
-    replicated = mesh_lib.replicated(ctx.mesh)
-    summed = jax.ShapeDtypeStruct((vector_width(ctx),), jnp.float32, sharding=replicated)
-    jitted = jax.jit(
-        fn,
-        in_shardings=(shardings, replicated),
-        out_shardings=(shardings, replicated),
-        donate_argnums=0,
-    )
-    return load_or_compile_program(
-        ctx, "elastic_apply", lambda: jitted.lower(ctx.abstract_state, summed)
-    )
+    def lower() -> jax.stages.Lowered:
+        shardings = jax.tree.map(lambda a: a.sharding, ctx.abstract_state)
+        replicated = mesh_lib.replicated(ctx.mesh)
+        summed = jax.ShapeDtypeStruct((vector_width(ctx),), jnp.float32, sharding=replicated)
+        jitted = jax.jit(
+            fn,
+            in_shardings=(shardings, replicated),
+            out_shardings=(shardings, replicated),
+            donate_argnums=0 if donate else (),
+        )
+        return jitted.lower(ctx.abstract_state, summed)
+
+    return lower
 
 
 def _local_pieces(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list[tuple]:

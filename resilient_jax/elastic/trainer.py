@@ -45,6 +45,7 @@ from resilient_jax.elastic.exchange import NO_STATE, Exchange, ExchangeError, Qu
 from resilient_jax.elastic.quorum_client import QuorumClient
 from resilient_jax.elastic.slice_link import SliceLink
 from resilient_jax.train.context import RunContext
+from resilient_jax.train.keep import KeepingProgram
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import Metrics
 
@@ -67,9 +68,14 @@ class Programs:
     slice it will be). `delta` and `outer` only with a sync interval."""
 
     gradient_sums: Any
-    apply: Any
+    apply: KeepingProgram  # runs without donation on a state a save keeps (`train.keep`)
     delta: Any = None
     outer: Any = None
+
+    def close(self) -> None:
+        """Waits for the non-donating update's compile, if one is running (a process that
+        exits while XLA compiles in a thread aborts)."""
+        self.apply.close()
 
 
 def compile_programs(ctx: RunContext) -> Programs:
@@ -79,7 +85,9 @@ def compile_programs(ctx: RunContext) -> Programs:
     gradient_sums, sums_hit = elastic_step.compile_gradient_sums(ctx)
     apply, apply_hit = elastic_step.compile_apply(ctx)
     _report_compile(ctx, "elastic", start, sums_hit and apply_hit)
-    programs = Programs(gradient_sums, apply)
+    programs = Programs(
+        gradient_sums, KeepingProgram(apply, elastic_step.keeping_apply(ctx), ctx.keeper)
+    )
     _first_run(ctx, gradient_sums)
     if int(ctx.config.elastic.sync_every_steps) > 1:
         start = time.perf_counter()

@@ -21,12 +21,12 @@ from resilient_jax.contracts.event_types import EventType
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.deferred import DeferredProgram
 from resilient_jax.train.eval import EvalStepFn, make_eval_step
-from resilient_jax.train.keep import KEEP_PROGRAM, KeepingStep
+from resilient_jax.train.keep import KEEP_PROGRAM, KeepingProgram
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import Metrics, ScaledStepFn, StepFn, make_train_step
 
 
-def compile_step(ctx: RunContext, cache_dir: str | None = None) -> KeepingStep:
+def compile_step(ctx: RunContext, cache_dir: str | None = None) -> KeepingProgram:
     """The compiled train step for the context's mesh; emits a `compile` event with its duration
     and, with a cache, whether it came from it. `cache_dir`: where executables are kept (default:
     `executables.default_dir()`, none when JAX's compilation cache is off).
@@ -35,17 +35,21 @@ def compile_step(ctx: RunContext, cache_dir: str | None = None) -> KeepingStep:
     background once a save asks `ctx.keeper` for it (a `compile_background` event)."""
     start = time.perf_counter()
     donating = _compile(ctx, train_lowering(ctx), start, cache_dir, "train")
-    keeping = DeferredProgram(
-        lambda: _compile(
-            ctx,
-            train_lowering(ctx, donate=False),
-            time.perf_counter(),
-            cache_dir,
-            KEEP_PROGRAM,
-            background=True,
-        )
+    keeping = background_program(ctx, KEEP_PROGRAM, train_lowering(ctx, donate=False), cache_dir)
+    return KeepingProgram(donating, keeping, ctx.keeper)
+
+
+def background_program(
+    ctx: RunContext,
+    program: str,
+    lower: Callable[[], jax.stages.Lowered],
+    cache_dir: str | None = None,
+) -> DeferredProgram:
+    """`lower()` loaded from the executable cache or compiled in a background thread once the
+    result is started or called (a `compile_background` event, which goodput does not count)."""
+    return DeferredProgram(
+        lambda: _compile(ctx, lower, time.perf_counter(), cache_dir, program, background=True)
     )
-    return KeepingStep(donating, keeping, ctx.keeper)
 
 
 def compile_eval_step(

@@ -11,31 +11,27 @@ drop it, and later steps donate again. Memory is what the copy took: one extra s
 save is read. The two programs differ only in which buffers the outputs go to; their results are
 bitwise equal (`tests/test_keep.py`).
 
-`StateKeeper` connects the two sides. The step (`KeepingStep`) offers to keep a state once its
-non-donating program is loaded; a hook asks it to keep the state it was handed (`keep`, True if
-the step will); the step's next call runs the non-donating program if it is given that state
-(`claim`). Any other state (one a rollback restored) is donated as usual, and the request is
-dropped at that call either way, so a kept state is never held past one step.
+`StateKeeper` connects the two sides. The step (`KeepingProgram`) offers to keep a state once
+its non-donating program is loaded; a hook asks it to keep the state it was handed (`keep`, True
+if the step will); the step's next call runs the non-donating program if it is given that state
+(`claim`). Any other state (one a rollback restored, one a heal replaced) is donated as usual,
+and the request is dropped at that call either way, so a kept state is never held past one step.
 
 The non-donating program is a second executable ("train_keep" in the executable cache, compiled
 ahead for a candidate mesh like the step itself): loaded or compiled in a background thread from
 the first save after the first step, so it never delays a (re)start, and a run that never saves
-never loads it; until it is ready, a save copies.
+never loads it; until it is ready, a save copies. Elastic mode does the same with the program
+that consumes the loop's state there, its update ("elastic_apply_keep", `elastic.step`); a warm
+standby slice loads it while it waits.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from resilient_jax.train.deferred import DeferredProgram
-
-if TYPE_CHECKING:
-    import jax
-
-    from resilient_jax.train.state import TrainState
-    from resilient_jax.train.step import Metrics, ScaledStepFn
 
 KEEP_PROGRAM = "train_keep"  # the non-donating step's name in the executable cache
 
@@ -67,26 +63,30 @@ class StateKeeper:
         return kept is not None and kept is state
 
 
-class KeepingStep:
-    """The compiled train step, running its non-donating twin on a state a hook keeps.
-
-    Called like the compiled step: (state, batch, fault_scale) -> (state, metrics)."""
+class KeepingProgram:
+    """A compiled program that takes the train state first and donates it, running its
+    non-donating twin on a state a hook keeps. Called like the donating program:
+    `(state, *args)`. The loop's train step is one (`train.compile.compile_step`); so is elastic
+    mode's update (`elastic.step`)."""
 
     def __init__(
-        self, donating: ScaledStepFn, keeping: DeferredProgram, keeper: StateKeeper
+        self,
+        donating: Callable[..., Any],
+        keeping: DeferredProgram,
+        keeper: StateKeeper,
+        name: str = KEEP_PROGRAM,
     ) -> None:
         self._donating, self._keeping, self._keeper = donating, keeping, keeper
+        self._name = name
         self._calls = 0
         self._warned = False
         keeper.offer(self._ready)
 
-    def __call__(
-        self, state: TrainState, batch: jax.Array, fault_scale: jax.Array
-    ) -> tuple[TrainState, Metrics]:
+    def __call__(self, state: Any, *args: Any) -> Any:
         self._calls += 1
         if self._keeper.claim(state):
-            return self._keeping(state, batch, fault_scale)
-        return self._donating(state, batch, fault_scale)
+            return self._keeping(state, *args)
+        return self._donating(state, *args)
 
     def close(self) -> None:
         """Waits for the non-donating program's compile, if one is running: a process that
@@ -97,8 +97,13 @@ class KeepingStep:
         """Loads (or compiles) the non-donating program now and waits for it."""
         self._keeping.wait()
 
+    def start_loading(self) -> None:
+        """Starts loading (or compiling) the non-donating program in the background now, not at
+        the first save (a warm standby does, while it waits)."""
+        self._keeping.start()
+
     def _ready(self) -> bool:
-        # Asked at each save. The program is loaded from the first save after the second step's
+        # Asked at each save. The program is loaded from the first save after the second call's
         # dispatch on (the loop has waited for the first step), beside training; a run that never
         # saves never loads it.
         if self._calls >= 2:
@@ -106,5 +111,7 @@ class KeepingStep:
         if self._keeping.error is not None and not self._warned:
             # Saves go on copying the state: slower, never wrong.
             self._warned = True
-            logging.warning("non-donating train step unavailable: %s", self._keeping.error)
+            logging.warning(
+                "non-donating program %s unavailable: %s", self._name, self._keeping.error
+            )
         return self._keeping.ready()
