@@ -1,12 +1,12 @@
 """What a save costs the training thread: one copy of the state, then everything in the background.
 
 `saved_state` is what a save reads: the state itself when the loop's next step keeps it (runs
-without donating it, `train.keep`: no copy at all), else `device_snapshot`, a copy of the state
-into fresh buffers with the same shardings (the loop's next step donates the state's buffers, so
-an unkept state must be copied before that step runs; dispatching the copy returns before it is
-done). Every later stage reads that, not the live state. One snapshot feeds both tiers when they
-save the same step: the local tier's writer thread and the persistent tier's writer thread each
-read it from there.
+without donating it, `train.keep`, elastic mode's update too: no copy at all), else
+`device_snapshot`, a copy of the state into fresh buffers with the same shardings (the loop's next
+step donates the state's buffers, so an unkept state must be copied before that step runs;
+dispatching the copy returns before it is done). Every later stage reads that, not the live state.
+One snapshot feeds both tiers when they save the same step: the local tier's writer thread and the
+persistent tier's writer thread each read it from there.
 
 `PersistentWriter` runs the persistent tier's save off the training thread: it computes this
 process's share of the per-array digests on the host, adds up the shares of all processes through
