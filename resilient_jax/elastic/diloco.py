@@ -33,7 +33,7 @@ from resilient_jax.elastic.data import owned_parts
 from resilient_jax.elastic.exchange import ExchangeError, Quorum
 from resilient_jax.elastic.trainer import ElasticStep
 from resilient_jax.train.state import TrainState
-from resilient_jax.train.step import Metrics
+from resilient_jax.train.step import HEALED, Metrics
 
 
 @dataclasses.dataclass
@@ -63,12 +63,11 @@ class SyncIntervalStep(ElasticStep):
         r = self._round
         if r is None or self._step % self._every == 0 or self._step != r.start + len(r.batches):
             step_before = self._step
-            state = self._begin_round(state, batch_index)
+            state, next_batch = self._begin_round(state, batch_index)
             if self._step != step_before:  # healed to a live slice's state: see ElasticStep
-                if self._step != step_before + 1:
-                    raise RuntimeError(f"healed from step {step_before} to {self._step} in a round")
                 self._round = None
-                return state, {**self._last_metrics, "healed": jax.numpy.float32(1.0)}
+                self.seek(next_batch)
+                return state, {**self._last_metrics, HEALED: jax.numpy.float32(1.0)}
             r = self._round
             assert r is not None
         r.batches.append(batch_index)
@@ -78,15 +77,19 @@ class SyncIntervalStep(ElasticStep):
         if self._step % self._every == 0:
             state, exchange_s = self._sync(state)
             self._decided = None
+            if self._round is None:  # the sync failed here and the others' state was newer
+                metrics = {**metrics, HEALED: jax.numpy.float32(1.0)}
         self._last_metrics = metrics
         self._report(state, r.quorum, r.owned, exchange_s, synced=self._step % self._every == 0)
         return state, metrics
 
-    def _begin_round(self, state: TrainState, batch_index: int) -> TrainState:
-        quorum, state, _ = self._adopt_quorum(state, batch_index)
+    def _begin_round(self, state: TrainState, batch_index: int) -> tuple[TrainState, int]:
+        """The round's quorum adopted (healing this slice if it is behind) and its start kept.
+        Returns the state and the next batch index (another one after a heal)."""
+        quorum, state, next_batch = self._adopt_quorum(state, batch_index)
         owned = owned_parts(quorum.slices, self._slice, self._parts)
         self._round = _Round(self._step, quorum, elastic_step.host_copy(state), owned, [])
-        return state
+        return state, next_batch
 
     def _inner(self, state: TrainState, batch_index: int, owned: list[int]):
         """One inner step on the owned parts' rows of batch `batch_index`."""
@@ -130,12 +133,11 @@ class SyncIntervalStep(ElasticStep):
         assert r is not None
         state = elastic_step.to_device(self._ctx, r.snapshot)
         self._step = r.start
-        quorum, state, _ = self._adopt_quorum(state, r.batches[0])
+        quorum, state, next_batch = self._adopt_quorum(state, r.batches[0])
         done = r.start + len(r.batches)
-        if self._step != r.start:
-            if self._step != done:
-                raise RuntimeError(f"healed from step {r.start} to {self._step}, not {done}")
+        if self._step != r.start:  # healed: their sync of this round (or later ones) completed
             self._round = None
+            self.seek(next_batch)
             return state
         r.quorum, r.owned = quorum, owned_parts(quorum.slices, self._slice, self._parts)
         for batch_index in r.batches:

@@ -116,8 +116,9 @@ def start(
         step = kind(
             ctx, source, exchange, exchange.store_address, client, this_slice, warm.programs, link
         )
-        state, position = step.join(load)
+        state, _ = step.join(load)
     except BaseException:
         session.close()
         raise
-    return step, StepIndex(position), state, session
+    assert step.index is not None  # made by `join`, at the position joined at
+    return step, step.index, state, session

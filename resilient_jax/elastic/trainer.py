@@ -40,14 +40,14 @@ from resilient_jax import mesh as mesh_lib
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data.position import DataPosition
 from resilient_jax.elastic import step as elastic_step
-from resilient_jax.elastic.data import PartRows, owned_parts
+from resilient_jax.elastic.data import PartRows, StepIndex, owned_parts
 from resilient_jax.elastic.exchange import NO_STATE, Exchange, ExchangeError, Quorum, Transfer
 from resilient_jax.elastic.quorum_client import QuorumClient
 from resilient_jax.elastic.slice_link import SliceLink
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.keep import KeepingProgram
 from resilient_jax.train.state import TrainState
-from resilient_jax.train.step import Metrics
+from resilient_jax.train.step import HEALED, Metrics
 
 
 @dataclasses.dataclass
@@ -156,6 +156,8 @@ class ElasticStep:
         self._decided: tuple[int, Quorum] | None = None  # the quorum already got for a step
         self._handover: _Handover | None = None  # a heal this slice takes part in, in flight
         self._last_metrics: Metrics = {}
+        # The loop's loader (made by `join`): a heal moves it to the healed state's data.
+        self.index: StepIndex | None = None
 
     # Before the loop: the first quorum (a joining slice heals here).
 
@@ -170,13 +172,21 @@ class ElasticStep:
         self._step = NO_STATE
         _, state, next_batch = self._adopt_quorum(None, 0)
         if state is not None:
-            return state, DataPosition(next_batch=next_batch)
-        state, position = load()
-        self._step = int(jax.device_get(state.step))
-        _, state, next_batch = self._adopt_quorum(state, position.next_batch)
-        if next_batch != position.next_batch:
-            position = DataPosition(next_batch=next_batch, skips=position.skips)
+            position = DataPosition(next_batch=next_batch)
+        else:
+            state, position = load()
+            self._step = int(jax.device_get(state.step))
+            _, state, next_batch = self._adopt_quorum(state, position.next_batch)
+            if next_batch != position.next_batch:
+                position = DataPosition(next_batch=next_batch, skips=position.skips)
+        self.index = StepIndex(position)
         return state, position
+
+    def seek(self, next_batch: int) -> None:
+        """Moves the loop's loader (`index`) to `next_batch`, keeping its skip windows."""
+        if self.index is not None:
+            skips = self.index.position.skips
+            self.index.seek(DataPosition(next_batch=next_batch, skips=skips))
 
     # The loop's step.
 
@@ -193,15 +203,14 @@ class ElasticStep:
             quorum = self._quorum_of(self._step)
             try:
                 step_before = self._step
-                state, _ = self._adopt(quorum, state, batch_index)
+                state, next_batch = self._adopt(quorum, state, batch_index)
                 if self._step != step_before:
-                    # Behind by the step in flight (its exchange completed for the others and
-                    # failed here): healed to it, which is what this call had to do.
-                    if self._step != step_before + 1:
-                        raise RuntimeError(
-                            f"healed from step {step_before} to {self._step} inside the loop"
-                        )
-                    return state, {**self._last_metrics, "healed": jax.numpy.float32(1.0)}
+                    # Behind (by the step in flight, whose exchange completed for the others and
+                    # failed here; or by many, after a hang or a cut-off link): healed to the
+                    # newest state, which is this call's result. The loop takes the step count
+                    # from it, and its data position jumps with it.
+                    self.seek(next_batch)
+                    return state, {**self._last_metrics, HEALED: jax.numpy.float32(1.0)}
                 # While a member behind receives the state, the others compute every part.
                 handover = self._handover
                 computing = handover.active if handover is not None else quorum.slices
@@ -339,6 +348,7 @@ class ElasticStep:
             self._handover = _Handover(quorum, transfer, active, start, size, rank == source)
             return state, next_batch
         # Behind: the state of the step's start, then the step's sum (no parts of its own).
+        from_step = self._step
         received = self._exchange.start_broadcast(np.zeros(size, np.uint8), source).wait()
         healed = elastic_step.state_from_bytes(self._ctx, received[:-8])
         batch_index = int(received[-8:].view(np.int64)[0])
@@ -348,7 +358,7 @@ class ElasticStep:
         )
         self._step = quorum.max_step + 1
         self._decided = None  # the next quorum is asked for by every member alike
-        self._emit_heal(quorum, source, size, start, "received")
+        self._emit_heal(quorum, source, size, start, "received", from_step)
         return state, batch_index + 1
 
     def _finish_handover(self, handover: _Handover) -> None:
@@ -365,7 +375,18 @@ class ElasticStep:
         position = np.asarray([next_batch], np.int64).view(np.uint8)
         return np.concatenate([elastic_step.state_bytes(state), position])
 
-    def _emit_heal(self, quorum: Quorum, source: int, size: int, start: float, role: str):
+    def _emit_heal(
+        self,
+        quorum: Quorum,
+        source: int,
+        size: int,
+        start: float,
+        role: str,
+        from_step: int | None = None,
+    ):
+        """The `elastic_heal` event; a member that received says from which step it jumped
+        (`from_step`: `NO_STATE` for a slice that joined with none)."""
+        extra = {"from_step": from_step} if from_step is not None else {}
         self._ctx.events.emit(
             EventType.ELASTIC_HEAL,
             step=self._step if role == "received" else quorum.max_step + 1,
@@ -373,6 +394,7 @@ class ElasticStep:
             bytes=size,
             duration_s=time.perf_counter() - start,
             role=role,
+            **extra,
         )
 
     def _heal(self, quorum: Quorum, rank: int, state: Any, next_batch: int) -> tuple[Any, int]:
@@ -385,6 +407,7 @@ class ElasticStep:
             buffer = np.zeros(size, np.uint8)
         received = self._exchange.broadcast(buffer, source)
         behind = quorum.members[rank].step < quorum.max_step
+        extra = {"from_step": self._step} if behind else {}
         if behind:
             state = elastic_step.state_from_bytes(self._ctx, received[:-8])
             next_batch = int(received[-8:].view(np.int64)[0])
@@ -398,6 +421,7 @@ class ElasticStep:
                 bytes=size,
                 duration_s=time.perf_counter() - start,
                 role="received" if behind else "sent",
+                **extra,
             )
         return state, next_batch
 

@@ -5,7 +5,8 @@ pull the *previous* step's metrics to the host, so the device always has the nex
 the host logs. The first step of a run is the exception: its metrics are pulled as soon as it has
 run, so its `step` event marks when training was productive again after a (re)start. A hook may
 raise `Rollback` (restore the last good state and skip a data window) or `StopTraining` (end the
-run with an exit code).
+run with an exit code). A step function may replace the state by a newer one instead of stepping
+it (elastic mode's heal, `train.step.HEALED`): the step count then jumps to that state's.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from resilient_jax.data.position import DataPosition
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook, Rollback, StepInfo, StopTraining
 from resilient_jax.train.state import TrainState, init_state
-from resilient_jax.train.step import StepFn
+from resilient_jax.train.step import HEALED, StepFn
 
 # Returns the newest good (state, data position) at or before `max_step` (None: any step), or None
 # to start again from the seed.
@@ -71,7 +72,14 @@ class Loop:
                 batch_index, batch = self.loader.next()
                 data_wait_s = self.loader.last_wait_s
                 state, metrics = self.step_fn(state, batch)
-                step += 1
+                if HEALED in metrics:
+                    # The state was replaced by a newer one (elastic mode: a heal from a live
+                    # slice, any number of steps ahead) and the loader sought to its data: the
+                    # hooks see the step and the batch that state ends at.
+                    step = int(jax.device_get(state.step))
+                    batch_index = self.loader.position.next_batch - 1
+                else:
+                    step += 1
                 now = time.perf_counter()
                 info = StepInfo(step, batch_index, self.loader.position, now - dispatched)
                 dispatched = now

@@ -35,6 +35,10 @@ Metrics = dict[str, jax.Array]
 ScaledStepFn = Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, Metrics]]
 # What the loop calls: (state, batch) -> (state, metrics).
 StepFn = Callable[[TrainState, jax.Array], tuple[TrainState, Metrics]]
+# A metric a step function returns when it replaced the state instead of stepping it (elastic
+# mode: healed from a live slice, possibly several steps ahead) and moved the loader to that
+# state's data position: the loop takes the step count from the state.
+HEALED = "healed"
 
 
 def token_loss_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
