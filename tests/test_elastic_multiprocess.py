@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 from conftest import (
     ELASTIC_SMALL,
+    REPO,
+    as_flags,
     plain_orbax_state,
     slice_digests,
     slice_events,
     supervise_elastic,
 )
 
+from resilient_jax.control import elastic_state
 from resilient_jax.events import read_events
 
 pytest.importorskip("torch")
@@ -157,3 +163,61 @@ def test_a_slice_that_loses_one_process_is_replaced_by_the_standby(undisturbed, 
         }
     for slice_id in (0, 1):
         _assert_same(_final_params(workdir, slice_id), _final_params(undisturbed, 0))
+
+
+@pytest.mark.slow
+def test_slices_of_two_processes_are_taken_over_by_a_restarted_supervisor(undisturbed, tmp_path):
+    workdir = str(tmp_path)
+    argv = [
+        sys.executable,
+        "launch/local_cluster.py",
+        "--config=configs/tiny_cpu.py",
+        f"--workdir={workdir}",
+        "--processes_per_slice=2",
+        "--devices_per_process=1",
+        *as_flags(OVERRIDES),
+    ]
+    env = {**os.environ, "RJ_RUN_TOKEN": "k" * 32}
+
+    def supervisor() -> subprocess.Popen[bytes]:
+        with open(os.path.join(workdir, "supervisor.log"), "ab") as log:
+            return subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    first = supervisor()
+    deadline = time.monotonic() + 300
+    while max(slice_digests(workdir, 0), default=0) < 50:
+        assert first.poll() is None and time.monotonic() < deadline, "no step in time"
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=10)
+    time.sleep(3.0)
+    assert max(slice_digests(workdir, 0)) < STEPS, "the run ended before the supervisor came back"
+    second = supervisor()
+    try:
+        assert second.wait(timeout=400) == 0
+    finally:
+        second.kill()
+
+    # Every process of both slices adopted, none restarted, the membership never changed.
+    events = list(read_events(workdir))
+    adopted = [e for e in events if e["type"] == "elastic_slice_adopted"]
+    started = {e["slice"]: e["pids"] for e in events if e["type"] == "elastic_slice_start"}
+    assert sorted((e["slice"], tuple(e["pids"])) for e in adopted) == [
+        (s, tuple(started[s])) for s in (0, 1)
+    ]
+    for slice_id in (0, 1):
+        assert _pids(workdir, slice_id) == set(started[slice_id])
+        assert not slice_events(workdir, slice_id, "elastic_exchange_failed")
+    (back,) = [e for e in events if e["type"] == "elastic_reconnected"]
+    assert back["carried_over"] and back["slices"] == [0, 1], back
+    # The standby's two processes were adopted too, and ended at the end.
+    standbys = [e for e in events if e["type"] == "elastic_standby_start"]
+    assert [e.get("adopted") for e in standbys] == [None, True]
+    assert standbys[0]["pids"] == standbys[1]["pids"]
+    assert all(elastic_state.start_time(pid) is None for pid in standbys[0]["pids"])
+    # Every step of every process bitwise the undisturbed run's.
+    for process in (0, 1):
+        for slice_id in (0, 1):
+            assert slice_digests(workdir, slice_id, process) == slice_digests(
+                undisturbed, 0, process
+            )
