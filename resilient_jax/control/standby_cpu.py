@@ -12,8 +12,9 @@ A thread's policy alone does not do it where the kernel groups tasks by session 
 /proc/sys/kernel/sched_autogroup_enabled): the CPU is first shared fairly between the groups, and
 the standby, started in a session of its own, is a group of its own, as is each slice. So its
 session's group is lowered too, to the lowest nice (19: about 1.5% of a CPU against a busy group of
-nice 0), and put back at the supervisor's group's nice with the threads. (A nice of the threads
-would not help either: it too counts only inside the group.)
+nice 0), and put back at the supervisor's group's nice with the threads. The threads' SCHED_IDLE
+still counts: the kernel preempts a SCHED_IDLE thread at once for a woken thread that is not. (A
+nice of the threads would not help: it too counts only inside the group.)
 
 The policy belongs to each thread, and a thread inherits its creator's at creation. Set right
 after the spawn, while Python has not started a thread of its own, every thread the standby later
