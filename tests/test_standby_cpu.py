@@ -98,8 +98,9 @@ def test_the_own_autogroup_is_never_changed():
 
 
 # A standby stand-in: waits until it runs under SCHED_IDLE (set by the supervisor after its spawn;
-# bounded), starts a thread, waits like the real one (`elastic.standby`), and as the slice given
-# writes the policy of every one of its threads before and after, and the slice's `stop` event.
+# bounded), starts a thread, writes the policy of every one of its threads and its autogroup's nice
+# into `waiting.json` in its workdir (argv[1]), waits like the real one (`elastic.standby`), and as
+# the slice given writes them again, and the slice's `stop` event.
 _STANDBY = """
 import json, os, sys, threading, time
 from resilient_jax.control.standby_cpu import read_autogroup, thread_ids
@@ -112,16 +113,22 @@ threading.Thread(target=done.wait, daemon=True).start()
 def policies():
     group = read_autogroup('self')
     return [os.sched_getscheduler(tid) for tid in thread_ids(os.getpid())], group and group[1]
-waiting = policies()
+with open(os.path.join(sys.argv[1], 'waiting.json'), 'w') as f:
+    json.dump(policies(), f)
 a = wait_for_assignment(os.environ['RJ_QUORUM_ADDRESS'], os.environ['RJ_RUN_TOKEN'], 30)
 with open(os.path.join(a.workdir, 'policies.json'), 'w') as f:
-    json.dump({'waiting': waiting, 'slice': policies()}, f)
+    json.dump(policies(), f)
 with open(os.path.join(a.workdir, 'events.jsonl'), 'a') as f:
     f.write(json.dumps({'type': 'stop', 'pid': os.getpid(), 'exit_code': 0}) + '\\n')
 """
-# A slice stand-in: argv[1] its workdir, argv[2] seconds to run, argv[3] its exit code.
+# A slice stand-in: argv[1] its workdir, argv[2] seconds to run once the standby waits (bounded: on
+# a busy host the standby starts on idle CPU only), argv[3] its exit code.
 _SLICE = """
 import json, os, sys, time
+waiting = os.path.join(os.path.dirname(os.path.dirname(sys.argv[1])), 'standby', 'waiting.json')
+deadline = time.monotonic() + 100
+while not os.path.exists(waiting) and time.monotonic() < deadline:
+    time.sleep(0.05)
 time.sleep(float(sys.argv[2]))
 if sys.argv[3] == '0':
     with open(os.path.join(sys.argv[1], 'events.jsonl'), 'a') as f:
@@ -136,27 +143,27 @@ def test_the_supervisor_runs_the_standby_idle_until_it_is_given_a_slice(tmp_path
     config = default_config()
     config.elastic.slices = 2
     config.coordinator.startup_timeout_s = 1.0
-    runs = {0: (5.0, 0), 1: (2.0, 1)}  # slice 1 fails after 2 s: the standby becomes it
+    runs = {0: (5.0, 0), 1: (0.5, 1)}  # slice 1 fails once the standby waits: it becomes slice 1
 
     def argv(slice_id: int, slice_dir: str) -> list[str]:
         if slice_id < 0:
-            return [sys.executable, "-c", _STANDBY]
+            return [sys.executable, "-c", _STANDBY, slice_dir]
         seconds, code = runs[slice_id]
         return [sys.executable, "-c", _SLICE, slice_dir, str(seconds), str(code)]
 
     supervisor = ElasticSupervisor(
         config, argv, str(tmp_path), 1, out=io.StringIO(), token="c" * 32, cwd=REPO
     )
-    result = supervisor.run(time_limit_s=30)
+    result = supervisor.run(time_limit_s=150)
     assert (result.exit_code, result.replacements) == (0, 1), result
+    with open(os.path.join(elastic.standby_workdir(str(tmp_path)), "waiting.json")) as f:
+        waiting = json.load(f)
     with open(os.path.join(elastic.slice_workdir(str(tmp_path), 1), "policies.json")) as f:
-        policies = json.load(f)
+        as_slice = json.load(f)
     own_policy, _ = standby_cpu.own_policy()
     group = standby_cpu.read_autogroup("self")
     nices = (standby_cpu.LOWEST_NICE, group[1]) if group else (None, None)
-    assert policies == {
-        "waiting": [[os.SCHED_IDLE] * 2, nices[0]],
-        "slice": [[own_policy] * 2, nices[1]],
-    }
+    assert waiting == [[os.SCHED_IDLE] * 2, nices[0]]
+    assert as_slice == [[own_policy] * 2, nices[1]]
     given = [e for e in read_events(str(tmp_path)) if e["type"] == "elastic_slice_start"][-1]
     assert (given["standby"], given["threads_raised"]) == (True, 2)
