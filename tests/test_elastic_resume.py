@@ -1,0 +1,123 @@
+"""A whole elastic job with a sync interval (DiLoCo) stopped after a save taken between two syncs,
+and started again from its slices' checkpoints, ends bitwise equal to the undisturbed job. Two
+slices in this process, each running the real train loop with its checkpointer, over a real
+quorum server and gloo."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import jax
+import pytest
+from conftest import assert_bitwise, events_of, run_context, tiny_config
+
+pytest.importorskip("torch")
+
+EVERY = 4  # steps per round
+TOTAL = 3 * EVERY
+STOP_AT = 6  # a save, mid-round (6 % 4 = 2), then every slice stops
+
+
+@pytest.mark.slow  # three runs of two slices: about half a minute on 2 cores
+def test_a_job_stopped_mid_round_resumes_to_the_undisturbed_bits(tmp_path):
+    from resilient_jax.checkpoint import Checkpointer
+    from resilient_jax.control.quorum import QuorumServer
+    from resilient_jax.data import make_source
+    from resilient_jax.data.position import DataPosition
+    from resilient_jax.elastic.diloco import SyncIntervalStep
+    from resilient_jax.elastic.exchange import make_exchange
+    from resilient_jax.elastic.quorum_client import QuorumClient
+    from resilient_jax.elastic.trainer import compile_programs
+    from resilient_jax.train.hooks import Hook, StopTraining
+    from resilient_jax.train.loop import Loop
+    from resilient_jax.train.state import init_state
+
+    config = tiny_config(
+        total_steps=TOTAL,
+        **{
+            "elastic.enabled": True,
+            "elastic.slices": 2,
+            "elastic.sync_every_steps": EVERY,
+            "elastic.timeout_s": 10.0,
+            "elastic.quorum_timeout_s": 60.0,
+            "checkpoint.every_steps": 3,
+            "checkpoint.sync_timeout_s": 30.0,
+        },
+    )
+    programs = compile_programs(run_context(config, str(tmp_path / "compile"), devices=2))
+
+    class StopAfter(Hook):
+        def after_step(self, ctx, state, info) -> None:
+            if info.step == STOP_AT:
+                raise StopTraining("the job is stopped")
+
+    def job(workdir: str, stop: bool) -> dict:
+        """Both slices from their checkpoints in `workdir` (none: from the seed); each slice's
+        final parameters and the step each started from."""
+        server = QuorumServer("t", join_timeout_s=1.0, expected=2, settle_s=30.0)
+        results: dict = {}
+        errors: list[BaseException] = []
+
+        def slice_run(slice_id: int) -> None:
+            exchange = make_exchange("gloo", "127.0.0.1", 10.0)
+            client = QuorumClient(server.address, "t", slice_id)
+            ctx = run_context(config, f"{workdir}/slices/{slice_id}", devices=2)
+            checkpointer = Checkpointer(ctx, handle_sigterm=False)
+            try:
+                step = SyncIntervalStep(
+                    ctx,
+                    make_source(config),
+                    exchange,
+                    exchange.store_address,
+                    client,
+                    slice_id,
+                    programs,
+                )
+
+                def load():
+                    restored = checkpointer.restore_latest(ctx)
+                    if restored is None:
+                        return init_state(config, ctx.mesh), DataPosition()
+                    return restored.state, restored.data_position
+
+                state, _ = step.join(load)
+                results[(slice_id, "from")] = int(jax.device_get(state.step))
+                hooks = [checkpointer, StopAfter()] if stop else [checkpointer]
+                loop = Loop(ctx, step, step.index, hooks, lambda s: None)
+                if stop:
+                    with contextlib.suppress(StopTraining):
+                        loop.run(state)
+                else:
+                    state, _ = loop.run(state)
+                    results[slice_id] = jax.device_get(state.params)
+                checkpointer.wait_until_finished()
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+            finally:
+                checkpointer.close()
+                client.close()
+                exchange.close()
+
+        threads = [threading.Thread(target=slice_run, args=(s,)) for s in (0, 1)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(300)
+        finally:
+            server.close()
+        assert not any(t.is_alive() for t in threads), "a slice did not finish"
+        assert not errors, errors
+        return results
+
+    undisturbed = job(str(tmp_path / "undisturbed"), stop=False)
+    assert_bitwise(undisturbed[1], undisturbed[0])  # the last step synced the slices
+    stopped = job(str(tmp_path / "resumed"), stop=True)
+    assert stopped[(0, "from")] == stopped[(1, "from")] == 0
+    resumed = job(str(tmp_path / "resumed"), stop=False)
+    assert resumed[(0, "from")] == resumed[(1, "from")] == STOP_AT  # each restored its own
+    for slice_id in (0, 1):
+        assert_bitwise(resumed[slice_id], undisturbed[0])
+        events = events_of(str(tmp_path / "resumed" / "slices" / str(slice_id)), "restore")
+        assert [e["step"] for e in events] == [STOP_AT]
