@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -47,6 +46,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_cpu.py", "Experiment config.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Measured save rounds (after one warm-up round).")
@@ -270,13 +271,7 @@ def main(argv: list[str]) -> None:
     med = statistics.median
     persistent_cost = med(hook_s["persistent"])
     result = {
-        "config": base.model.to_dict()
-        | {"global_batch_size": base.global_batch_size, "seq_len": base.data.seq_len},
-        "device": jax.devices()[0].device_kind,
-        "num_devices": jax.device_count(),
-        "host": platform.node(),
-        "state_mb": state_bytes / 1e6,
-        "rounds": _ROUNDS.value,
+        **report.state_header(base, state_bytes, _ROUNDS.value),
         "save_hook_s": hook_s,
         "save_event_duration_s": event_s,
         "save_commit_s": commit_s,
@@ -468,13 +463,7 @@ def compare_backends() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     result = {
-        "config": base.model.to_dict()
-        | {"global_batch_size": base.global_batch_size, "seq_len": base.data.seq_len},
-        "device": jax.devices()[0].device_kind,
-        "num_devices": jax.device_count(),
-        "host": platform.node(),
-        "state_mb": state_bytes / 1e6,
-        "rounds": _ROUNDS.value,
+        **report.state_header(base, state_bytes, _ROUNDS.value),
         "emulator": "fake-gcs-server on 127.0.0.1",
         "save_hook_s": save_s,
         "save_commit_s": commit_s,

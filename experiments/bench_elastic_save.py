@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -29,6 +28,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_cpu.py", "Experiment config.")
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "Measured rounds (after one warm-up round).")
@@ -106,7 +107,7 @@ def main(argv: list[str]) -> None:
         )
         state, position = step.join(lambda: (init_state(base, ctx.mesh), DataPosition()))
         loader = StepIndex(position)
-        state_mb = sum(x.nbytes for x in jax.tree.leaves(state)) / 1e6
+        state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
         checkpointers = {
             kind: Checkpointer(c, handle_sigterm=False) for kind, c in contexts.items()
         }
@@ -141,13 +142,7 @@ def main(argv: list[str]) -> None:
 
     med = statistics.median
     result = {
-        "config": base.model.to_dict()
-        | {"global_batch_size": base.global_batch_size, "seq_len": base.data.seq_len},
-        "device": jax.devices()[0].device_kind,
-        "num_devices": jax.device_count(),
-        "host": platform.node(),
-        "state_mb": state_mb,
-        "rounds": _ROUNDS.value,
+        **report.state_header(base, state_bytes, _ROUNDS.value),
         "load_keeping_apply_s": load_keep_s,
         "save_blocking_s": blocking_s,
         "kept_over_copied": {
@@ -155,7 +150,8 @@ def main(argv: list[str]) -> None:
             for tier in ("local", "persistent")
         },
     }
-    print(f"elastic slice, state {state_mb:.1f} MB on {jax.device_count()} x {result['device']}")
+    size_mb = state_bytes / 1e6
+    print(f"elastic slice, state {size_mb:.1f} MB on {jax.device_count()} x {result['device']}")
     print(f"{'save (median of ' + str(_ROUNDS.value) + ')':28}{'blocks loop s':>14}")
     for kind in KINDS:
         print(f"{kind:28}{med(blocking_s[kind]):>14.4f}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -35,6 +34,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import report
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny_cpu.py", "Experiment config.")
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Measured rounds (after one warm-up round).")
@@ -131,13 +132,7 @@ def main(argv: list[str]) -> None:
     fetch_bytes = fetches[0]["bytes"]
     fetch_s = [e["duration_s"] for e in fetches]
     result = {
-        "config": base.model.to_dict()
-        | {"global_batch_size": base.global_batch_size, "seq_len": base.data.seq_len},
-        "device": jax.devices()[0].device_kind,
-        "num_devices": jax.device_count(),
-        "host": platform.node(),
-        "state_mb": state_bytes / 1e6,
-        "rounds": _ROUNDS.value,
+        **report.state_header(base, state_bytes, _ROUNDS.value),
         "restore_s": seconds,
         "fetch_bytes": fetch_bytes,
         "fetch_s": fetch_s,

@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import ml_collections
@@ -34,3 +37,19 @@ def trainer_argv(
         *(f"--config.{k}={v}" for k, v in overrides.items()),
     ]
     return argv + ([f"--chaos={chaos}"] if chaos else [])
+
+
+def supervise(
+    supervisor: Any, time_limit_s: float, during: Callable[[Any], bool] | None = None
+) -> Any:
+    """`supervisor.run(time_limit_s)` in a thread, calling `during(supervisor)` every 10 ms until
+    it returns True once (a fault injected at the right moment); the run's result."""
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(time_limit_s)))
+    thread.start()
+    while thread.is_alive():
+        if during is not None and during(supervisor):
+            during = None
+        time.sleep(0.01)
+    thread.join()
+    return result["r"]

@@ -59,7 +59,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -67,6 +66,8 @@ from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from cluster_runs import supervise  # noqa: E402
 
 from resilient_jax.control import ClusterSpec, Supervisor  # noqa: E402
 from resilient_jax.control.elastic import ElasticSupervisor  # noqa: E402
@@ -172,15 +173,7 @@ def run_elastic(
         restart_delay_s=0.0,  # a replacement starts at once
         cwd=REPO,
     )
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(time_limit_s)))
-    thread.start()
-    while thread.is_alive():
-        if during is not None and during(supervisor):
-            during = None
-        time.sleep(0.01)
-    thread.join()
-    return result["r"]
+    return supervise(supervisor, time_limit_s, during)
 
 
 def slice_events(workdir: str, slice_id: int, kind: str) -> list[dict[str, Any]]:

@@ -36,7 +36,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -44,6 +43,8 @@ from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from cluster_runs import supervise  # noqa: E402
 
 from configs import small_cpu  # noqa: E402
 from resilient_jax.control.elastic import ElasticSupervisor  # noqa: E402
@@ -90,15 +91,7 @@ def run(workdir: str, processes: int, during=None) -> int:
         cwd=REPO,
         processes_per_slice=processes,
     )
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(900)))
-    thread.start()
-    while thread.is_alive():
-        if during is not None and during(supervisor):
-            during = None
-        time.sleep(0.01)
-    thread.join()
-    return result["r"].exit_code
+    return supervise(supervisor, 900, during).exit_code
 
 
 def read(path: str) -> list[dict[str, Any]]:

@@ -39,7 +39,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -47,6 +46,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import elastic as el
+from cluster_runs import supervise
 
 from configs import small_cpu
 from resilient_jax.control.elastic import ElasticSupervisor
@@ -101,15 +101,7 @@ def run(workdir: str, during=None, code: str = el.REPO) -> Any:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = saved
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(900)))
-    thread.start()
-    while thread.is_alive():
-        if during is not None and during(supervisor):
-            during = None
-        time.sleep(0.01)
-    thread.join()
-    return result["r"]
+    return supervise(supervisor, 900, during)
 
 
 def kill_run(root: str, reference: dict[int, str], name: str, code: str) -> dict[str, Any]:

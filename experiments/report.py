@@ -35,6 +35,22 @@ def jax_machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "devices": len(jax.devices())}
 
 
+def state_header(config: Any, state_bytes: int, rounds: int) -> dict[str, Any]:
+    """The head of a checkpoint benchmark's result: the model and batch, the JAX devices, the host,
+    the size of the state saved or restored, and the rounds each median is taken over."""
+    import jax
+
+    return {
+        "config": config.model.to_dict()
+        | {"global_batch_size": config.global_batch_size, "seq_len": config.data.seq_len},
+        "device": jax.devices()[0].device_kind,
+        "num_devices": jax.device_count(),
+        "host": platform.node(),
+        "state_mb": state_bytes / 1e6,
+        "rounds": rounds,
+    }
+
+
 def pyplot():
     """matplotlib.pyplot drawing into files (the Agg backend): experiments run without a display.
     Imported on first use, so that a script's other paths do not need matplotlib."""
