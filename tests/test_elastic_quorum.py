@@ -74,6 +74,35 @@ def test_a_slow_slice_is_waited_for_and_a_silent_one_left_out_only_on_reform(ser
     assert 0.25 < time.monotonic() - start < 2.0
 
 
+def test_a_slice_left_out_while_hung_is_not_waited_for_again_and_is_let_back_in(server):
+    s = server(join_timeout_s=0.3, expected=3, settle_s=10.0)
+    clients = [QuorumClient(s.address, TOKEN, i) for i in range(3)]
+    _ask_all(clients, [0, 0, 0])
+    # Slice 2 hangs with its connection open; the others' exchange fails and they re-form.
+    reformed = _ask_all(clients[:2], [1, 1], reform=True)
+    assert reformed[0].slices == (0, 1)
+    # The next steps are decided as soon as the members ask: no wait for the hung slice.
+    for step in (2, 3):
+        start = time.monotonic()
+        steady = _ask_all(clients[:2], [step, step], timeout_s=3.0)
+        assert time.monotonic() - start < 0.25
+        assert steady[0] == steady[1] and steady[0].quorum_id == reformed[0].quorum_id
+    # Slice 2 comes back and asks at the step it was at: it is not answered alone, but let in
+    # with the members' next step, behind them (the members heal it).
+    returned = []
+    asking = threading.Thread(
+        target=lambda: returned.append(clients[2].request(1, "127.0.0.1:1002", False, 3.0))
+    )
+    asking.start()
+    time.sleep(0.3)
+    assert not returned  # not decided on its own
+    back = _ask_all(clients[:2], [4, 4])
+    asking.join(timeout=10)
+    assert back[0] == back[1] == returned[0]
+    assert back[0].slices == (0, 1, 2) and back[0].max_step == 4
+    assert back[0].quorum_id != reformed[0].quorum_id
+
+
 def test_a_member_behind_gets_a_new_quorum_naming_the_newest_state(server):
     s = server(expected=2, settle_s=10.0)
     clients = [QuorumClient(s.address, TOKEN, i) for i in range(2)]

@@ -7,7 +7,9 @@ the members are in lockstep (their exchange is a barrier), so this is one round 
 slice whose connection closes (its process died) is out at once, which is what lets the survivors
 of a killed slice re-form within milliseconds. A connected slice that does not ask is left out
 only when a member asks to re-form (its exchange failed, so the silent one is dead or hung) and
-`join_timeout_s` has passed: a slow slice is waited for, never split off.
+`join_timeout_s` has passed: a slow slice is waited for, never split off. Once left out, a slice
+still connected is not waited for at the next steps (only the last quorum's members are): the
+others train on without a stall per step, and it is let back in, and healed, when it asks again.
 
 A quorum keeps its id while its members, their steps and their groups stay the same, so a steady
 job forms its exchange group once; any change (a slice lost or joining, a member behind the others,
@@ -187,7 +189,13 @@ class QuorumServer(LineServer):
                     self._answer(self._pending.pop(slice_id), None)
         if waiting or not self._pending:
             return
-        if connected <= set(self._pending):
+        # In lockstep with the last quorum's members: a connected slice left out of it (silent
+        # at a re-forming: hung) is not waited for again at every step; it is let back in when
+        # it asks, and healed then.
+        awaited = connected
+        if self._last is not None:
+            awaited = connected & {slice_id for slice_id, _ in self._last[1]}
+        if awaited <= set(self._pending):
             self._decide()
 
     def _answer(self, request: _Request, quorum: dict[str, Any] | None) -> None:
