@@ -18,7 +18,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from resilient_jax.contracts import env_vars
@@ -86,13 +86,7 @@ class SliceProcesses:
         return self.returncode
 
     def wait(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while self.poll() is None:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pids {self.pids}", timeout)
-            time.sleep(0.02)
-        assert self.returncode is not None
-        return self.returncode
+        return wait_polled(self.poll, timeout, f"pids {self.pids}")
 
     def signal(self, signum: int) -> None:
         """Sends `signum` to every process of the slice (a stop request)."""
@@ -112,3 +106,15 @@ class SliceProcesses:
         if self.returncode is None:
             codes = [m.returncode for m in self.members]
             self.returncode = next((c for c in codes if c not in (None, 0)), codes[0])
+
+
+def wait_polled(poll: Callable[[], int | None], timeout: float, what: str) -> int:
+    """The exit code `poll` reports, polled every 20 ms: processes that are not our children (a
+    slice's processes together, or one adopted from an earlier supervisor) have no `wait`.
+    Raises subprocess.TimeoutExpired naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (code := poll()) is None:
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(what, timeout)
+        time.sleep(0.02)
+    return code

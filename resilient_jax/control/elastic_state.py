@@ -18,12 +18,10 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
-import time
 from collections.abc import Mapping
 
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.control.elastic_slice import SliceProcesses
+from resilient_jax.control.elastic_slice import SliceProcesses, wait_polled
 from resilient_jax.events import read_events
 
 STATE_FILE = "elastic.json"
@@ -154,13 +152,7 @@ class AdoptedWorker:
         return self.returncode
 
     def wait(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while self.poll() is None:
-            if time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-            time.sleep(0.02)
-        assert self.returncode is not None
-        return self.returncode
+        return wait_polled(self.poll, timeout, f"pid {self.pid}")
 
 
 def slice_records(workers: Mapping[int, SliceProcesses]) -> dict[int, Records]:
