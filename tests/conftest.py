@@ -13,6 +13,10 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# Test files that run themselves as worker scripts import this module outside pytest, whose
+# `pythonpath` setting is what puts the repository root (`configs`) on the path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import pytest
 
 from configs import small_cpu

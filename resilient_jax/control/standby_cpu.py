@@ -94,7 +94,8 @@ def read_autogroup(pid: int | str) -> tuple[str, int] | None:
 
 def set_autogroup_nice(pid: int, nice: int) -> bool:
     """Sets the nice of process `pid`'s autogroup, unless it is this process's own (the
-    supervisor's session: never lowered). Whether it was set."""
+    supervisor's session: never lowered). Whether it was set: not where the kernel's rate limit
+    refused every try (the threads' policy still applies)."""
     theirs, own = read_autogroup(pid), read_autogroup("self")
     if theirs is None or own is None or theirs[0] == own[0]:
         return False
@@ -103,21 +104,21 @@ def set_autogroup_nice(pid: int, nice: int) -> bool:
             with open(f"/proc/{pid}/autogroup", "w") as f:
                 f.write(str(nice))
             return True
-        except BlockingIOError:  # EAGAIN: the kernel's rate limit on these writes
-            if attempt + 1 == AUTOGROUP_TRIES:
-                raise
-            time.sleep(AUTOGROUP_RETRY_S)
+        except BlockingIOError:  # EAGAIN: the kernel's rate limit on these writes (kernel-wide)
+            if attempt + 1 < AUTOGROUP_TRIES:
+                time.sleep(AUTOGROUP_RETRY_S)
         except (FileNotFoundError, ProcessLookupError):  # it ended
             return False
     return False
 
 
 def lower(pid: int) -> int:
-    """Puts every thread of process `pid` under SCHED_IDLE, and its session's autogroup at the
-    lowest nice; returns how many threads it changed."""
-    changed = set_policy(pid, os.SCHED_IDLE)
+    """Puts process `pid`'s session's autogroup at the lowest nice, then every thread of it under
+    SCHED_IDLE; returns how many threads it changed. The group first: a process that finds itself
+    under SCHED_IDLE is already in the lowered group (the group's write may wait out the kernel's
+    rate limit)."""
     set_autogroup_nice(pid, LOWEST_NICE)
-    return changed
+    return set_policy(pid, os.SCHED_IDLE)
 
 
 def restore(pid: int) -> int:
