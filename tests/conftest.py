@@ -349,6 +349,130 @@ def events_of(workdir: str, kind: str) -> list[dict]:
     return [e for e in read_events(workdir) if e["type"] == kind]
 
 
+# ------------------------------------------------------------------ elastic slices in threads
+
+
+def run_slices(
+    address: str,
+    slice_ids,
+    body,
+    exchange_timeout_s: float = 10.0,
+    on_error=lambda: None,
+    timeout_s: float = 300.0,
+) -> None:
+    """Runs `body(slice_id, exchange, client)` for each slice in a thread of its own, with a gloo
+    exchange and a quorum client (of the server at `address`, token "t") of its own, closed after
+    it. Joins them with a bound, then raises the first error a slice raised (`on_error` runs in
+    that slice's thread first: it releases slices waiting for the failed one) or fails on a slice
+    that did not finish."""
+    import threading
+
+    from resilient_jax.elastic.exchange import make_exchange
+    from resilient_jax.elastic.quorum_client import QuorumClient
+
+    errors: list[BaseException] = []
+
+    def run(slice_id: int) -> None:
+        exchange = make_exchange("gloo", "127.0.0.1", exchange_timeout_s)
+        client = QuorumClient(address, "t", slice_id)
+        try:
+            body(slice_id, exchange, client)
+        except BaseException as e:  # raised by the calling thread
+            errors.append(e)
+            on_error()
+        finally:
+            client.close()
+            exchange.close()
+
+    threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in slice_ids]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a slice did not finish"
+
+
+# ------------------------------------------------------------- saves of a state the step keeps
+
+
+def host_bytes(tree) -> list[bytes]:
+    """Every leaf's bytes, on the host."""
+    import jax
+    import numpy as np
+
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def donated(state) -> bool:
+    """Whether a step donated `state` (its parameters: a leaf the step does not read, such as
+    the health state's `lr_scale`, is never donated)."""
+    import jax
+
+    return all(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
+
+
+def device_buffers(state) -> set[int]:
+    """The addresses of every shard's device buffer."""
+    import jax
+
+    return {
+        shard.data.unsafe_buffer_pointer()
+        for leaf in jax.tree.leaves(state)
+        for shard in leaf.addressable_shards
+    }
+
+
+@pytest.fixture
+def held_saves(monkeypatch):
+    """Holds both tiers' writes until the returned event is set (bounded), and fails the save of
+    a state it copies: a save must read the state the next step keeps."""
+    import threading
+
+    from resilient_jax.checkpoint import snapshot
+    from resilient_jax.checkpoint.local import LocalTier
+    from resilient_jax.checkpoint.persistent import PersistentTier
+
+    gate = threading.Event()
+
+    def gated(original):
+        def call(*args, **kwargs):
+            assert gate.wait(120)
+            return original(*args, **kwargs)
+
+        return call
+
+    def no_copy(tree):
+        raise AssertionError("the save copied a state the next step keeps")
+
+    monkeypatch.setattr(LocalTier, "_write", gated(LocalTier._write))
+    monkeypatch.setattr(PersistentTier, "save", gated(PersistentTier.save))
+    monkeypatch.setattr(snapshot, "device_snapshot", no_copy)
+    yield gate
+    gate.set()
+
+
+def restore_from_each_tier(config, workdir: str, step: int, devices: int = 8) -> dict:
+    """`step` restored by a fresh checkpointer from the local tier, then from the persistent tier
+    alone (`checkpoint.local_dir` emptied in a copy of `config`): {tier: state}."""
+    from resilient_jax.checkpoint import Checkpointer
+
+    restored = {}
+    for local_dir in (config.checkpoint.local_dir, ""):
+        reader_config = config.copy_and_resolve_references()
+        reader_config.checkpoint.local_dir = local_dir
+        ctx = run_context(reader_config, workdir, devices=devices)
+        reader = Checkpointer(ctx, handle_sigterm=False)
+        try:
+            result = reader.restore_step(ctx, step)
+        finally:
+            reader.close()
+        restored[result.tier] = result.state
+    return restored
+
+
 # --------------------------------------------------------------- launcher runs (resume, healing)
 # Whole training runs through launch/train.py on the tiny config made SMALL, shared by the
 # resume, self-healing and golden-loss tests through the `launcher` fixture.

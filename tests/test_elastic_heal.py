@@ -5,11 +5,12 @@ running the real train loop, over a real quorum server and gloo."""
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import jax
 import pytest
-from conftest import assert_bitwise, events_of, run_context, tiny_config
+from conftest import assert_bitwise, events_of, run_context, run_slices, tiny_config
 
 pytest.importorskip("torch")
 
@@ -22,8 +23,6 @@ def test_a_slice_cut_off_for_several_steps_heals_inside_the_loop(tmp_path):
     from resilient_jax.control.quorum import QuorumServer
     from resilient_jax.data import make_source
     from resilient_jax.data.position import DataPosition
-    from resilient_jax.elastic.exchange import make_exchange
-    from resilient_jax.elastic.quorum_client import QuorumClient
     from resilient_jax.elastic.trainer import ElasticStep, compile_programs
     from resilient_jax.train.hooks import Hook
     from resilient_jax.train.loop import Loop
@@ -42,7 +41,6 @@ def test_a_slice_cut_off_for_several_steps_heals_inside_the_loop(tmp_path):
     programs = compile_programs(run_context(config, str(tmp_path / "compile"), devices=2))
     back = threading.Event()
     results: dict = {}
-    errors: list[BaseException] = []
 
     class Recorder(Hook):
         """What the hooks see: (step, batch index, next batch) per step, the metrics' steps;
@@ -66,49 +64,34 @@ def test_a_slice_cut_off_for_several_steps_heals_inside_the_loop(tmp_path):
         def on_metrics(self, ctx, step, metrics) -> None:
             self.metrics.append(step)
 
-    def slice_run(slice_id: int, workdir: str, paired: bool) -> None:
-        exchange = make_exchange("gloo", "127.0.0.1", 1.0)
-        client = QuorumClient(server.address, "t", slice_id)
-        try:
-            ctx = run_context(config, workdir, devices=2)
-            step = ElasticStep(
-                ctx,
-                make_source(config),
-                exchange,
-                exchange.store_address,
-                client,
-                slice_id,
-                programs,
-            )
-            state, _ = step.join(lambda: (init_state(config, ctx.mesh), DataPosition()))
-            recorder = Recorder(slice_id, paired, client)
-            state, _ = Loop(ctx, step, step.index, [recorder], lambda max_step: None).run(state)
-            results[slice_id] = jax.device_get(state.params)
-            results[(slice_id, "hooks")] = recorder
-            results[(slice_id, "next")] = step.index.position.next_batch
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
-            back.set()
-        finally:
-            client.close()
-            exchange.close()
+    def slice_run(slice_id: int, exchange, client, paired: bool) -> None:
+        """Slice 0 alone (the reference, in `lone/`), or either slice of the pair (`s<id>/`)."""
+        ctx = run_context(config, str(tmp_path / (f"s{slice_id}" if paired else "lone")), devices=2)
+        step = ElasticStep(
+            ctx, make_source(config), exchange, exchange.store_address, client, slice_id, programs
+        )
+        state, _ = step.join(lambda: (init_state(config, ctx.mesh), DataPosition()))
+        recorder = Recorder(slice_id, paired, client)
+        state, _ = Loop(ctx, step, step.index, [recorder], lambda max_step: None).run(state)
+        results[slice_id] = jax.device_get(state.params)
+        results[(slice_id, "hooks")] = recorder
+        results[(slice_id, "next")] = step.index.position.next_batch
 
     try:
-        lone = threading.Thread(target=slice_run, args=(0, str(tmp_path / "lone"), False))
-        lone.start()
-        lone.join(300)
-        assert not errors, errors
+        run_slices(
+            server.address,
+            [0],
+            functools.partial(slice_run, paired=False),
+            exchange_timeout_s=1.0,
+        )
         reference = results.pop(0)
-        threads = [
-            threading.Thread(target=slice_run, args=(s, str(tmp_path / f"s{s}"), True))
-            for s in (0, 1)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not any(t.is_alive() for t in threads), "a slice did not finish"
-        assert not errors, errors
+        run_slices(
+            server.address,
+            [0, 1],
+            functools.partial(slice_run, paired=True),
+            exchange_timeout_s=1.0,
+            on_error=back.set,
+        )
     finally:
         server.close()
     assert_bitwise(results[0], reference)

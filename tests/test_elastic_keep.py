@@ -4,32 +4,23 @@ reads the right bits after later (donating) steps have run, on both tiers, witho
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import numpy as np
 import pytest
-from conftest import assert_bitwise, checkpoint_config, data_position, run_context
+from conftest import (
+    assert_bitwise,
+    checkpoint_config,
+    data_position,
+    device_buffers,
+    donated,
+    host_bytes,
+    restore_from_each_tier,
+    run_context,
+)
 
 pytest.importorskip("torch")
 
 ELASTIC = {"elastic.enabled": True, "elastic.slices": 2}
-
-
-def _buffers(state) -> set[int]:
-    return {
-        shard.data.unsafe_buffer_pointer()
-        for leaf in jax.tree.leaves(state)
-        for shard in leaf.addressable_shards
-    }
-
-
-def _donated(state) -> bool:
-    return all(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
-
-
-def _host_bytes(tree) -> list[bytes]:
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
 def test_the_non_donating_update_is_bitwise_the_donating_one_and_keeps_its_input(tmp_path):
@@ -47,30 +38,28 @@ def test_the_non_donating_update_is_bitwise_the_donating_one_and_keeps_its_input
     sums[1][0] = np.nan  # a bad step: the update leaves the state as it was
 
     state = init_state(ctx.config, ctx.mesh)
-    donated = []
+    by_donating = []
     for summed in sums:
         previous = state
         state, metrics = apply(state, summed)
-        assert _donated(previous)
-        donated.append(_host_bytes((state, metrics)))
+        assert donated(previous)
+        by_donating.append(host_bytes((state, metrics)))
 
     state = init_state(ctx.config, ctx.mesh)
     for i, summed in enumerate(sums):
         new, metrics = keeping(state, summed)
-        assert _host_bytes((new, metrics)) == donated[i], f"update {i + 1} differs"
-        assert not _buffers(new) & _buffers(state), "an output shares a buffer with the input"
+        assert host_bytes((new, metrics)) == by_donating[i], f"update {i + 1} differs"
+        assert not device_buffers(new) & device_buffers(state), "an output shares a buffer"
         assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(state))
         state = new
 
 
 def test_an_elastic_save_reads_the_kept_state_after_later_steps_donated_theirs(
-    tmp_path, local_root, monkeypatch
+    tmp_path, local_root, held_saves
 ):
     """A lone slice (real quorum server and gloo) saves step 2 on both tiers; the writes wait
     until steps 3-5 have run. The save copies nothing, and both tiers hold step 2's bits."""
-    from resilient_jax.checkpoint import Checkpointer, snapshot
-    from resilient_jax.checkpoint.local import LocalTier
-    from resilient_jax.checkpoint.persistent import PersistentTier
+    from resilient_jax.checkpoint import Checkpointer
     from resilient_jax.control.quorum import QuorumServer
     from resilient_jax.data import make_source
     from resilient_jax.data.position import DataPosition
@@ -92,22 +81,6 @@ def test_an_elastic_save_reads_the_kept_state_after_later_steps_donated_theirs(
         },
     )
     ctx = run_context(config, str(tmp_path / "run"), devices=2)
-    gate = threading.Event()
-
-    def gated(original):
-        def call(*args, **kwargs):
-            assert gate.wait(120)
-            return original(*args, **kwargs)
-
-        return call
-
-    def no_copy(tree):
-        raise AssertionError("the save copied a state the next step keeps")
-
-    monkeypatch.setattr(LocalTier, "_write", gated(LocalTier._write))
-    monkeypatch.setattr(PersistentTier, "save", gated(PersistentTier.save))
-    monkeypatch.setattr(snapshot, "device_snapshot", no_copy)
-
     server = QuorumServer("t", join_timeout_s=0.5, expected=1, settle_s=0.0)
     exchange = make_exchange("gloo", "127.0.0.1", 5.0)
     client = QuorumClient(server.address, "t", 0)
@@ -128,10 +101,10 @@ def test_an_elastic_save_reads_the_kept_state_after_later_steps_donated_theirs(
                 checkpointer.after_step(ctx, state, StepInfo(2, 1, data_position(2), 0.01))
         jax.block_until_ready(state)
         assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(saved)), "saved was donated"
-        gate.set()
+        held_saves.set()
         checkpointer.wait_until_finished()
     finally:
-        gate.set()
+        held_saves.set()
         checkpointer.close()
         client.close()
         exchange.close()
@@ -139,11 +112,7 @@ def test_an_elastic_save_reads_the_kept_state_after_later_steps_donated_theirs(
         programs.close()
     committed = [e for e in read_events(ctx.workdir) if e["type"] == "save_committed"]
     assert sorted(e["tier"] for e in committed if e["step"] == 2) == ["local", "persistent"]
-    for local_dir in (local_root, ""):  # the local tier first, then the persistent one alone
-        config.checkpoint.local_dir = local_dir
-        reader_ctx = run_context(config, ctx.workdir, devices=2)
-        reader = Checkpointer(reader_ctx, handle_sigterm=False)
-        restored = reader.restore_step(reader_ctx, 2)
-        reader.close()
-        assert restored.tier == ("local" if local_dir else "persistent")
-        assert_bitwise(restored.state, expected)
+    restored = restore_from_each_tier(config, ctx.workdir, 2, devices=2)
+    assert sorted(restored) == ["local", "persistent"]
+    for state in restored.values():
+        assert_bitwise(state, expected)

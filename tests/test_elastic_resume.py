@@ -6,11 +6,10 @@ quorum server and gloo."""
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import jax
 import pytest
-from conftest import assert_bitwise, events_of, run_context, tiny_config
+from conftest import assert_bitwise, events_of, run_context, run_slices, tiny_config
 
 pytest.importorskip("torch")
 
@@ -26,8 +25,6 @@ def test_a_job_stopped_mid_round_resumes_to_the_undisturbed_bits(tmp_path):
     from resilient_jax.data import make_source
     from resilient_jax.data.position import DataPosition
     from resilient_jax.elastic.diloco import SyncIntervalStep
-    from resilient_jax.elastic.exchange import make_exchange
-    from resilient_jax.elastic.quorum_client import QuorumClient
     from resilient_jax.elastic.trainer import compile_programs
     from resilient_jax.train.hooks import Hook, StopTraining
     from resilient_jax.train.loop import Loop
@@ -57,11 +54,8 @@ def test_a_job_stopped_mid_round_resumes_to_the_undisturbed_bits(tmp_path):
         final parameters and the step each started from."""
         server = QuorumServer("t", join_timeout_s=1.0, expected=2, settle_s=30.0)
         results: dict = {}
-        errors: list[BaseException] = []
 
-        def slice_run(slice_id: int) -> None:
-            exchange = make_exchange("gloo", "127.0.0.1", 10.0)
-            client = QuorumClient(server.address, "t", slice_id)
+        def slice_run(slice_id: int, exchange, client) -> None:
             ctx = run_context(config, f"{workdir}/slices/{slice_id}", devices=2)
             checkpointer = Checkpointer(ctx, handle_sigterm=False)
             try:
@@ -92,23 +86,13 @@ def test_a_job_stopped_mid_round_resumes_to_the_undisturbed_bits(tmp_path):
                     state, _ = loop.run(state)
                     results[slice_id] = jax.device_get(state.params)
                 checkpointer.wait_until_finished()
-            except BaseException as e:  # reported by the main thread
-                errors.append(e)
             finally:
                 checkpointer.close()
-                client.close()
-                exchange.close()
 
-        threads = [threading.Thread(target=slice_run, args=(s,)) for s in (0, 1)]
         try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(300)
+            run_slices(server.address, [0, 1], slice_run)
         finally:
             server.close()
-        assert not any(t.is_alive() for t in threads), "a slice did not finish"
-        assert not errors, errors
         return results
 
     undisturbed = job(str(tmp_path / "undisturbed"), stop=False)

@@ -3,10 +3,14 @@ makes the single-runtime step's update (up to the order of float additions)."""
 
 from __future__ import annotations
 
+import functools
+import threading
+import time
+
 import jax
 import numpy as np
 import pytest
-from conftest import assert_bitwise, events_of, run_context, tiny_config
+from conftest import assert_bitwise, events_of, run_context, run_slices, tiny_config
 
 pytest.importorskip("torch")
 
@@ -25,8 +29,6 @@ def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_p
     from resilient_jax.data import BatchLoader, make_source
     from resilient_jax.data.position import DataPosition
     from resilient_jax.elastic.data import StepIndex
-    from resilient_jax.elastic.exchange import make_exchange
-    from resilient_jax.elastic.quorum_client import QuorumClient
     from resilient_jax.elastic.trainer import ElasticStep
     from resilient_jax.train.compile import compile_step, without_fault_scale
     from resilient_jax.train.state import init_state
@@ -36,26 +38,29 @@ def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_p
     assert ctx.plan.expert == (2 if model else 1)
     source = make_source(config)
     server = QuorumServer("t", join_timeout_s=0.5, expected=1, settle_s=0.0)
-    exchange = make_exchange("gloo", "127.0.0.1", 5.0)
-    client = QuorumClient(server.address, "t", 0)
-    try:
-        step = ElasticStep(ctx, source, exchange, exchange.store_address, client, slice_id=0)
+    trained = {}
+
+    def lone_slice(slice_id: int, exchange, client) -> None:
+        step = ElasticStep(ctx, source, exchange, exchange.store_address, client, slice_id)
         state, position = step.join(lambda: (init_state(config, ctx.mesh), DataPosition()))
         loader = StepIndex(position)
         for _ in range(3):
             state, metrics = step(state, loader.next()[1])
-        elastic_params, elastic_metrics = jax.device_get((state.params, metrics))
+        trained["step"] = int(state.step)
+        trained["params"], trained["metrics"] = jax.device_get((state.params, metrics))
+
+    try:
+        run_slices(server.address, [0], lone_slice, exchange_timeout_s=5.0)
     finally:
-        client.close()
-        exchange.close()
         server.close()
+    elastic_params, elastic_metrics = trained["params"], trained["metrics"]
     reference = init_state(config, ctx.mesh)
     batches = BatchLoader(config, ctx.mesh, ctx.plan, source, DataPosition())
     train_step = without_fault_scale(compile_step(ctx))
     for _ in range(3):
         reference, ref_metrics = train_step(reference, batches.next()[1])
     batches.close()
-    assert int(state.step) == 3
+    assert trained["step"] == 3
     ref_metrics = jax.device_get(ref_metrics)
     assert sorted(elastic_metrics) == sorted(ref_metrics)  # the same metrics.jsonl keys
     assert ("moe_expert_load" in ref_metrics) == bool(model)
@@ -197,15 +202,10 @@ def test_a_joining_slice_is_handed_the_state_over_a_step_the_survivor_computes_a
     slice 1 joins from a fresh state. Slice 0 sends the state of a step's start while it
     computes both parts of that step; slice 1 applies the step's sum itself and computes its own
     part from the next step on. Both end bitwise equal to a lone slice's run."""
-    import threading
-    import time
-
     from resilient_jax.control.quorum import QuorumServer
     from resilient_jax.data import make_source
     from resilient_jax.data.position import DataPosition
     from resilient_jax.elastic.data import StepIndex
-    from resilient_jax.elastic.exchange import make_exchange
-    from resilient_jax.elastic.quorum_client import QuorumClient
     from resilient_jax.elastic.trainer import ElasticStep
     from resilient_jax.train.state import init_state
 
@@ -214,7 +214,7 @@ def test_a_joining_slice_is_handed_the_state_over_a_step_the_survivor_computes_a
         **{"elastic.enabled": True, "elastic.slices": 2, "elastic.quorum_timeout_s": 60.0}
     )
     server = QuorumServer("t", join_timeout_s=1.0, expected=1, settle_s=0.0)
-    results, errors = {}, []
+    results = {}
     started = threading.Event()
 
     def until_slice_1_asks() -> None:
@@ -223,52 +223,35 @@ def test_a_joining_slice_is_handed_the_state_over_a_step_the_survivor_computes_a
             assert time.monotonic() < deadline, "slice 1 never asked for a quorum"
             time.sleep(0.01)
 
-    def slice_run(slice_id: int, workdir: str, paired: bool = False):
-        """Slice 0 (alone, or waiting after step 3 for slice 1 to ask), or slice 1 (joining
-        once slice 0 is at step 3)."""
-        exchange = make_exchange("gloo", "127.0.0.1", 10.0)
-        client = QuorumClient(server.address, "t", slice_id)
-        try:
-            if slice_id == 1:
-                assert started.wait(120)
-            ctx = run_context(config, workdir, devices=2)
-            store = exchange.store_address
-            step = ElasticStep(ctx, make_source(config), exchange, store, client, slice_id)
+    def slice_run(slice_id: int, exchange, client, paired: bool) -> None:
+        """Slice 0 alone (in `lone/`), or slice 0 waiting after step 3 for slice 1 to ask, or
+        slice 1 joining once slice 0 is at step 3 (in `s<id>/`)."""
+        if slice_id == 1:
+            assert started.wait(120)
+        ctx = run_context(config, str(tmp_path / (f"s{slice_id}" if paired else "lone")), devices=2)
+        step = ElasticStep(
+            ctx, make_source(config), exchange, exchange.store_address, client, slice_id
+        )
 
-            def load():
-                assert slice_id == 0, "slice 1 is healed by slice 0: it loads no state"
-                return init_state(config, ctx.mesh), DataPosition()
+        def load():
+            assert slice_id == 0, "slice 1 is healed by slice 0: it loads no state"
+            return init_state(config, ctx.mesh), DataPosition()
 
-            state, position = step.join(load)
-            results[(slice_id, "joined")] = int(jax.device_get(state.step))
-            loader = StepIndex(position)
-            while int(jax.device_get(state.step)) < total:
-                state, _ = step(state, loader.next()[1])
-                if slice_id == 0 and paired and int(jax.device_get(state.step)) == 3:
-                    started.set()
-                    until_slice_1_asks()
-            results[slice_id] = jax.device_get(state.params)
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
-            started.set()
-        finally:
-            client.close()
-            exchange.close()
+        state, position = step.join(load)
+        results[(slice_id, "joined")] = int(jax.device_get(state.step))
+        loader = StepIndex(position)
+        while int(jax.device_get(state.step)) < total:
+            state, _ = step(state, loader.next()[1])
+            if slice_id == 0 and paired and int(jax.device_get(state.step)) == 3:
+                started.set()
+                until_slice_1_asks()
+        results[slice_id] = jax.device_get(state.params)
 
     try:
-        reference = threading.Thread(target=slice_run, args=(0, str(tmp_path / "lone")))
-        reference.start()
-        reference.join(300)
+        run_slices(server.address, [0], functools.partial(slice_run, paired=False))
         lone = results.pop(0)
-        threads = [
-            threading.Thread(target=slice_run, args=(0, str(tmp_path / "s0"), True)),
-            threading.Thread(target=slice_run, args=(1, str(tmp_path / "s1"))),
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
+        pair = functools.partial(slice_run, paired=True)
+        run_slices(server.address, [0, 1], pair, on_error=started.set)
     finally:
         server.close()
     assert_bitwise(results[0], lone)
@@ -297,13 +280,9 @@ def test_moe_parts_split_across_two_slices_give_a_lone_slices_bits(tmp_path, sha
     computing its own part: parameters and every metric (the router's sums included) are
     bitwise those of one slice computing both parts. Each part is a row of the exchanged buffer
     that one member fills, and every member adds the rows up in part order."""
-    import threading
-
     from resilient_jax.control.quorum import QuorumServer
     from resilient_jax.data import make_source
     from resilient_jax.data.position import DataPosition
-    from resilient_jax.elastic.exchange import make_exchange
-    from resilient_jax.elastic.quorum_client import QuorumClient
     from resilient_jax.elastic.trainer import ElasticStep
     from resilient_jax.train.state import init_state
 
@@ -312,34 +291,21 @@ def test_moe_parts_split_across_two_slices_give_a_lone_slices_bits(tmp_path, sha
     def train(slices: int, workdir: str) -> dict:
         """2 steps of `slices` slices from a fresh state: each one's (params, last metrics)."""
         server = QuorumServer("t", join_timeout_s=1.0, expected=slices, settle_s=60.0)
-        results, errors = {}, []
+        results = {}
 
-        def slice_run(slice_id: int) -> None:
-            exchange = make_exchange("gloo", "127.0.0.1", 10.0)
-            client = QuorumClient(server.address, "t", slice_id)
-            try:
-                ctx = run_context(config, f"{workdir}/{slice_id}", devices=2)
-                store = exchange.store_address
-                step = ElasticStep(ctx, make_source(config), exchange, store, client, slice_id)
-                state, position = step.join(lambda: (init_state(config, ctx.mesh), DataPosition()))
-                for batch_index in range(position.next_batch, position.next_batch + 2):
-                    state, metrics = step(state, batch_index)
-                results[slice_id] = jax.device_get((state.params, metrics))
-            except BaseException as e:  # reported by the main thread
-                errors.append(e)
-            finally:
-                client.close()
-                exchange.close()
+        def slice_run(slice_id: int, exchange, client) -> None:
+            ctx = run_context(config, f"{workdir}/{slice_id}", devices=2)
+            store = exchange.store_address
+            step = ElasticStep(ctx, make_source(config), exchange, store, client, slice_id)
+            state, position = step.join(lambda: (init_state(config, ctx.mesh), DataPosition()))
+            for batch_index in range(position.next_batch, position.next_batch + 2):
+                state, metrics = step(state, batch_index)
+            results[slice_id] = jax.device_get((state.params, metrics))
 
-        threads = [threading.Thread(target=slice_run, args=(i,)) for i in range(slices)]
         try:
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(300)
+            run_slices(server.address, range(slices), slice_run)
         finally:
             server.close()
-        assert not errors, errors
         return results
 
     lone = train(1, str(tmp_path / "lone"))[0]

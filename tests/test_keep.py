@@ -4,17 +4,22 @@ same bits, leaves its input valid, and a save of that state reads the right bits
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import numpy as np
 import pytest
-from conftest import checkpoint_config, data_position, run_context, tiny_config
+from conftest import (
+    checkpoint_config,
+    data_position,
+    device_buffers,
+    donated,
+    host_bytes,
+    restore_from_each_tier,
+    run_context,
+    tiny_config,
+)
 
 from resilient_jax import mesh as mesh_lib
-from resilient_jax.checkpoint import Checkpointer, snapshot
-from resilient_jax.checkpoint.local import LocalTier
-from resilient_jax.checkpoint.persistent import PersistentTier
+from resilient_jax.checkpoint import Checkpointer
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.events import read_events
 from resilient_jax.train.compile import compile_step
@@ -35,24 +40,6 @@ def _batches(ctx, count: int) -> list[jax.Array]:
     ]
 
 
-def _host_bytes(tree) -> list[bytes]:
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
-
-
-def _donated(state) -> bool:
-    """Whether a step donated `state` (its parameters: a leaf the step does not read, such as
-    the health state's `lr_scale`, is never donated)."""
-    return all(leaf.is_deleted() for leaf in jax.tree.leaves(state.params))
-
-
-def _buffers(state) -> set[int]:
-    return {
-        shard.data.unsafe_buffer_pointer()
-        for leaf in jax.tree.leaves(state)
-        for shard in leaf.addressable_shards
-    }
-
-
 @pytest.mark.parametrize(
     "overrides",
     [{}, {"optimizer.galore.rank": 8, "optimizer.galore.update_interval": 2}],
@@ -66,12 +53,12 @@ def test_the_non_donating_step_is_bitwise_the_donating_one_and_keeps_its_input(t
     batches = _batches(ctx, len(scales))
 
     state = init_state(ctx.config, ctx.mesh)
-    donated = []
+    by_donating = []
     for batch, scale in zip(batches, scales, strict=True):
         previous = state
         state, metrics = step(state, batch, scale)
-        assert _donated(previous)
-        donated.append(_host_bytes((state, metrics)))
+        assert donated(previous)
+        by_donating.append(host_bytes((state, metrics)))
 
     step.load_keeping()
     state = init_state(ctx.config, ctx.mesh)
@@ -79,14 +66,14 @@ def test_the_non_donating_step_is_bitwise_the_donating_one_and_keeps_its_input(t
     for i, (batch, scale) in enumerate(zip(batches, scales, strict=True)):
         assert ctx.keeper.keep(state)
         new, metrics = step(state, batch, scale)
-        assert _host_bytes((new, metrics)) == donated[i], f"step {i + 1} differs"
-        assert not _buffers(new) & _buffers(state), "an output shares a buffer with the input"
+        assert host_bytes((new, metrics)) == by_donating[i], f"step {i + 1} differs"
+        assert not device_buffers(new) & device_buffers(state), "an output shares a buffer"
         kept_states.append(state)
         state = new
     assert not any(leaf.is_deleted() for s in kept_states for leaf in jax.tree.leaves(s))
     # Unkept, the next step donates again.
     step(state, batches[0], scales[0])
-    assert _donated(state)
+    assert donated(state)
 
 
 def test_nothing_is_kept_before_the_twin_is_loaded_nor_a_state_the_step_is_not_given(tmp_path):
@@ -110,13 +97,13 @@ def test_nothing_is_kept_before_the_twin_is_loaded_nor_a_state_the_step_is_not_g
     assert ctx.keeper.keep(state)
     other = init_state(ctx.config, ctx.mesh)
     step(other, batch, one)
-    assert _donated(other)
+    assert donated(other)
     step(state, batch, one)
-    assert _donated(state)
+    assert donated(state)
 
 
 def test_a_save_reads_the_kept_state_after_later_steps_donated_theirs(
-    tmp_path, local_root, monkeypatch
+    tmp_path, local_root, held_saves
 ):
     config = checkpoint_config(
         local_root,
@@ -136,27 +123,11 @@ def test_a_save_reads_the_kept_state_after_later_steps_donated_theirs(
     state = init_state(config, ctx.mesh)
     for i in range(2):
         state, _ = step(state, batches[i], one)
-    expected = _host_bytes(state)
+    expected = host_bytes(state)
     for i in range(2, 5):
         state, _ = step(state, batches[i], one)
 
     # Both tiers' writes of step 2 wait until steps 3-5 have run; the save must not copy.
-    gate = threading.Event()
-
-    def gated(original):
-        def call(*args, **kwargs):
-            assert gate.wait(120)
-            return original(*args, **kwargs)
-
-        return call
-
-    monkeypatch.setattr(LocalTier, "_write", gated(LocalTier._write))
-    monkeypatch.setattr(PersistentTier, "save", gated(PersistentTier.save))
-
-    def no_copy(tree):
-        raise AssertionError("the save copied a state the next step keeps")
-
-    monkeypatch.setattr(snapshot, "device_snapshot", no_copy)
     checkpointer = Checkpointer(ctx, handle_sigterm=False)
     state = init_state(config, ctx.mesh)
     checkpointer.on_start(ctx, state)
@@ -165,20 +136,14 @@ def test_a_save_reads_the_kept_state_after_later_steps_donated_theirs(
         if i == 1:
             checkpointer.after_step(ctx, state, StepInfo(2, 1, data_position(2), 0.01))
     jax.block_until_ready(state)
-    gate.set()
+    held_saves.set()
     checkpointer.wait_until_finished()
+    checkpointer.close()
     committed = [e for e in read_events(ctx.workdir) if e["type"] == EventType.SAVE_COMMITTED]
     assert sorted(e["tier"] for e in committed if e["step"] == 2) == ["local", "persistent"]
-    restored = checkpointer.restore_step(ctx, 2)
-    assert restored.tier == "local"
-    assert _host_bytes(restored.state) == expected
-    checkpointer.close()
-
-    # The persistent copy alone (its digests were computed from the kept state too).
-    config.checkpoint.local_dir = ""
-    ctx = run_context(config, ctx.workdir)
-    persistent_only = Checkpointer(ctx, handle_sigterm=False)
-    restored = persistent_only.restore_step(ctx, 2)
-    assert restored.tier == "persistent"
-    assert _host_bytes(restored.state) == expected
-    persistent_only.close()
+    # The persistent copy too: its digests were computed from the kept state.
+    restored = restore_from_each_tier(config, ctx.workdir, 2)
+    assert {tier: host_bytes(state) for tier, state in restored.items()} == {
+        "local": expected,
+        "persistent": expected,
+    }
