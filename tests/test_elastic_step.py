@@ -275,6 +275,7 @@ def test_a_joining_slice_is_handed_the_state_over_a_step_the_survivor_computes_a
     assert not events_of(str(tmp_path / "s0"), "elastic_exchange_failed")
 
 
+@pytest.mark.slow  # two runs of a mixture of experts, one of two slices: about 25 s on 2 cores
 def test_moe_parts_split_across_two_slices_give_a_lone_slices_bits(tmp_path, shared_programs):
     """A mixture of experts trained by two slices over a real quorum server and gloo, each
     computing its own part: parameters and every metric (the router's sums included) are

@@ -42,7 +42,13 @@ def _batches(ctx, count: int) -> list[jax.Array]:
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"optimizer.galore.rank": 8, "optimizer.galore.update_interval": 2}],
+    [
+        {},
+        pytest.param(  # a second optimizer's compile: about 15 s on 2 cores
+            {"optimizer.galore.rank": 8, "optimizer.galore.update_interval": 2},
+            marks=pytest.mark.slow,
+        ),
+    ],
     ids=["adamw", "galore"],
 )
 def test_the_non_donating_step_is_bitwise_the_donating_one_and_keeps_its_input(tmp_path, overrides):
