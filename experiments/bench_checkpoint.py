@@ -33,7 +33,6 @@ it is started again and a persistent save commits.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 import statistics
@@ -313,10 +312,7 @@ def main(argv: list[str]) -> None:
         f"Young/Daly interval at MTBF 1 h with this persistent cost: "
         f"{result['young_daly_interval_s_at_mtbf_1h']:.1f} s"
     )
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {_OUT.value}")
+    report.write_json(_OUT.value, result)
 
 
 def compare_backends() -> None:
@@ -500,10 +496,7 @@ def compare_backends() -> None:
         f"outage event {'yes' if detected else 'no'}; persistent commit "
         f"{recovered_s if recovered_s is None else round(recovered_s, 1)} s after the restart"
     )
-    os.makedirs(os.path.dirname(_BACKENDS_OUT.value), exist_ok=True)
-    with open(_BACKENDS_OUT.value, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {_BACKENDS_OUT.value}")
+    report.write_json(_BACKENDS_OUT.value, result)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ update is loaded). Each save's writes finish before the next step.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -158,10 +157,7 @@ def main(argv: list[str]) -> None:
     for tier, ratio in result["kept_over_copied"].items():
         print(f"{tier}: kept / copied {ratio:.3f}")
     print(f"non-donating apply loaded in {load_keep_s:.2f} s")
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {_OUT.value}")
+    report.write_json(_OUT.value, result)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Loopback is not a network: a peer on another machine adds the link's transfer ti
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -151,10 +150,7 @@ def main(argv: list[str]) -> None:
         f"({result['fetch_mb_per_s']:.0f} MB/s); on a link add "
         + ", ".join(f"{k} {v:.3f} s" for k, v in result["link_transfer_s"].items())
     )
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {_OUT.value}")
+    report.write_json(_OUT.value, result)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ each variant's events in experiments/results/chaos_goodput_events/ (`logs` in th
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -54,6 +53,7 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+import report  # noqa: E402
 from baseline_launcher import BaselineLauncher  # noqa: E402
 from cluster_runs import load_config, trainer_argv  # noqa: E402
 
@@ -348,9 +348,7 @@ def main(argv: list[str]) -> None:
         "variants": variants,
         "logs": keep_events(log_dir, os.path.splitext(_OUT.value)[0] + "_events"),
     }
-    os.makedirs(os.path.dirname(_OUT.value), exist_ok=True)
-    with open(_OUT.value, "w") as f:
-        json.dump(results, f, indent=1)
+    report.write_json(_OUT.value, results, indent=1)
     plot(results, os.path.splitext(_OUT.value)[0] + ".png")
     header = (
         f"{'variant':<12}{'goodput':>9}{'progress':>10}{'failures':>10}{'lost':>6}{'MTTR s':>8}"

@@ -17,6 +17,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the config files import resilient_jax
 
 
+# A measured run's logging: a metrics row every step, no progress bar, TensorBoard, evaluation or
+# checkpoint to add their time to the steps.
+STEP_LOG_ONLY: dict[str, Any] = {
+    "log.every_steps": 1,
+    "log.progress_bar": False,
+    "log.tensorboard": False,
+    "eval.every_steps": 0,
+    "checkpoint.every_steps": 0,
+    "checkpoint.local_every_steps": 0,
+}
+
+
 def load_config(config_file: str, overrides: dict[str, Any]) -> ml_collections.ConfigDict:
     """`config_file` (relative to the repository) with `--config.key=value` style overrides."""
     config = runpy.run_path(os.path.join(REPO, config_file))["get_config"]()

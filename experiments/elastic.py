@@ -67,7 +67,8 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from cluster_runs import supervise  # noqa: E402
+import cluster_runs  # noqa: E402
+from cluster_runs import STEP_LOG_ONLY, supervise  # noqa: E402
 
 from resilient_jax.control import ClusterSpec, Supervisor  # noqa: E402
 from resilient_jax.control.elastic import ElasticSupervisor  # noqa: E402
@@ -91,23 +92,14 @@ RESULTS = os.path.join(REPO, "experiments", "results")
 
 def overrides() -> dict[str, Any]:
     return {
+        **STEP_LOG_ONLY,
         "total_steps": _STEPS.value,
-        "log.every_steps": 1,
-        "log.progress_bar": False,
-        "log.tensorboard": False,
-        "eval.every_steps": 0,
-        "checkpoint.every_steps": 0,
-        "checkpoint.local_every_steps": 0,
         "coordinator.compilation_cache_dir": "",
     }
 
 
 def load_config(extra: dict[str, Any]):
-    import runpy
-
-    config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
-    config.update_from_flattened_dict({**overrides(), **extra})
-    return config
+    return cluster_runs.load_config("configs/tiny_cpu.py", {**overrides(), **extra})
 
 
 def argv(workdir: str, extra: dict[str, Any]) -> list[str]:

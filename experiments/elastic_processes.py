@@ -44,7 +44,8 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from cluster_runs import supervise  # noqa: E402
+import report  # noqa: E402
+from cluster_runs import STEP_LOG_ONLY, supervise  # noqa: E402
 
 from configs import small_cpu  # noqa: E402
 from resilient_jax.control.elastic import ElasticSupervisor  # noqa: E402
@@ -55,15 +56,10 @@ _FAULT = flags.DEFINE_integer("fault_step", 30, "Slice 1 loses a process once sl
 
 def overrides() -> dict[str, Any]:
     return {
+        **STEP_LOG_ONLY,
         "total_steps": _STEPS.value,
         "elastic.enabled": True,
         "elastic.check_every_steps": 1,
-        "log.every_steps": 1,
-        "log.progress_bar": False,
-        "log.tensorboard": False,
-        "eval.every_steps": 0,
-        "checkpoint.every_steps": 0,
-        "checkpoint.local_every_steps": 0,
         # The standby at normal priority, as measured (under SCHED_IDLE on a busy 2-core host its
         # two processes may be ready only late in the run).
         "elastic.standby_idle_cpu": False,
@@ -171,9 +167,8 @@ def main(argv_: list[str]) -> None:
     }
     one, two = results["one_process"]["median_step_s"], results["two_processes"]["median_step_s"]
     results["step_time_ratio_two_over_one"] = two / one
-    os.makedirs(os.path.join(REPO, "experiments", "results"), exist_ok=True)
-    with open(os.path.join(REPO, "experiments", "results", "elastic_processes.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    out = os.path.join(REPO, "experiments", "results", "elastic_processes.json")
+    report.write_json(out, results)
     print(f"{'run':22}{'exit':>6}{'median step s':>15}")
     for name in ("one_process", "two_processes", "two_processes_kill"):
         r = results[name]

@@ -46,6 +46,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import elastic as el
+import report
 from cluster_runs import supervise
 
 from configs import small_cpu
@@ -308,9 +309,7 @@ def main(argv_: list[str]) -> None:
             code = os.path.abspath(_BASELINE.value)
             results[KILLS[1]] = kill_run(root, reference, KILLS[1], code)
     name = "elastic_stall_small" if small else "elastic_stall"
-    os.makedirs(el.RESULTS, exist_ok=True)
-    with open(os.path.join(el.RESULTS, f"{name}.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    report.write_json(os.path.join(el.RESULTS, f"{name}.json"), results)
     print(f"elastic undisturbed: median step {results['elastic']['median_step_s']:.3f} s")
     kills = [k for k in KILLS if k in results]
     print(f"{'':<36}" + "".join(f"{k:>26}" for k in kills))
