@@ -85,8 +85,10 @@ def compile_programs(ctx: RunContext) -> Programs:
     gradient_sums, sums_hit = elastic_step.compile_gradient_sums(ctx)
     apply, apply_hit = elastic_step.compile_apply(ctx)
     _report_compile(ctx, "elastic", start, sums_hit and apply_hit)
+    keeping = elastic_step.keeping_apply(ctx)
     programs = Programs(
-        gradient_sums, KeepingProgram(apply, elastic_step.keeping_apply(ctx), ctx.keeper)
+        gradient_sums,
+        KeepingProgram(apply, keeping, ctx.keeper, name=elastic_step.APPLY_KEEP_PROGRAM),
     )
     _first_run(ctx, gradient_sums)
     if int(ctx.config.elastic.sync_every_steps) > 1:
