@@ -97,6 +97,40 @@ def test_the_own_autogroup_is_never_changed():
         child.wait()
 
 
+def test_a_supervisor_in_the_root_autogroup_still_lowers_and_restores_the_standby_group(
+    monkeypatch,
+):
+    """Under an init that never called setsid (many containers and CI runners) the supervisor is in
+    the kernel's root group, whose /proc file reads empty; a standby in a session of its own still
+    has a group to lower, and is put back at nice 0, where its slices' groups are."""
+    if standby_cpu.read_autogroup("self") is None:
+        pytest.skip("the kernel does not group tasks by session")
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True
+    )
+    read = standby_cpu.read_autogroup
+    monkeypatch.setattr(
+        standby_cpu,
+        "read_autogroup",
+        lambda pid: (standby_cpu.ROOT_AUTOGROUP, 0) if pid == "self" else read(pid),
+    )
+    try:
+        standby_cpu.lower(child.pid)
+        assert read(child.pid)[1] == standby_cpu.LOWEST_NICE
+        standby_cpu.restore(child.pid)
+        assert read(child.pid)[1] == 0
+        # a standby in the root group too (started without a session of its own): nothing to
+        # set (the kernel refuses the root group a nice), and no error
+        monkeypatch.setattr(
+            standby_cpu, "read_autogroup", lambda pid: (standby_cpu.ROOT_AUTOGROUP, 0)
+        )
+        assert not standby_cpu.set_autogroup_nice(child.pid, standby_cpu.LOWEST_NICE)
+        assert read(child.pid)[1] == 0
+    finally:
+        child.kill()
+        child.wait()
+
+
 # A standby stand-in: waits until it runs under SCHED_IDLE (set by the supervisor after its spawn;
 # bounded), starts a thread, writes the policy of every one of its threads and its autogroup's nice
 # into `waiting.json` in its workdir (argv[1]), waits like the real one (`elastic.standby`), and as

@@ -36,6 +36,7 @@ LOWEST_NICE = 19
 # The kernel lets a process without CAP_SYS_ADMIN set an autogroup's nice 10 times a second.
 AUTOGROUP_TRIES = 5
 AUTOGROUP_RETRY_S = 0.11
+ROOT_AUTOGROUP = "root"  # how `read_autogroup` names the group of sessions older than grouping
 
 
 def supported() -> bool:
@@ -80,24 +81,34 @@ def own_policy() -> tuple[int, int]:
 
 def read_autogroup(pid: int | str) -> tuple[str, int] | None:
     """Process `pid`'s autogroup and its nice ("/autogroup-12 nice 0"); None where the kernel
-    does not group by session, or the process has ended."""
+    does not group by session, or the process has ended. A process whose session began before the
+    kernel grouped (none of its ancestors called setsid since boot, as under many container and CI
+    init processes) is in the root group, whose file reads empty: (ROOT_AUTOGROUP, 0), the nice
+    its threads count at."""
     try:
         with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
             if f.read().strip() != "1":
                 return None
         with open(f"/proc/{pid}/autogroup") as f:
-            group, _, nice = f.read().split()
-    except (OSError, ValueError):
+            line = f.read().strip()
+    except OSError:
         return None
-    return group, int(nice)
+    if not line:
+        return ROOT_AUTOGROUP, 0
+    try:
+        group, _, nice = line.split()
+        return group, int(nice)
+    except ValueError:
+        return None
 
 
 def set_autogroup_nice(pid: int, nice: int) -> bool:
     """Sets the nice of process `pid`'s autogroup, unless it is this process's own (the
-    supervisor's session: never lowered). Whether it was set: not where the kernel's rate limit
-    refused every try (the threads' policy still applies)."""
+    supervisor's session: never lowered) or the root group (which has no nice of its own to set).
+    Whether it was set: not where the kernel's rate limit refused every try (the threads' policy
+    still applies)."""
     theirs, own = read_autogroup(pid), read_autogroup("self")
-    if theirs is None or own is None or theirs[0] == own[0]:
+    if theirs is None or own is None or theirs[0] in (own[0], ROOT_AUTOGROUP):
         return False
     for attempt in range(AUTOGROUP_TRIES):
         try:
