@@ -4,11 +4,13 @@ worker environment, compilation cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
 import socket
 import sys
+import threading
 import time
 
 import jax
@@ -111,6 +113,46 @@ def test_reported_error_is_a_failure_at_once():
         failure = detector.check(time.monotonic(), {1: 0.0}, {1: report}, THRESHOLDS)
         assert (failure.cause, failure.process) == ("error", 1)
     finally:
+        client.close()
+        server.close()
+
+
+def test_silence_is_judged_only_up_to_what_the_server_has_read():
+    """A supervisor paused (by the host, by its own garbage collection) blames no worker for the
+    heartbeats that arrived meanwhile and are not read yet."""
+    server = HeartbeatServer(TOKEN)
+    held, resume = threading.Event(), threading.Event()
+    pause = threading.Event()
+
+    def tick() -> None:  # the server thread stops here, as in a pause of its whole process
+        if pause.is_set():
+            held.set()
+            resume.wait(10)
+
+    server._tick = tick
+    spawned = {0: time.monotonic()}
+    client = SupervisorClient(server.address, TOKEN, 0, 0, 0, interval_s=0.05)
+    try:
+        wait_for(lambda: server.reports(0).get(0))
+        pause.set()
+        assert held.wait(5)
+        paused_at = time.monotonic()
+        time.sleep(0.6)  # heartbeats keep arriving, unread
+        now = time.monotonic()
+        heard = server.heard_until(now)
+        assert heard <= paused_at + 0.1
+        reports = server.reports(0)
+        thresholds = dataclasses.replace(THRESHOLDS, heartbeat_timeout_s=0.3)
+        # judged up to `now`, the unread heartbeats would make process 0 silent for 0.6 s
+        assert detector.check(now, spawned, reports, thresholds).cause == "heartbeat"
+        assert detector.check(heard, spawned, reports, thresholds) is None
+        resume.set()
+        pause.clear()
+        assert wait_for(lambda: server.reports(0)[0].last_seen > now)
+        later = time.monotonic()
+        assert server.heard_until(later) >= later - 0.2
+    finally:
+        resume.set()
         client.close()
         server.close()
 

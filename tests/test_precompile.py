@@ -73,8 +73,8 @@ OVERRIDES = {
     "checkpoint.every_steps": 10,
     "log.progress_bar": False,
     "log.tensorboard": False,
-    "coordinator.heartbeat_timeout_s": 2.0,
-    "coordinator.jax_heartbeat_timeout_s": 5,
+    # The default heartbeat timeouts: the fault is a killed process, seen at its exit, and on a
+    # busy host a 2 s timeout had taken a slow heartbeat for a lost worker before the fault.
     "coordinator.startup_timeout_s": 120.0,
     "coordinator.kill_grace_s": 0.5,
     "coordinator.readmit_after_s": -1.0,

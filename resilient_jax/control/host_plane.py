@@ -81,7 +81,7 @@ class HostPlane:
             on_refused=self._refused,
             on_disconnect=self.hosts.on_disconnect,
         )
-        self.hosts.bind(self.server.send)
+        self.hosts.bind(self.server.send, self.server.heard_until)
         ap.write_supervisor_file(self._workdir, self.server.address, os.getpid())
         if self._local is not None:
             self._local.start(self.server.address)

@@ -119,6 +119,7 @@ class HostRegistry:
         self._hosts: dict[str, HostRecord] = {}
         self._workers: dict[tuple[int, int], RemoteWorker] = {}
         self._send: Callable[[socket.socket, dict[str, Any]], bool] | None = None
+        self._heard_until: Callable[[float], float] = lambda now: now
         self.generation: int | None = None  # the generation the supervisor runs (fences others)
         self._standbys: dict[str, Any] | None = None  # the standby request for every agent
         self._lost_queue: list[tuple[HostRecord, str, float]] = []
@@ -128,8 +129,15 @@ class HostRegistry:
         )
         self._liveness.start()
 
-    def bind(self, send: Callable[[socket.socket, dict[str, Any]], bool]) -> None:
+    def bind(
+        self,
+        send: Callable[[socket.socket, dict[str, Any]], bool],
+        heard_until: Callable[[float], float],
+    ) -> None:
+        """Sends through the server, and judges agents' silence up to what it has read
+        (`LineServer.heard_until`)."""
         self._send = send
+        self._heard_until = heard_until
 
     # From the server's thread.
 
@@ -258,7 +266,7 @@ class HostRegistry:
         """Declares hosts lost as soon as they are (a thread): detection must not wait for the
         supervisor's loop, which may be busy stopping a generation."""
         while not self._closed.wait(_LIVENESS_POLL_S):
-            now = self._clock()
+            now = self._heard_until(self._clock())
             lost = []
             with self._lock:
                 for record in self._hosts.values():

@@ -13,6 +13,8 @@ from __future__ import annotations
 import selectors
 import socket
 import threading
+import time
+from collections.abc import Callable
 
 from resilient_jax.control import protocol
 
@@ -22,8 +24,17 @@ SEND_TIMEOUT_S = 1.0  # a peer that takes no bytes for this long is taken for go
 class LineServer:
     """Listens on `host:port` (port 0: any free port) from construction until `close()`."""
 
-    def __init__(self, host: str, port: int, name: str, poll_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        name: str,
+        poll_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._poll_s = poll_s
+        self._clock = clock
+        self._turn_started = clock()  # when the server thread last began to wait for input
         self._listener = socket.create_server((host, port))  # SO_REUSEADDR: re-listen at once
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
@@ -41,6 +52,14 @@ class LineServer:
     def address(self) -> str:
         host, port = self._listener.getsockname()[:2]
         return f"{host}:{port}"
+
+    def heard_until(self, now: float) -> float:
+        """The latest time up to which every line that arrived has been handled: `now`, unless
+        the server thread has not begun a wait since `poll_s` before it (its process was paused:
+        by the host, by swapping, by its own garbage collection), then the end of its last wait.
+        Whoever judges a peer's silence judges it up to this time, so a paused process never
+        blames a peer for lines it had not read yet."""
+        return min(now, self._turn_started + self._poll_s)
 
     def close(self) -> None:
         if self._stop.is_set():
@@ -77,6 +96,9 @@ class LineServer:
 
     def _serve(self) -> None:
         while not self._stop.is_set():
+            # Whatever arrived before this moment is read in this turn: `select` reports every
+            # connection with bytes waiting.
+            self._turn_started = self._clock()
             for key, _ in self._selector.select(timeout=self._poll_s):
                 if key.fileobj is self._listener:
                     self._accept()

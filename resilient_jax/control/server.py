@@ -56,12 +56,11 @@ class HeartbeatServer(LineServer):
         on_refused: Callable[[str, str], None] | None = None,
         on_disconnect: Callable[[socket.socket], None] | None = None,
     ) -> None:
-        super().__init__(host, port, name="rj-heartbeat-server", poll_s=0.1)
+        super().__init__(host, port, name="rj-heartbeat-server", poll_s=0.1, clock=clock)
         self._token = token
         self._on_agent = on_agent
         self._on_refused = on_refused
         self._on_disconnect = on_disconnect
-        self._clock = clock
         self._lock = threading.Lock()
         self._reports: dict[tuple[int, int], WorkerReport] = {}
         self._start()

@@ -501,7 +501,10 @@ class Supervisor:
                         since=completed_at,
                     ),
                 )
-            failure = detector.check(now, running, reports, self._thresholds)
+            # Silence is judged up to what the server has read: after a pause of this process
+            # the heartbeats that arrived meanwhile may not be read yet.
+            heard = server.heard_until(now)
+            failure = detector.check(heard, running, reports, self._thresholds)
             if failure is not None:
                 return blame(gen.workers, Watched(Outcome.FAILURE, failure), self._poll_s)
             if completed_at is None:
