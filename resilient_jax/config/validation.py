@@ -201,9 +201,14 @@ def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
         "hang_floor_s",
         "startup_timeout_s",
         "first_step_timeout_s",
+        "auth_timeout_s",
+        "refusal_log_window_s",
     ):
         if not c[key] > 0:
             _fail(f"coordinator.{key}", c[key], "must be > 0")
+    for key in ("max_pending_connections", "refusals_logged_per_peer"):
+        if not isinstance(c[key], int) or c[key] < 1:
+            _fail(f"coordinator.{key}", c[key], "must be an integer >= 1")
     if not c.heartbeat_timeout_s >= 2 * c.heartbeat_interval_s:
         _fail(
             "coordinator.heartbeat_timeout_s",

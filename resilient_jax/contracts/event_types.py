@@ -25,7 +25,9 @@ class EventType(Name):
     STEP = "step"  # step, loss, step_time_s, ... (one per logged step)
     STOP = "stop"  # reason, exit_code
     # Checkpoints.
-    SAVE = "save"  # step, tier, duration_s (time the save blocked training)
+    # step, tier, duration_s (time the save blocked training); skipped: saves of the tier skipped
+    # since its previous save because its writer was still busy (local tier), when any
+    SAVE = "save"
     SAVE_COMMITTED = "save_committed"  # step, tier, duration_s (from the save's start)
     SAVE_FAILED = "save_failed"  # step, tier, cause
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # tier, every_steps, cost_s, mtbf_s
@@ -63,7 +65,13 @@ class EventType(Name):
     HOST_PROBE_FAILED = "host_probe_failed"  # host, slice, detail: not admitted
     HOST_LOST = "host_lost"  # host, slice, cause (silent | disconnected), silent_s
     SUPERVISOR_ATTACH = "supervisor_attach"  # host, slice, agent_pid, workers: an agent attached
-    CONNECTION_REFUSED = "connection_refused"  # peer, why: a connection without the run's token
+    # peer (host:port), why: a control-port connection closed for what it sent or did not send
+    # (no or a wrong run token, an over-long line, silent past coordinator.auth_timeout_s, one
+    # unauthenticated connection too many). At most coordinator.refusals_logged_per_peer per
+    # peer host and coordinator.refusal_log_window_s; the rest are counted, and when the window
+    # ends: peer (host), count, reasons ({why: count}), window_s. The two add up to every refusal.
+    CONNECTION_REFUSED = "connection_refused"
+    CONNECTION_REFUSALS_SUPPRESSED = "connection_refusals_suppressed"
     AGENT_ORPHANED = "agent_orphaned"  # host, waited_s: no supervisor; workers asked to save
     # Fault injection.
     CHAOS = "chaos"  # kind, fault, step: written by the process a fault hits, before it acts

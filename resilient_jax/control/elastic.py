@@ -53,7 +53,9 @@ from resilient_jax.control import (
     standby_cpu,
 )
 from resilient_jax.control.elastic_slice import SliceProcesses, output_file, runtime_env
+from resilient_jax.control.line_server import ConnectionLimits
 from resilient_jax.control.quorum import QuorumServer
+from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.worker_env import shared_env
 from resilient_jax.events import EventLog
 
@@ -125,6 +127,7 @@ class ElasticSupervisor:
         if self._adoptable:
             assert self._previous is not None
             host, port = protocol.split_address(self._previous.address)
+        refusals = RefusalReports(self._events, self._say)
         self.quorum = QuorumServer(
             self._token,
             host,
@@ -133,6 +136,9 @@ class ElasticSupervisor:
             expected=self._slices,
             # the first quorum waits for every slice to have started (or this long)
             settle_s=float(config.coordinator.startup_timeout_s),
+            limits=ConnectionLimits.from_config(config.coordinator),
+            on_refused=refusals.refused,
+            on_suppressed=refusals.suppressed,
         )
         # One executable cache for the job's slices (they compile the same programs for the
         # same local devices): a replacement loads its steps instead of compiling them.

@@ -17,14 +17,15 @@ from typing import Any
 
 import ml_collections
 
-from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import attach, compile_cache, detector, processes, protocol
 from resilient_jax.control.cluster import ClusterSpec
 from resilient_jax.control.generation import Generation, Outcome, Watched
 from resilient_jax.control.hosts import HostRegistry
+from resilient_jax.control.line_server import ConnectionLimits
 from resilient_jax.control.local_hosts import LocalHosts
+from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.server import HeartbeatServer
 from resilient_jax.control.stragglers import StragglerWatch
 from resilient_jax.events import EventLog
@@ -73,13 +74,16 @@ class HostPlane:
         ValueError (an address that is not host:port) when it cannot listen."""
         listen = self._listen or ap.read_supervisor_address(self._workdir) or "127.0.0.1:0"
         host, port = protocol.split_address(listen)
+        refusals = RefusalReports(self._events, self._say)
         self.server = HeartbeatServer(
             self.token,
             host,
             port,
             on_agent=self.hosts.on_message,
-            on_refused=self._refused,
+            on_refused=refusals.refused,
             on_disconnect=self.hosts.on_disconnect,
+            limits=ConnectionLimits.from_config(self._c),
+            on_suppressed=refusals.suppressed,
         )
         self.hosts.bind(self.server.send, self.server.heard_until)
         ap.write_supervisor_file(self._workdir, self.server.address, os.getpid())
@@ -187,7 +191,3 @@ class HostPlane:
                 "cache_env": compile_cache.cache_env(self._c, self._workdir),
             },
         }
-
-    def _refused(self, peer: str, why: str) -> None:
-        self._events.emit(EventType.CONNECTION_REFUSED, peer=peer, why=why)
-        self._say(f"refused a connection from {peer}: {why}")

@@ -6,19 +6,59 @@ background thread that accepts connections, reads them and splits what arrives i
 closing of a connection (its peer went away, or sent something refused or over-long), bounded
 sends and a bounded shutdown. A subclass handles whole lines (`_handle_line`), and may hear of
 closed connections (`_on_drop`) and act after each turn of the loop (`_tick`).
+
+A control port is reachable by anyone on the network, so it holds against clients that are not
+the run's (`ConnectionLimits`): a connection is unauthenticated until the subclass accepted one
+of its lines (which carry the run token); it is closed if that has not happened within
+`auth_timeout_s`, and at most `max_pending` are open at once (a new one beyond is closed at
+once). Every connection the server closes for what it sent or failed to send is a refusal,
+reported once, at a bounded rate per peer (`refusals.RefusalLimiter`); a peer that closes on its
+own is no refusal. What a connection may buffer is bounded by `MAX_LINE_BYTES`, so the memory
+unauthenticated peers can hold is bounded too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from resilient_jax.control import protocol
+from resilient_jax.control.refusals import OnRefused, OnSuppressed, RefusalLimiter
 
 SEND_TIMEOUT_S = 1.0  # a peer that takes no bytes for this long is taken for gone
+_ACCEPTS_PER_TURN = 64  # a burst of connections is taken in a few turns, others still served
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectionLimits:
+    """What a control port allows clients that have not shown the run token (the
+    `coordinator.*` keys of the same names in `config/defaults.py`)."""
+
+    auth_timeout_s: float = 10.0
+    max_pending: int = 64
+    refusals_logged: int = 10  # per peer host and window; the rest are counted
+    refusal_window_s: float = 60.0
+
+    @classmethod
+    def from_config(cls, coordinator: Any) -> ConnectionLimits:
+        return cls(
+            auth_timeout_s=float(coordinator.auth_timeout_s),
+            max_pending=int(coordinator.max_pending_connections),
+            refusals_logged=int(coordinator.refusals_logged_per_peer),
+            refusal_window_s=float(coordinator.refusal_log_window_s),
+        )
+
+
+@dataclasses.dataclass
+class _Connection:
+    peer: str  # "host:port", read at accept: a reset connection no longer has one
+    buffer: bytes = b""  # the start of a line whose end has not arrived yet
+    authenticated: bool = False
 
 
 class LineServer:
@@ -31,7 +71,14 @@ class LineServer:
         name: str,
         poll_s: float,
         clock: Callable[[], float] = time.monotonic,
+        limits: ConnectionLimits | None = None,
+        on_refused: OnRefused | None = None,
+        on_suppressed: OnSuppressed | None = None,
     ) -> None:
+        self._limits = limits or ConnectionLimits()
+        self._refusals = RefusalLimiter(
+            self._limits.refusals_logged, self._limits.refusal_window_s, on_refused, on_suppressed
+        )
         self._poll_s = poll_s
         self._clock = clock
         self._turn_started = clock()  # when the server thread last began to wait for input
@@ -39,7 +86,10 @@ class LineServer:
         self._listener.setblocking(False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
-        self._buffers: dict[socket.socket, bytes] = {}
+        self._connections: dict[socket.socket, _Connection] = {}
+        # Unauthenticated connections and when each is closed; insertion order is deadline
+        # order (one timeout for all, deadlines taken from a monotonic clock).
+        self._unauthenticated: dict[socket.socket, float] = {}
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -61,6 +111,15 @@ class LineServer:
         blames a peer for lines it had not read yet."""
         return min(now, self._turn_started + self._poll_s)
 
+    @property
+    def refused_total(self) -> int:
+        """Connections refused since the start (reported one by one or counted)."""
+        return self._refusals.total
+
+    def connection_counts(self) -> tuple[int, int]:
+        """(open connections, of which unauthenticated), as last seen by the server thread."""
+        return len(self._connections), len(self._unauthenticated)
+
     def close(self) -> None:
         if self._stop.is_set():
             return  # closed already
@@ -69,6 +128,8 @@ class LineServer:
         for key in list(self._selector.get_map().values()):
             key.fileobj.close()  # type: ignore[union-attr]
         self._selector.close()
+        if not self._thread.is_alive():  # the counts belong to the server thread until it ends
+            self._refusals.flush(None)
 
     def _send(self, conn: socket.socket, data: bytes) -> bool:
         """Sends bytes to a connection (from any thread); False when it is gone."""
@@ -81,9 +142,9 @@ class LineServer:
 
     # For subclasses.
 
-    def _handle_line(self, conn: socket.socket, line: bytes) -> bool:
-        """Handles one received line; False closes the connection (the rest of what it sent is
-        not read)."""
+    def _handle_line(self, conn: socket.socket, line: bytes) -> str | None:
+        """Handles one received line: None accepts it (the connection is then authenticated),
+        a reason refuses it and closes the connection (the rest of what it sent is not read)."""
         raise NotImplementedError
 
     def _on_drop(self, conn: socket.socket) -> None:
@@ -104,27 +165,65 @@ class LineServer:
                     self._accept()
                 else:
                     self._read(key.fileobj)  # type: ignore[arg-type]
+            now = self._clock()
+            self._close_expired(now)
+            self._refusals.flush(now)
             self._tick()
 
     def _accept(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:
-            return
-        # Reads happen only when the selector says data is there; the timeout bounds sends.
-        conn.settimeout(SEND_TIMEOUT_S)
-        self._buffers[conn] = b""
-        self._selector.register(conn, selectors.EVENT_READ)
+        for _ in range(_ACCEPTS_PER_TURN):
+            try:
+                conn, address = self._listener.accept()
+            except OSError:  # none left to accept (or one reset before it was taken)
+                return
+            peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else "?"
+            if len(self._unauthenticated) >= self._limits.max_pending:
+                conn.close()
+                self._refusals.refused(
+                    peer,
+                    f"{len(self._unauthenticated)} unauthenticated connections open already "
+                    f"(coordinator.max_pending_connections)",
+                    self._clock(),
+                )
+                continue
+            # Reads happen only when the selector says data is there; the timeout bounds sends.
+            conn.settimeout(SEND_TIMEOUT_S)
+            self._connections[conn] = _Connection(peer)
+            self._unauthenticated[conn] = self._clock() + self._limits.auth_timeout_s
+            self._selector.register(conn, selectors.EVENT_READ)
+
+    def _close_expired(self, now: float) -> None:
+        while self._unauthenticated:
+            conn, deadline = next(iter(self._unauthenticated.items()))
+            if deadline > now:
+                return
+            self._refuse(
+                conn,
+                f"no message with the run token within {self._limits.auth_timeout_s:g}s "
+                "(coordinator.auth_timeout_s)",
+            )
+
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        """Closes `conn` for what it sent (or did not send) and reports it."""
+        connection = self._connections.get(conn)
+        if connection is None:
+            return  # closed already
+        self._drop(conn)
+        self._refusals.refused(connection.peer, why, self._clock())
 
     def _drop(self, conn: socket.socket) -> None:
-        if conn not in self._buffers:
+        if conn not in self._connections:
             return  # closed already
         self._selector.unregister(conn)
-        del self._buffers[conn]
+        del self._connections[conn]
+        self._unauthenticated.pop(conn, None)
         self._on_drop(conn)
         conn.close()
 
     def _read(self, conn: socket.socket) -> None:
+        connection = self._connections.get(conn)
+        if connection is None:
+            return  # closed earlier in this turn
         try:
             data = conn.recv(65536)
         except (BlockingIOError, InterruptedError, TimeoutError):
@@ -134,21 +233,21 @@ class LineServer:
         if not data:
             self._drop(conn)
             return
-        *lines, rest = (self._buffers[conn] + data).split(b"\n")
-        if len(rest) > protocol.MAX_LINE_BYTES:
-            self._drop(conn)
+        *lines, rest = (connection.buffer + data).split(b"\n")
+        # A complete line is bounded too: what a peer makes this server parse stays bounded.
+        if len(rest) > protocol.MAX_LINE_BYTES or any(
+            len(line) > protocol.MAX_LINE_BYTES for line in lines
+        ):
+            self._refuse(conn, f"a line longer than {protocol.MAX_LINE_BYTES} bytes")
             return
-        self._buffers[conn] = rest
+        connection.buffer = rest
         for line in lines:
-            if not self._handle_line(conn, line):
-                self._drop(conn)
+            why = self._handle_line(conn, line)
+            if why is not None:
+                self._refuse(conn, why)
                 return
-
-
-def peer_of(conn: socket.socket) -> str:
-    """`host:port` of the other end, "?" when the connection is gone."""
-    try:
-        host, port = conn.getpeername()[:2]
-    except OSError:
-        return "?"
-    return f"{host}:{port}"
+            if conn not in self._connections:
+                return  # the subclass closed it
+            if not connection.authenticated:
+                connection.authenticated = True
+                del self._unauthenticated[conn]

@@ -40,7 +40,8 @@ import time
 from typing import Any
 
 from resilient_jax.control import protocol
-from resilient_jax.control.line_server import LineServer
+from resilient_jax.control.line_server import ConnectionLimits, LineServer
+from resilient_jax.control.refusals import OnRefused, OnSuppressed
 
 MSG_QUORUM = "quorum"
 MSG_STANDBY = "standby"  # a standby slice, ready: {"pid"}
@@ -68,8 +69,19 @@ class QuorumServer(LineServer):
         join_timeout_s: float = 1.0,
         expected: int = 0,
         settle_s: float = 5.0,
+        limits: ConnectionLimits | None = None,
+        on_refused: OnRefused | None = None,
+        on_suppressed: OnSuppressed | None = None,
     ) -> None:
-        super().__init__(host, port, name="rj-quorum", poll_s=0.01)
+        super().__init__(
+            host,
+            port,
+            name="rj-quorum",
+            poll_s=0.01,
+            limits=limits,
+            on_refused=on_refused,
+            on_suppressed=on_suppressed,
+        )
         self._token = token
         self._join_timeout_s = join_timeout_s
         self._expected = expected
@@ -139,25 +151,25 @@ class QuorumServer(LineServer):
                 with self._lock:  # gone meanwhile: sent when it registers again, if it does
                     self._assignments.setdefault(pid, message)
 
-    def _handle_line(self, conn: socket.socket, line: bytes) -> bool:
+    def _handle_line(self, conn: socket.socket, line: bytes) -> str | None:
         try:
             message = json.loads(line)
             if not hmac.compare_digest(str(message.get("token", "")), self._token):
-                return False
+                return protocol.WRONG_TOKEN
             if message.get("type") == MSG_STANDBY:
                 with self._lock:
                     self._standbys[conn] = int(message["pid"])
-                return True
+                return None
             if message.get("type") != MSG_QUORUM:
-                return False
+                return f"not a quorum message: type {str(message.get('type'))[:40]!r}"
             slice_id, step = int(message["slice"]), int(message["step"])
             last = message.get("last")
             if last is not None:
                 last = (str(last["quorum_id"]), tuple(sorted(int(s) for s in last["slices"])))
             reform = bool(message.get("reform"))
             request = _Request(conn, step, str(message["store"]), reform, last)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return False
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            return f"malformed quorum message: {type(e).__name__}"
         with self._lock:
             self._slice_of[conn] = slice_id
             if self._last is None and last is not None:
@@ -165,7 +177,7 @@ class QuorumServer(LineServer):
         if not self._pending:
             self._first_pending_at = time.monotonic()
         self._pending[slice_id] = request
-        return True
+        return None
 
     def _maybe_decide(self) -> None:
         if not self._pending:

@@ -3,7 +3,10 @@
 One thread multiplexes every connection with `selectors`. Each received line replaces the
 worker's record; the receive time on the supervisor's own monotonic clock is what detection uses,
 so clocks of other hosts never matter. Lines without this run's token close the connection, and
-`on_refused` hears of it (the supervisor logs a `connection_refused` event).
+`on_refused` hears of it (the supervisor logs a `connection_refused` event), as it does of every
+other refusal of `LineServer`'s (a connection silent past the auth timeout, one too many
+unauthenticated, an over-long line); `on_suppressed` hears how many refusals it was not told of
+one by one (`ConnectionLimits`).
 
 Host agents (`agent_protocol`) talk over the same listener: their lines go to `on_agent` with the
 connection, which `send` answers on; `on_disconnect` hears when such a connection closes.
@@ -19,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from resilient_jax.control import protocol
-from resilient_jax.control.line_server import LineServer, peer_of
+from resilient_jax.control.line_server import ConnectionLimits, LineServer
+from resilient_jax.control.refusals import OnRefused, OnSuppressed
 
 
 @dataclasses.dataclass
@@ -53,13 +57,23 @@ class HeartbeatServer(LineServer):
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
         on_agent: Callable[[socket.socket, dict[str, Any]], None] | None = None,
-        on_refused: Callable[[str, str], None] | None = None,
+        on_refused: OnRefused | None = None,
         on_disconnect: Callable[[socket.socket], None] | None = None,
+        limits: ConnectionLimits | None = None,
+        on_suppressed: OnSuppressed | None = None,
     ) -> None:
-        super().__init__(host, port, name="rj-heartbeat-server", poll_s=0.1, clock=clock)
+        super().__init__(
+            host,
+            port,
+            name="rj-heartbeat-server",
+            poll_s=0.1,
+            clock=clock,
+            limits=limits,
+            on_refused=on_refused,
+            on_suppressed=on_suppressed,
+        )
         self._token = token
         self._on_agent = on_agent
-        self._on_refused = on_refused
         self._on_disconnect = on_disconnect
         self._lock = threading.Lock()
         self._reports: dict[tuple[int, int], WorkerReport] = {}
@@ -87,19 +101,17 @@ class HeartbeatServer(LineServer):
         if self._on_disconnect is not None:
             self._on_disconnect(conn)
 
-    def _handle_line(self, conn: socket.socket, line: bytes) -> bool:
+    def _handle_line(self, conn: socket.socket, line: bytes) -> str | None:
         try:
             message = protocol.decode(line, self._token)
         except protocol.ProtocolError as e:
-            if self._on_refused is not None:
-                self._on_refused(peer_of(conn), str(e))
-            return False
+            return str(e)
         if "host" in message:
             if self._on_agent is not None:
                 self._on_agent(conn, message)
         else:
             self._record(message)
-        return True
+        return None
 
     def _record(self, message: dict[str, Any]) -> None:
         now = self._clock()
