@@ -9,7 +9,9 @@ devices and worker slots, and heartbeats. On command it starts workers with the 
 supervisor gives, signals them, keeps warm standbys, and reports each worker's exit the moment a
 waiter thread sees it. It serves the host's local checkpoint tier read-only to the workers of
 other hosts (`tier_service`): the RAM disk outlives the workers, and a replaced host restores
-from it. Worker output goes to `<workdir>/logs/<host>/workers.log` and stdout.
+from it. Its own lines and its workers' output go to `<workdir>/logs/<host>/workers.log` (a
+supervisor may follow it) and to stdout unless `--log_only`; a stream that fails a write (a pipe
+whose reader died with the supervisor) is dropped, never the agent.
 
 Workers keep training while no supervisor is connected: a restarted one finds them in the
 agent's next registration. With no supervisor for `coordinator.orphan_timeout_s` the agent asks
@@ -29,7 +31,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from resilient_jax.contracts.event_types import EventType
@@ -46,18 +48,24 @@ _WORKERS_REPORTED = 16
 
 
 class _Tee:
-    """Writes to two streams (stdout and the host's worker log)."""
+    """Writes to several streams (stdout and the host's worker log); a stream that fails a write
+    or a flush is dropped: the agent and its workers outlive whoever read its output."""
 
     def __init__(self, *streams: IO[str]) -> None:
-        self._streams = streams
+        self._streams = list(streams)
 
     def write(self, text: str) -> None:
-        for stream in self._streams:
-            stream.write(text)
+        self._each(lambda stream: stream.write(text))
 
     def flush(self) -> None:
-        for stream in self._streams:
-            stream.flush()
+        self._each(lambda stream: stream.flush())
+
+    def _each(self, act: Callable[[IO[str]], object]) -> None:
+        for stream in list(self._streams):
+            try:
+                act(stream)
+            except (OSError, ValueError):  # EPIPE, a full disk, a closed file
+                self._streams.remove(stream)
 
 
 class HostAgent:
@@ -73,6 +81,7 @@ class HostAgent:
         address: str | None = None,
         connect_timeout_s: float = 600.0,
         out: IO[str] | None = None,
+        log_only: bool = False,
     ) -> None:
         self._workdir = workdir
         self._host = host
@@ -85,7 +94,8 @@ class HostAgent:
         log_dir = os.path.join(workdir, "logs", host)
         os.makedirs(log_dir, exist_ok=True)
         self._log = open(os.path.join(log_dir, "workers.log"), "a")  # noqa: SIM115 (closed in run)
-        self._sink = processes.OutputSink(_Tee(out or sys.stdout, self._log))
+        streams = [self._log] if log_only else [out or sys.stdout, self._log]
+        self._sink = processes.OutputSink(_Tee(*streams))
         self._events = EventLog(workdir, process="agent", source="agent")
         self._lock = threading.Lock()  # the connection and the worker tables
         self._conn: socket.socket | None = None
@@ -456,6 +466,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--connect_timeout_s", type=float, default=600.0, help="wait this long for a supervisor"
     )
+    parser.add_argument(
+        "--log_only",
+        action="store_true",
+        help="write output only to WORKDIR/logs/HOST/workers.log (not stdout)",
+    )
     args = parser.parse_args(argv)
     try:
         token = ap.read_token(os.environ, args.token_file)
@@ -476,6 +491,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             supervisor=args.supervisor,
             address=args.address,
             connect_timeout_s=args.connect_timeout_s,
+            log_only=args.log_only,
         )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -483,7 +499,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, lambda *_: agent.request_stop())
     code, reason = agent.run()
     if code:
-        print(f"error: {reason}", file=sys.stderr)
+        # stderr may be a pipe whose reader is gone: the exit code still says what happened.
+        with contextlib.suppress(OSError):
+            print(f"error: {reason}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 

@@ -70,8 +70,11 @@ class HostPlane:
         self.server: HeartbeatServer | None = None
 
     def open(self) -> None:
-        """Listens, says where in supervisor.json, starts local agents. Raises OSError or
-        ValueError (an address that is not host:port) when it cannot listen."""
+        """Listens, says where in supervisor.json, starts local agents for hosts whose agent is
+        gone. Raises OSError or ValueError (an address that is not host:port) when it cannot
+        listen, `local_hosts.ForeignAgent` when a surviving agent has another run token."""
+        if self._local is not None:
+            self._local.survivors()  # before this supervisor listens or says where
         listen = self._listen or ap.read_supervisor_address(self._workdir) or "127.0.0.1:0"
         host, port = protocol.split_address(listen)
         refusals = RefusalReports(self._events, self._say)

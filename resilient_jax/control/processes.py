@@ -82,13 +82,6 @@ class OutputSink:
         pipe.close()
 
 
-def start_piped(
-    argv: Sequence[str], env: Mapping[str, str], sink: OutputSink, prefix: str = ""
-) -> tuple[subprocess.Popen[bytes], threading.Thread]:
-    """Starts a helper process (a local host agent) in its own session, output into `sink`."""
-    return _start(argv, env, None, subprocess.DEVNULL, sink, lambda: prefix)
-
-
 def _start(
     argv: Sequence[str],
     env: Mapping[str, str],

@@ -40,6 +40,7 @@ from resilient_jax.control.generation import (
 )
 from resilient_jax.control.host_plane import HostPlane
 from resilient_jax.control.launcher import WorkerLauncher
+from resilient_jax.control.local_hosts import ForeignAgent
 from resilient_jax.control.outages import OutageReader
 from resilient_jax.control.policy import RestartPolicy, SlicePool, straggler_eviction_pays
 from resilient_jax.control.reconfigure import Reconfigurer
@@ -144,6 +145,9 @@ class Supervisor:
         restore_handlers = self._stop.install_handlers()
         try:
             self._plane.open()
+        except ForeignAgent as e:  # a surviving agent answers to another run token
+            restore_handlers()
+            return self._finish(ExitCode.BAD_INPUT, str(e))
         except (OSError, ValueError) as e:
             restore_handlers()
             return self._finish(ExitCode.BAD_INPUT, f"cannot listen: {e}")
