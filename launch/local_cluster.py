@@ -6,20 +6,20 @@
         [--chaos='lose_host:slice=1,step=30,for=20s'] [--host_agents=external --listen=IP:PORT]
 
 Starts num_slices x processes_per_slice workers (`--worker`, by default `launch/train.py`), each
-with devices_per_process CPU devices, through one host agent per slice (`--host_agents=local`,
-or agents started elsewhere with `--host_agents=external --listen=ADDR`), watches them and keeps
-the job training through failures (see `resilient_jax.control`). The run's token comes from
-RJ_RUN_TOKEN or RJ_RUN_TOKEN_FILE (mode 0600), else a fresh one is made for local agents. Worker
-output is kept in DIR/logs/<host>/workers.log and followed here, each line prefixed with
-`[g<generation> s<slice> p<process>]`. Local agents hold no pipe to this process: if it dies
-they and their workers train on, and the same command (with the same run token) adopts them,
-starting agents only for hosts that have none; with no supervisor for
-coordinator.orphan_timeout_s the agents have their workers save and stop, and exit 6. With `--config.elastic.enabled=true` each slice is
-its own JAX runtime of processes_per_slice processes (`resilient_jax.control.elastic`,
-DIR/slices/<id>/), and a lost slice is replaced while the others train on; if this process dies,
-the slices train on, and the same command (with the same run token) takes them over. Ctrl-C asks
-the workers to save and stop. Exits 0 only when training completed; otherwise non-zero with a
-one-line reason on stderr. Events: DIR/events.jsonl.
+with devices_per_process CPU devices, through one host agent per slice (`--host_agents=local`, or
+agents started elsewhere with `--host_agents=external --listen=ADDR`), watches them and keeps the
+job training through failures (see `resilient_jax.control`). The run's token comes from RJ_RUN_TOKEN
+or RJ_RUN_TOKEN_FILE (mode 0600), else a fresh one is made for local agents. Worker output is kept
+in DIR/logs/<host>/workers.log and followed here, each line prefixed with `[g<generation> s<slice>
+p<process>]`. Local agents hold no pipe to this process: if it dies they and their workers train on,
+and the same command (with the same run token) adopts them, starting agents only for hosts that have
+none; with no supervisor for coordinator.orphan_timeout_s the agents have their workers save and
+stop, and exit 6. With `--config.elastic.enabled=true` each slice is its own JAX runtime of
+processes_per_slice processes (`resilient_jax.control.elastic`, DIR/slices/<id>/), and a lost slice
+is replaced while the others train on; if this process dies, the slices train on, and the same
+command (with the same run token) takes them over. Ctrl-C asks the workers to save and stop. Exits 0
+only when training completed; otherwise non-zero with a one-line reason on stderr. Events:
+DIR/events.jsonl.
 """
 
 from __future__ import annotations
