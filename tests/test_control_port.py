@@ -13,7 +13,7 @@ import time
 import pytest
 
 from resilient_jax.config import ConfigError, default_config, validate
-from resilient_jax.control import protocol
+from resilient_jax.control import protocol, refusals
 from resilient_jax.control.line_server import ConnectionLimits, LineServer
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.refusals import RefusalLimiter
@@ -204,6 +204,17 @@ def test_the_limiter_keeps_each_peer_host_apart():
     assert suppressed == [("10.0.0.1", 2)]
     limiter.flush(None)
     assert suppressed == [("10.0.0.1", 2)] and limiter.total == 4
+
+
+def test_the_reasons_a_window_remembers_are_bounded():
+    summaries: list[dict[str, int]] = []
+    limiter = RefusalLimiter(0, 10.0, None, lambda _h, _n, reasons, _w: summaries.append(reasons))
+    for i in range(3 * refusals.MAX_REASONS):
+        limiter.refused("10.0.0.1:5", f"reason {i}", 0.0)
+    limiter.flush(None)
+    ((reasons,),) = [summaries]
+    assert len(reasons) == refusals.MAX_REASONS + 1
+    assert reasons[refusals.OTHER_REASONS] == 2 * refusals.MAX_REASONS
 
 
 def test_the_quorum_server_refuses_and_reports_what_is_not_a_quorum_request():

@@ -15,6 +15,11 @@ from collections.abc import Callable
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.events import EventLog
 
+# A window counts at most this many distinct reasons; any other is counted under OTHER_REASONS,
+# so what a peer can make the server remember stays bounded whatever it sends.
+MAX_REASONS = 16
+OTHER_REASONS = "other reasons"
+
 # (peer "host:port", why)
 OnRefused = Callable[[str, str], None]
 # (peer host, how many were not reported one by one, {why: count}, the window they fell in)
@@ -61,6 +66,8 @@ class RefusalLimiter:
             if self._on_refused is not None:
                 self._on_refused(peer, why)
             return
+        if why not in window.suppressed and len(window.suppressed) >= MAX_REASONS:
+            why = OTHER_REASONS
         window.suppressed[why] = window.suppressed.get(why, 0) + 1
 
     def flush(self, now: float | None) -> None:
