@@ -158,9 +158,21 @@ def _bump():
     )
 
 
-def step_through(hook, ctx, state, first: int, last: int, clock=None, tick_s: float = 0.0):
+def step_through(
+    hook,
+    ctx,
+    state,
+    first: int,
+    last: int,
+    clock=None,
+    tick_s: float = 0.0,
+    local_writes_finish: bool = True,
+):
     """Steps `first..last` through `hook.after_step`, every leaf changing each step; returns the
-    final state and host copies by step. `clock` (a FakeClock) advances `tick_s` per step."""
+    final state and host copies by step. `clock` (a FakeClock) advances `tick_s` per step.
+
+    `local_writes_finish`: each step lasts until a checkpointer's local-tier write has ended, as
+    a real step longer than a write would (else a save due while the write runs is skipped)."""
     import jax
     import numpy as np
 
@@ -173,6 +185,9 @@ def step_through(hook, ctx, state, first: int, last: int, clock=None, tick_s: fl
             clock.now += tick_s
         hook.after_step(ctx, state, StepInfo(step, step - 1, data_position(step), 0.01))
         host[step] = jax.tree.map(np.asarray, state)
+        local = getattr(hook, "_local", None)
+        if local_writes_finish and local is not None:
+            local.wait_idle(60.0)
     return state, host
 
 

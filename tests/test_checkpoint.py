@@ -628,6 +628,7 @@ def test_one_snapshot_feeds_both_tiers_while_the_next_steps_donate_the_state(
         ck.after_step(ctx, state, StepInfo(step, step - 1, DataPosition(next_batch=step), 0.01))
         for _ in range(3):  # reuse the saved buffers while the writers read the snapshot
             state = donate(state)
+        ck._local.wait_idle(60.0)  # a step longer than the write: no local save is skipped
     ck.wait_until_finished()
     ck.close()
     saves = events_of(workdir, EventType.SAVE)
@@ -652,3 +653,45 @@ def test_one_snapshot_feeds_both_tiers_while_the_next_steps_donate_the_state(
     ck = Checkpointer(ctx, handle_sigterm=False)
     assert_bitwise(ck.restore_step(ctx, 2).state, host[2])
     ck.close()
+
+
+def test_a_local_save_due_while_the_previous_write_runs_is_skipped_not_waited_for(
+    tmp_path, local_root, state0, monkeypatch
+):
+    """A write slower than a step: the saves due meanwhile are skipped at once (nothing copied,
+    nothing kept), counted in the next save event and the goodput report; the next save after
+    the write ends is made, and the skipped steps are simply not on the tier."""
+    import threading
+
+    release = threading.Event()
+    write = local.LocalTier._write
+
+    def slow_write(self, step, *args):
+        if step == 1:
+            release.wait(60.0)
+        return write(self, step, *args)
+
+    monkeypatch.setattr(local.LocalTier, "_write", slow_write)
+    config = checkpoint_config(local_root, **{"checkpoint.local_every_steps": 1})
+    ctx = run_context(config, str(tmp_path))
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.on_start(ctx, state0)
+    kept = []
+    monkeypatch.setattr(ctx.keeper, "keep", lambda state: kept.append(state) or False)
+    state, _ = step_through(ck, ctx, state0, 1, 3, local_writes_finish=False)
+    assert len(kept) == 1  # only step 1 took a snapshot
+    release.set()
+    ck._local.wait_idle(60.0)
+    state, _ = step_through(ck, ctx, state, 4, 4)
+    ck.wait_until_finished()
+    ck.close()
+    saves = [(e["step"], e.get("skipped")) for e in events_of(ctx.workdir, EventType.SAVE)]
+    assert saves == [(1, None), (4, 2)]
+    committed = local.list_committed(local.run_dir(local_root, ctx.workdir))
+    assert sorted(c.step for c in committed) == [1, 4]
+    from resilient_jax.events import read_events
+    from resilient_jax.goodput import accounting
+
+    result = accounting.compute(read_events(ctx.workdir))
+    assert result.saves == {"local": {"made": 2, "skipped": 2}}
+    assert "local 2 made, 2 skipped (writer busy)" in accounting.format_table(result)

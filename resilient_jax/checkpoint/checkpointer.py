@@ -25,6 +25,7 @@ from resilient_jax.checkpoint import manifest
 from resilient_jax.checkpoint.clock import ClockDecisions
 from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.local import LocalTier, run_dir
+from resilient_jax.checkpoint.local_cadence import LocalCadence
 from resilient_jax.checkpoint.outage import (
     PROBE_WAIT_S,
     Outage,
@@ -34,20 +35,17 @@ from resilient_jax.checkpoint.outage import (
 )
 from resilient_jax.checkpoint.peer_fetch import peer_fetcher
 from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier, persistent_dir
-from resilient_jax.checkpoint.policy import Decision, SavePolicy, SaveReason, local_interval_steps
+from resilient_jax.checkpoint.policy import Decision, SavePolicy, SaveReason
 from resilient_jax.checkpoint.preemption import PreemptionNotice
 from resilient_jax.checkpoint.restore import Restored, Restorer, check_persistent_dir
 from resilient_jax.checkpoint.snapshot import PersistentWriter, saved_state
 from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.checkpoint.tier import Tier
-from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook, StepInfo, StopTraining
 from resilient_jax.train.state import TrainState
-
-_STEP_TIMES_KEPT = 64  # step times behind the local interval (only the first ones are used)
 
 # Waiting for the previous persistent save: this many times the longest commit seen so far.
 _COMMIT_WAIT_FACTOR = 4
@@ -118,6 +116,11 @@ class Checkpointer(Hook):
                 on_commit=self._on_local_commit,
             )
         self._policy = SavePolicy(c, ctx.config.total_steps, clock, self._local is not None)
+        self._cadence = (
+            LocalCadence(self._local, self._policy, self._sync, self._events, c)
+            if self._local is not None
+            else None
+        )
         self._clock = ClockDecisions(self._policy, self._sync)
         self._preemption = PreemptionNotice(handle_sigterm)
         self._deferred_error: CheckpointError | None = None
@@ -129,11 +132,6 @@ class Checkpointer(Hook):
         self._closed = False
         # The state's leaf shapes and dtypes, the same at every save of this generation.
         self._specs: dict[str, dict[str, Any]] | None = None
-        # Young/Daly for the local tier: measured over this process's first local saves.
-        self._local_auto = bool(c.local_auto_interval) and self._local is not None
-        self._local_saves = 0
-        self._last_local_commit_s: float | None = None
-        self._step_times: list[float] = []
         self._timeout_s = c.persistent_timeout_s
         self._outage_limit_s = c.persistent_outage_limit_s
         self._restorer = Restorer(
@@ -158,8 +156,8 @@ class Checkpointer(Hook):
 
     def after_step(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
         step = info.step
-        if self._local_auto and len(self._step_times) < _STEP_TIMES_KEPT:
-            self._step_times.append(info.step_time_s)
+        if self._cadence is not None:
+            self._cadence.record_step(info.step_time_s)
         self._poll_commit()
         if self._preemption.reached(step):
             self._stop_for_preemption(ctx, state, info)
@@ -296,13 +294,18 @@ class Checkpointer(Hook):
         if self._deferred_error is not None:
             error, self._deferred_error = self._deferred_error, None
             raise error
+        # A local save never waits for the previous write: skipped (on every process) while
+        # it runs, before anything is copied or kept.
+        local = d.local and self._cadence is not None and self._cadence.writer_free()
+        if not (local or d.persistent):
+            return
         position = info.data_position.to_json()
         started = time.perf_counter()
         # One snapshot for both tiers, which the loop's next step leaves valid; each tier's
         # `save` event counts it in its blocking time.
         snapshot = saved_state(state, ctx.keeper)
         snapshot_s = time.perf_counter() - started
-        if d.local and self._local is not None:
+        if local:
             self._save_local(ctx, snapshot, info.step, position, snapshot_s)
         if d.persistent:
             self._save_persistent(ctx, snapshot, info.step, position, d, snapshot_s)
@@ -315,7 +318,7 @@ class Checkpointer(Hook):
         position: dict[str, Any],
         snapshot_s: float = 0.0,
     ) -> None:
-        assert self._local is not None
+        assert self._local is not None and self._cadence is not None
         local_manifest = {
             "fingerprint": self._fingerprint,
             "run_id": self._run_id,
@@ -336,41 +339,12 @@ class Checkpointer(Hook):
             raise
         self._last_local_step = step
         self._events.emit(
-            EventType.SAVE, tier=Tier.LOCAL, step=step, duration_s=blocking, reason=SaveReason.LOCAL
-        )
-        if self._local_auto:
-            self._local_saves += 1
-            if self._local_saves == 3:
-                self._agree_local_interval(ctx, step)
-
-    def _agree_local_interval(self, ctx: RunContext, step: int) -> None:
-        """Sets the local tier's Young/Daly interval, the same on every process, from the cost
-        of a local save and the step time, the worst over processes, and the mean time between
-        failures the supervisor observed (`checkpoint.mtbf_s` before the first).
-
-        The cost is the second save's time to commit (the first one warms up), known by the
-        third, which waited for its write: the blocking part plus the background write, which
-        competes for the host and which the next save waits for, so saving more often than a
-        write takes only turns writes into blocking."""
-        times = sorted(self._step_times[1:]) or [0.0]  # the first step includes warm-up
-        mine = [self._last_local_commit_s or 0.0, times[len(times) // 2]]
-        views = self._sync.all_gather("local_interval", mine)
-        cost_s, step_time_s = max(v[0] for v in views), max(v[1] for v in views)
-        observed = os.environ.get(env_vars.OBSERVED_MTBF_S)
-        mtbf_s = float(observed) if observed else float(ctx.config.checkpoint.mtbf_s)
-        every = local_interval_steps(
-            cost_s, mtbf_s, step_time_s, ctx.config.checkpoint.local_every_steps
-        )
-        self._policy.set_local_interval(every, step)
-        self._events.emit(
-            EventType.CHECKPOINT_INTERVAL,
+            EventType.SAVE,
             tier=Tier.LOCAL,
             step=step,
-            every_steps=every,
-            save_cost_s=round(cost_s, 4),
-            step_time_s=round(step_time_s, 4),
-            mtbf_s=mtbf_s,
-            mtbf_source="observed" if observed else "checkpoint.mtbf_s",
+            duration_s=blocking,
+            reason=SaveReason.LOCAL,
+            skipped=self._cadence.saved(step) or None,
         )
 
     def _save_persistent(
@@ -567,7 +541,8 @@ class Checkpointer(Hook):
             )
 
     def _on_local_commit(self, step: int, commit_s: float, nbytes: int) -> None:
-        self._last_local_commit_s = commit_s
+        if self._cadence is not None:
+            self._cadence.record_commit(commit_s)
         self._events.emit(
             EventType.SAVE_COMMITTED, tier=Tier.LOCAL, step=step, commit_s=commit_s, bytes=nbytes
         )

@@ -222,6 +222,7 @@ class LocalTier:
         self._on_commit = on_commit
         self._writer: BackgroundThread | None = None  # writes the saves; None: read-only
         self._job: Job | None = None
+        self._job_step: int | None = None  # the step `_job` writes
         self._error: BaseException | None = None
         self._error_step: int | None = None
         self._committed: list[int] = []
@@ -251,7 +252,20 @@ class LocalTier:
         manifest = {**manifest, "format": FORMAT_VERSION, "step": step}
         assert self._writer is not None, "a read-only local tier does not save"
         self._job = self._writer.submit(lambda: self._write(step, manifest, snapshot, started))
+        self._job_step = step
         return blocking
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Waits for the write in flight without collecting its outcome (`finish` does):
+        whether the writer is idle."""
+        job = self._job
+        return job is None or job.wait(timeout_s)
+
+    def writing(self) -> int | None:
+        """The step whose write is still running, or None when the writer is idle (a save
+        now would not wait)."""
+        job = self._job
+        return self._job_step if job is not None and not job.done() else None
 
     def finish(self, timeout_s: float | None = None) -> None:
         """Waits for the background write; raises `CheckpointError` if it failed."""

@@ -141,6 +141,9 @@ class Goodput:
     generations: int
     failures: int
     segments: list[tuple[float, float, str]]  # (start, end, category) tiling the wall clock
+    # Per tier, on process 0's lane: saves made, and saves skipped because the tier's writer
+    # was still busy with the previous one (the `skipped` field of `save` events).
+    saves: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def goodput(self) -> float:
@@ -159,6 +162,7 @@ class Goodput:
                 "lost": self.steps_lost,
                 "skipped": self.steps_skipped,
             },
+            "saves": self.saves,
             "generations": self.generations,
             "failures": self.failures,
             "wall_clock_lane": "process 0 (with supervisor events)",
@@ -439,7 +443,18 @@ def compute(
         generations=max(1, len(generations)),
         failures=_count_failures(events),
         segments=segments,
+        saves=_count_saves(events),
     )
+
+
+def _count_saves(events: Sequence[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    saves: dict[str, dict[str, int]] = {}
+    for e in events:
+        if e["type"] == EventType.SAVE and on_reference_lane(e):
+            tier = saves.setdefault(str(e.get("tier", "")), {"made": 0, "skipped": 0})
+            tier["made"] += 1
+            tier["skipped"] += int(finite_number(e.get("skipped")))
+    return saves
 
 
 # ------------------------------------------------------------------------------ reports
@@ -456,6 +471,14 @@ def format_table(result: Goodput) -> str:
         f"{result.steps_skipped} skipped; {result.generations} generation(s), "
         f"{result.failures} failure(s)"
     )
+    if result.saves:
+        lines.append(
+            "saves: "
+            + "; ".join(
+                f"{tier} {n['made']} made, {n['skipped']} skipped (writer busy)"
+                for tier, n in sorted(result.saves.items())
+            )
+        )
     return "\n".join(lines)
 
 
