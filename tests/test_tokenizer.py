@@ -42,6 +42,13 @@ def test_bytes_tokenizer():
     assert ids == list(TEXT.encode("utf-8")) and tok.decode(ids) == TEXT
     assert tok.decode([0xE2, 0x82]) == "\ufffd"  # a sample cut inside a character still decodes
     assert tok.decode([72, 300, 105]) == "Hi" == tokenizer.load("bundled").decode([40, 5000, 73])
+    # End-of-text is 0xFF, a byte no UTF-8 text holds; it reads as a BPE's end-of-text does.
+    assert (tok.eos_id, tok.pad_id) == (0xFF, 0xFF) and 0xFF not in ids
+    assert (
+        tok.decode([72, 0xFF, 105])
+        == "H<|endoftext|>i"
+        == tokenizer.load("bundled").decode([40, 0, 73])
+    )
 
 
 def test_bundled_bpe_round_trips_and_is_subword():
@@ -50,7 +57,7 @@ def test_bundled_bpe_round_trips_and_is_subword():
     ids = tok.encode(TEXT)
     assert tok.decode(ids) == TEXT
     assert max(ids) < tok.vocab_size and len(ids) < len(TEXT.encode("utf-8"))
-    prose = corpus.read_text("").decode()[:20_000]
+    prose = "\n\n".join(d.decode() for d in corpus.read_documents(""))[:20_000]
     assert len(tok.encode(prose)) < len(prose) / 2.5  # subwords: ~2.9 bytes per token here
 
 
@@ -74,14 +81,55 @@ def test_shipped_tokenizer_is_what_the_train_command_makes():
     assert trained.identity == tokenizer.load("bundled").identity
 
 
-def test_token_stream_is_the_joined_text_encoded(text_dir):
-    tok = tokenizer.load("bundled")
-    stream = corpus.token_stream(tok, str(text_dir))
-    assert np.array_equal(stream, tok.encode(corpus.read_text(str(text_dir)).decode()))
-    assert np.array_equal(
-        corpus.token_stream(tokenizer.load(""), str(text_dir)),
-        np.frombuffer(corpus.read_text(str(text_dir)), np.uint8),
-    )
+def test_token_stream_ends_every_document_with_end_of_text(text_dir):
+    documents = [d.decode() for d in corpus.read_documents(str(text_dir))]
+    assert len(documents) == 3
+    bpe = tokenizer.load("bundled")
+    assert (bpe.eos_id, bpe.pad_id, bpe.bos_id) == (0, 0, None)
+    expected = [i for d in documents for i in [*bpe.encode(d), 0]]
+    assert corpus.token_stream(bpe, str(text_dir)).tolist() == expected
+    as_bytes = b"".join(d.encode() + b"\xff" for d in documents)
+    assert corpus.token_stream(tokenizer.load(""), str(text_dir)).tobytes() == as_bytes
+    # The bundled corpus: one document per topic.
+    stream = corpus.token_stream(bpe, "")
+    assert int((stream == 0).sum()) == len(corpus.read_documents("")) and stream[-1] == 0
+
+
+def test_bytes_that_are_no_utf8_never_read_as_end_of_text(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 \xff\xfe")
+    stream = corpus.token_stream(tokenizer.load(""), str(tmp_path))
+    assert stream.tobytes() == "caf\ufffd \ufffd\ufffd".encode() + b"\xff"
+
+
+def _tokenizer_json(tmp_path, name: str, special: list[str]) -> str:
+    """A small word-level tokenizer.json whose added special tokens are `special` (ids 0...)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {w: i for i, w in enumerate([*special, "[UNK]", "hello", "world"])}
+    tok = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(special)
+    path = str(tmp_path / name)
+    tok.save(path)
+    return path
+
+
+def test_special_tokens_of_any_tokenizer_json(tmp_path, text_dir):
+    llama_like = tokenizer.load(_tokenizer_json(tmp_path, "a.json", ["<unk>", "<s>", "</s>"]))
+    assert (llama_like.eos_id, llama_like.pad_id, llama_like.bos_id) == (2, 2, 1)
+    assert "end-of-text '</s>' (id 2), padding with it too" in llama_like.special_tokens_summary()
+    bert_like = tokenizer.load(_tokenizer_json(tmp_path, "b.json", ["[PAD]", "[EOS]"]))
+    assert (bert_like.eos_id, bert_like.pad_id) == (1, 0)
+    assert "padding '[PAD]' (id 0)" in bert_like.special_tokens_summary()
+    # None of the usual names: said, and the documents are joined by a blank line instead.
+    plain = tokenizer.load(_tokenizer_json(tmp_path, "c.json", ["<mask>"]))
+    assert plain.eos_id is None and plain.pad_id is None
+    assert plain.special_tokens_summary().startswith("no end-of-text token (none of <|endoftext|>")
+    (tmp_path / "words").mkdir()
+    (tmp_path / "words" / "1.txt").write_text("hello world")
+    (tmp_path / "words" / "2.txt").write_text("world")
+    assert corpus.token_stream(plain, str(tmp_path / "words")).tolist() == [2, 3, 3]
+    assert corpus.token_stream(llama_like, str(tmp_path / "words")).tolist() == [4, 5, 2, 5, 2]
 
 
 def test_from_config_refuses_a_vocabulary_smaller_than_the_tokenizers():
@@ -117,6 +165,8 @@ def test_train_command(tmp_path, text_dir):
     tok = tokenizer.load(str(out))
     assert tok.vocab_size == 300 and tok.decode(tok.encode(TEXT)) == TEXT
     assert tok.identity in result.stdout
+    assert tok.eos_id == tok.pad_id == 0
+    assert "end-of-text '<|endoftext|>' (id 0), padding with it too" in result.stdout
 
 
 def test_train_command_bad_input(tmp_path, text_dir):
@@ -133,10 +183,20 @@ def test_converter_records_the_tokenizer_and_training_refuses_another(tmp_path, 
     bpe = tokenizer.load("bundled")
     n = convert(str(text_dir), out, seq_len=32, tokenizer=bpe)
     meta = json.loads((tmp_path / "data.array_record.meta.json").read_text())
-    assert meta == {"tokenizer": bpe.identity, "vocab_size": 1024, "seq_len": 32, "sequences": n}
+    assert meta == {
+        "tokenizer": bpe.identity,
+        "vocab_size": 1024,
+        "eos_id": 0,
+        "seq_len": 32,
+        "sequences": n,
+    }
     records = {"data.source": "arrayrecord", "data.path": out}
     source = make_source(tiny_config(**records))
     assert len(source) == n and max(int(source[i].max()) for i in range(n)) >= 256
+    # The records are the text source's examples: documents ended by end-of-text.
+    text = make_source(tiny_config(**{"data.path": str(text_dir), "data.seq_len": 32}))
+    assert len(text) == n and all(np.array_equal(source[i], text[i]) for i in range(n))
+    assert sum(int((source[i][:-1] == 0).sum()) for i in range(n)) >= 2
     with pytest.raises(ConfigError, match=r"config\.data\.tokenizer .*tokenized with sha256:"):
         make_source(tiny_config(**records, **{"data.tokenizer": "", "model.vocab_size": 256}))
 

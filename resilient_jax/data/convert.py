@@ -4,9 +4,10 @@
         --seq_len=128 --tokenizer=bundled
 
 Each record is one sequence of `seq_len + 1` little-endian int32 tokens: consecutive,
-non-overlapping windows of the concatenated text, exactly the examples the `text` source makes
-with the same tokenizer (`--tokenizer`: '' = bytes, 'bundled', or a tokenizer.json). The
-tokenizer's identity is recorded next to the file (`<output>.meta.json`), and training refuses the
+non-overlapping windows of the token stream (each document followed by the tokenizer's end-of-text
+token, `corpus.token_stream`), exactly the examples the `text` source makes with the same
+tokenizer (`--tokenizer`: '' = bytes, 'bundled', or a tokenizer.json). The tokenizer's identity
+and end-of-text id are recorded next to the file (`<output>.meta.json`), and training refuses the
 file under another tokenizer. Train on it with
 `--config.data.source=arrayrecord --config.data.path=/data/corpus.array_record` (and the same
 `--config.data.tokenizer`). Bad input (a missing file, tokenizer or text): exit 2, one line.
@@ -67,7 +68,8 @@ def main(argv: list[str]) -> None:
     size = os.path.getsize(_OUTPUT.value)
     print(
         f"wrote {n} sequences of {_SEQ_LEN.value + 1} tokens to {_OUTPUT.value} ({size} bytes), "
-        f"tokenizer {tokenizer.identity} ({tokenizer.vocab_size} tokens)"
+        f"tokenizer {tokenizer.identity} ({tokenizer.vocab_size} tokens; "
+        f"{tokenizer.special_tokens_summary()})"
     )
 
 

@@ -3,19 +3,28 @@
 The bundled corpus is built on first use from `pydoc_data.topics`, which ships with every CPython:
 about 0.5 MB of English prose (the Python language reference topics), in a fixed order, so every
 machine builds exactly the same bytes without downloading anything.
+
+Documents: one topic of the bundled corpus, one .txt file of the user's (leading and trailing
+whitespace stripped; files in sorted path order). The token stream is every document encoded on
+its own and followed by the tokenizer's end-of-text token, in that order: a pure function of the
+files and the tokenizer, so the examples cut from it (and batch(step)) stay a pure function of
+(dataset, seed, step, global batch). A tokenizer without an end-of-text token (see
+`Tokenizer.special_tokens_summary`) gets the documents joined by DOCUMENT_SEPARATOR instead.
 """
 
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 
 import numpy as np
+from absl import logging
 
 from resilient_jax.config import ConfigError
 from resilient_jax.data.tokenizer import HFTokenizer, Tokenizer
 
-DOCUMENT_SEPARATOR = b"\n\n"
+DOCUMENT_SEPARATOR = b"\n\n"  # between documents, for a tokenizer without end-of-text
 
 
 def bundled_documents() -> list[bytes]:
@@ -49,26 +58,25 @@ def read_documents(path: str, key: str = "config.data.path") -> list[bytes]:
     return documents
 
 
-def read_text(path: str, key: str = "config.data.path") -> bytes:
-    """The concatenated bytes of the text files at `path` ('' = the bundled corpus)."""
-    return DOCUMENT_SEPARATOR.join(read_documents(path, key))
-
-
 def token_stream(tokenizer: Tokenizer, path: str, key: str = "config.data.path") -> np.ndarray:
-    """The text at `path` as one stream of token ids, documents joined by DOCUMENT_SEPARATOR."""
+    """The documents at `path` as one stream of token ids, each followed by end-of-text."""
+    documents = [d for d in read_documents(path, key) if d]  # whitespace alone is no document
     if not isinstance(tokenizer, HFTokenizer):
-        return byte_tokens(read_text(path, key))
-    # Each document after the first is encoded with the separator in front: byte-level BPE splits
-    # text before every whitespace run, so these ids are exactly those of the joined text, and the
-    # library encodes the documents on its threads.
-    separator = DOCUMENT_SEPARATOR.decode()
-    texts = [
-        (separator if i else "") + d.decode("utf-8", errors="replace")
-        for i, d in enumerate(read_documents(path, key))
-    ]
-    return np.asarray([i for ids in tokenizer.encode_batch(texts) for i in ids], dtype=np.int32)
-
-
-def byte_tokens(data: bytes) -> np.ndarray:
-    """Byte-level tokens: token id = byte value (vocabulary of 256)."""
-    return np.frombuffer(data, dtype=np.uint8)
+        # As UTF-8 text, like a BPE reads them: bytes that are no UTF-8 become U+FFFD, so the
+        # end-of-text byte (0xFF, never in UTF-8) occurs nowhere else in the stream.
+        end = bytes([tokenizer.eos_id])
+        texts = [d.decode("utf-8", errors="replace").encode("utf-8") for d in documents]
+        return np.frombuffer(b"".join(t + end for t in texts), dtype=np.uint8)
+    texts = [d.decode("utf-8", errors="replace") for d in documents]
+    if tokenizer.eos_id is None:
+        logging.warning("tokenizer %s: %s", tokenizer.path, tokenizer.special_tokens_summary())
+        # Each document after the first is encoded with the separator in front: byte-level BPE
+        # splits text before every whitespace run, so these ids are exactly those of the joined
+        # text, and the library encodes the documents on its threads.
+        separator = DOCUMENT_SEPARATOR.decode()
+        texts = [(separator if i else "") + t for i, t in enumerate(texts)]
+        ends: list[int] = []
+    else:
+        ends = [tokenizer.eos_id]
+    encoded = tokenizer.encode_batch(texts)
+    return np.fromiter(itertools.chain.from_iterable(e + ends for e in encoded), dtype=np.int32)

@@ -51,6 +51,11 @@ class TokenStreamSource:
 class ArrayRecordSource:
     """ArrayRecord files whose records are little-endian int32 token sequences (see `convert`).
 
+    The records of a converted file are consecutive windows of its text's token stream
+    (`corpus.token_stream`), so its documents are those of the text, each ended by the
+    tokenizer's end-of-text token (recorded as `eos_id` in the sidecar); a window may span the
+    end of one document and the start of the next.
+
     Each file written by the converter has a sidecar `<file>.meta.json` naming the tokenizer that
     made it; a file made with another tokenizer than `tokenizer` is refused. (A file without one,
     from another tool, is taken as it is.)
@@ -90,6 +95,7 @@ def write_meta(path: str, tokenizer: Tokenizer, seq_len: int, sequences: int) ->
     meta = {
         "tokenizer": tokenizer.identity,
         "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,  # ends every document in the records (None: joined by text)
         "seq_len": seq_len,
         "sequences": sequences,
     }

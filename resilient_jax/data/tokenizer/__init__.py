@@ -14,6 +14,16 @@ Train a byte-level BPE on your own text (a .txt file, a directory of them, or a 
 
 A tokenizer's `identity` is a hash of its content, not of its path: a converted dataset records it,
 and training refuses a dataset made with another tokenizer.
+
+Special tokens. `eos_id` is the end-of-text token that ends every document of the token stream
+(`data.corpus`) and stops sampling; `pad_id` fills the unused positions of a padded batch (an
+export's `pad_token_id`). For a tokenizer.json both are found among its added tokens by their
+usual names (`EOS_NAMES`, `PAD_NAMES`, first match); without a padding token, padding is
+end-of-text (as for GPT-2: padded positions are masked, any real token will do). The shipped and
+trained BPEs have `<|endoftext|>` (id 0). The bytes tokenizer's end-of-text is byte 0xFF, which no
+UTF-8 text contains. A tokenizer.json without any end-of-text token has `eos_id = None`:
+`special_tokens_summary` says so, documents are then joined by a blank line and sampling runs to
+its token limit.
 """
 
 from __future__ import annotations
@@ -37,6 +47,13 @@ _DATA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUNDLED_PATH = os.path.join(_DATA_DIR, "assets", "bpe_1024.json")
 END_OF_TEXT = "<|endoftext|>"  # the one special token a trained BPE gets (an export's eos)
 MIN_BPE_VOCAB = 257  # the 256 byte tokens and END_OF_TEXT
+# The bytes tokenizer's end-of-text: a byte that never occurs in UTF-8, so no text encodes to it.
+BYTE_END_OF_TEXT = 0xFF
+# How tokenizer.json files name their special tokens (GPT-2, Llama 2, Gemma, BERT-style, Llama 3,
+# ...), in the order they are looked for among the added tokens.
+EOS_NAMES = (END_OF_TEXT, "</s>", "<eos>", "[EOS]", "<|end_of_text|>", "<|eos|>", "<|end|>")
+PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|padding|>", "<|finetune_right_pad_id|>")
+BOS_NAMES = ("<s>", "<bos>", "[BOS]", "<|begin_of_text|>", "<|startoftext|>")
 
 
 class Tokenizer(abc.ABC):
@@ -45,6 +62,9 @@ class Tokenizer(abc.ABC):
     vocab_size: int
     identity: str  # content hash: equal identities encode every text the same way
     path: str | None  # the tokenizer.json an export copies; None for bytes
+    eos_id: int | None  # end of text: ends each document, stops sampling; None: it has none
+    pad_id: int | None  # padding: its own token, else end-of-text
+    bos_id: int | None  # a begin-of-text token of its own, if it has one (the stream never adds it)
 
     @abc.abstractmethod
     def encode(self, text: str) -> list[int]: ...
@@ -52,16 +72,35 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def decode(self, ids: Sequence[int]) -> str: ...
 
+    @abc.abstractmethod
+    def token(self, token_id: int) -> str:
+        """The text form of one token id (an export names special tokens by it)."""
+
+    def special_tokens_summary(self) -> str:
+        """One line naming the end-of-text and padding tokens, or saying that there is none."""
+        if self.eos_id is None:
+            return (
+                f"no end-of-text token (none of {', '.join(EOS_NAMES)} among the added tokens): "
+                "documents are joined by a blank line and sampling stops only at its token limit"
+            )
+        eos = f"end-of-text {self.token(self.eos_id)!r} (id {self.eos_id})"
+        if self.pad_id == self.eos_id:
+            return f"{eos}, padding with it too"
+        return f"{eos}, padding {self.token(self.pad_id)!r} (id {self.pad_id})"
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, identity={self.identity!r})"
 
 
 class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes: token id = byte value."""
+    """UTF-8 bytes: token id = byte value; end-of-text (and padding) is BYTE_END_OF_TEXT."""
 
     vocab_size = 256
     identity = BYTES_IDENTITY
     path = None
+    eos_id = BYTE_END_OF_TEXT
+    pad_id = BYTE_END_OF_TEXT
+    bos_id = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -69,9 +108,14 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         # Generated ids need not form valid UTF-8 (a sample can stop inside a character), and a
         # model wider than 256 can emit ids no byte has: those are dropped, as the Hugging Face
-        # tokenizers drop ids outside their vocabulary.
+        # tokenizers drop ids outside their vocabulary. End-of-text reads as END_OF_TEXT, as a
+        # BPE's does.
         kept = bytes(int(i) for i in ids if 0 <= int(i) < self.vocab_size)
-        return kept.decode("utf-8", errors="replace")
+        pieces = kept.split(bytes([BYTE_END_OF_TEXT]))
+        return END_OF_TEXT.join(p.decode("utf-8", errors="replace") for p in pieces)
+
+    def token(self, token_id: int) -> str:
+        return END_OF_TEXT if token_id == BYTE_END_OF_TEXT else self.decode([token_id])
 
 
 class HFTokenizer(Tokenizer):
@@ -84,6 +128,11 @@ class HFTokenizer(Tokenizer):
         # The canonical serialisation, so a reformatted copy of the same file has the same identity.
         canonical = tokenizer.to_str().encode("utf-8")
         self.identity = "sha256:" + hashlib.sha256(canonical).hexdigest()[:16]
+        added = {t.content: i for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self.eos_id = _first_of(EOS_NAMES, added)
+        own_pad = _first_of(PAD_NAMES, added)
+        self.pad_id = self.eos_id if own_pad is None else own_pad
+        self.bos_id = _first_of(BOS_NAMES, added)
 
     @classmethod
     def from_file(cls, path: str) -> HFTokenizer:
@@ -114,6 +163,14 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token(self, token_id: int) -> str:
+        return self._tokenizer.id_to_token(token_id)
+
+
+def _first_of(names: Sequence[str], added: dict[str, int]) -> int | None:
+    """The id of the first of `names` among a tokenizer's added tokens (None: none is)."""
+    return next((added[name] for name in names if name in added), None)
 
 
 def load(path: str) -> Tokenizer:

@@ -42,7 +42,7 @@ def train_command(input_path: str, vocab_size: int, output: str) -> HFTokenizer:
     print(
         f"wrote {output}: {tokenizer.vocab_size} tokens, identity {tokenizer.identity}, "
         f"{size / max(tokens, 1):.2f} characters per token on the input, "
-        f"{time.perf_counter() - start:.1f} s",
+        f"{time.perf_counter() - start:.1f} s; {tokenizer.special_tokens_summary()}",
         flush=True,
     )
     return tokenizer
