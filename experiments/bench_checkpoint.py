@@ -32,7 +32,6 @@ it is started again and a persistent save commits.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import statistics
@@ -71,21 +70,16 @@ def main(argv: list[str]) -> None:
         return
     import jax
     import jax.numpy as jnp
-    import orbax.checkpoint as ocp
+    from checkpoint_saves import SaveKinds
 
-    from resilient_jax import mesh as mesh_lib
-    from resilient_jax import topology as topology_lib
-    from resilient_jax.checkpoint import Checkpointer, checksum
-    from resilient_jax.checkpoint.snapshot import device_snapshot
+    from resilient_jax.checkpoint import checksum
     from resilient_jax.data import BatchLoader, make_source
     from resilient_jax.data.position import DataPosition
     from resilient_jax.events import EventLog, read_events
     from resilient_jax.goodput.model import young_daly_interval_s
     from resilient_jax.run import compile_step, prepare
-    from resilient_jax.train.context import RunContext
     from resilient_jax.train.hooks import StepInfo
-    from resilient_jax.train.keep import StateKeeper
-    from resilient_jax.train.state import abstract_state, init_state
+    from resilient_jax.train.state import init_state
 
     base = _CONFIG.value
     base.total_steps = 10**9  # no final-step save inside the benchmark
@@ -94,47 +88,17 @@ def main(argv: list[str]) -> None:
     root = tempfile.mkdtemp(prefix="bench_ckpt_")
     local_root = f"/dev/shm/bench_ckpt_{uuid.uuid4().hex[:8]}"
 
-    def context(name: str, local: bool, persistent_every: int, devices=None) -> RunContext:
-        config = base.copy_and_resolve_references()
-        config.checkpoint.local_dir = local_root if local else ""
-        config.checkpoint.local_every_steps = 1 if local else 0
-        config.checkpoint.every_steps = persistent_every
-        workdir = os.path.join(root, name)
-        if devices is None:
-            return prepare(config, workdir, EventLog(workdir))
-        topology = mesh_lib.discover(devices)
-        plan = topology_lib.plan_mesh(config, topology)
-        mesh = mesh_lib.make_mesh(plan, topology)
-        return RunContext(
-            config, workdir, topology, plan, mesh, EventLog(workdir), abstract_state(config, mesh)
-        )
-
-    def by_step(workdir: str, kind: str) -> dict[int, dict]:
-        return {e["step"]: e for e in read_events(workdir) if e["type"] == kind}
-
     try:
-        ctx_local = context("local", local=True, persistent_every=0)
-        ctx_persistent = context("persistent", local=False, persistent_every=1)
-        # A keeper no step answers: its saves copy the state (the fallback).
-        ctx_copy = dataclasses.replace(
-            context("local_copy", local=True, persistent_every=0), keeper=StateKeeper()
-        )
-        step_fn = compile_step(ctx_local)
-        ctx_persistent.keeper = ctx_local.keeper  # the one step keeps what either tier saves
-        loader = BatchLoader(base, ctx_local.mesh, ctx_local.plan, make_source(base))
+        compiled_in = os.path.join(root, "compile")
+        ctx_compile = prepare(base, compiled_in, EventLog(compiled_in))
+        step_fn = compile_step(ctx_compile)
+        saves = SaveKinds(base, root, local_root, ctx_compile.keeper)
+        loader = BatchLoader(base, ctx_compile.mesh, ctx_compile.plan, make_source(base))
         _, batch = loader.next()
         one = jnp.float32(1.0)
-        state = init_state(base, ctx_local.mesh)
+        state = init_state(base, ctx_compile.mesh)
         state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-        ck_local = Checkpointer(ctx_local, handle_sigterm=False)
-        ck_persistent = Checkpointer(ctx_persistent, handle_sigterm=False)
-        ck_copy = Checkpointer(ctx_copy, handle_sigterm=False)
-        ck_local.on_start(ctx_local, state)
-        ck_persistent.on_start(ctx_persistent, state)
-        ck_copy.on_start(ctx_copy, state)
-        checkpointers = (ck_local, ck_persistent, ck_copy)
-        sync_orbax = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-        async_orbax = ocp.CheckpointManager(os.path.join(root, "orbax_async"))
+        saves.on_start(state)
         step = 0
 
         def train_step(state):
@@ -151,71 +115,29 @@ def main(argv: list[str]) -> None:
         step_fn.load_keeping()  # in a run: loaded beside training from the first save on
         (compile_keep,) = [
             {"duration_s": e["duration_s"], "cache": e.get("cache", "none")}
-            for e in read_events(ctx_local.workdir)
+            for e in read_events(compiled_in)
             if e["type"] == "compile_background"
         ]
-        hook_s: dict[str, list[float]] = {
-            "local": [],
-            "persistent": [],
-            "local_copy": [],
-            "orbax_async": [],
-            "orbax_sync": [],
-            "snapshot": [],
-        }
-        async_commit_s: list[float] = []
+        kinds = ["local", "persistent", "local_copy", "orbax_async", "orbax_sync", "snapshot"]
+        hook_s: dict[str, list[float]] = {kind: [] for kind in kinds}
         digest_s: list[float] = []
-        steps_of: dict[str, list[int]] = {"local": [], "persistent": [], "local_copy": []}
-        tiers = {
-            "local": (ck_local, ctx_local),
-            "persistent": (ck_persistent, ctx_persistent),
-            "local_copy": (ck_copy, ctx_copy),
-        }
-        kinds = list(hook_s)
         for r in range(_ROUNDS.value + 1):
             for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
-                for ck in checkpointers:
-                    ck.wait_until_finished()
-                async_orbax.wait_until_finished()
+                saves.wait()
                 state = jax.block_until_ready(train_step(state))  # time the save alone
-                start = time.perf_counter()
-                if kind in tiers:
-                    ck, ctx = tiers[kind]
-                    ck.after_step(ctx, state, info())
-                elif kind == "orbax_async":
-                    async_orbax.save(step, args=ocp.args.StandardSave(state))
-                elif kind == "snapshot":
-                    jax.block_until_ready(device_snapshot(state))
-                else:
-                    sync_orbax.save(
-                        os.path.join(root, "orbax_sync", str(step)),
-                        args=ocp.args.StandardSave(state),
-                    )
-                elapsed = time.perf_counter() - start
-                if kind == "orbax_async":
-                    async_orbax.wait_until_finished()
-                    commit = time.perf_counter() - start
-                if r > 0:  # round 0 warms up compiles and caches
+                # round 0 warms up compiles and caches
+                elapsed = saves.save(kind, state, info(), record=r > 0)
+                if r > 0:
                     hook_s[kind].append(elapsed)
-                    if kind == "orbax_async":
-                        async_commit_s.append(commit)
-                    if kind in steps_of:
-                        steps_of[kind].append(step)
             if r > 0:
                 jax.block_until_ready(state)
                 start = time.perf_counter()  # what the writer thread computes, off the loop
                 checksum.combine_sums([checksum.process_partial_sums(state)])
                 digest_s.append(time.perf_counter() - start)
-        for ck in checkpointers:
-            ck.wait_until_finished()
-        commit_s: dict[str, list[float]] = {
-            kind: [by_step(ctx.workdir, "save_committed")[s]["commit_s"] for s in steps_of[kind]]
-            for kind, (_, ctx) in tiers.items()
-        }
-        commit_s["orbax_async"] = async_commit_s
-        event_s = {
-            kind: [by_step(ctx.workdir, "save")[s]["duration_s"] for s in steps_of[kind]]
-            for kind, (_, ctx) in tiers.items()
-        }
+        saves.wait()
+        commit_s = saves.commit_s()
+        event_s = saves.event_s()
+        tiers = saves.tiers
 
         # 2. Step time: no saves, non-donating steps, a local save every step (kept, copied).
         def block(state, mode: str) -> tuple:
@@ -223,7 +145,7 @@ def main(argv: list[str]) -> None:
             start = time.perf_counter()
             for _ in range(_STEPS.value):
                 if mode == "non_donating":
-                    assert ctx_local.keeper.keep(state)
+                    assert ctx_compile.keeper.keep(state)
                 state = train_step(state)
                 if mode in tiers:
                     ck, ctx = tiers[mode]
@@ -240,9 +162,7 @@ def main(argv: list[str]) -> None:
                 state, t = block(state, mode)
                 if b > 0:  # block 0 warms up
                     block_s[mode].append(t)
-        for ck in checkpointers:
-            ck.close()
-        async_orbax.close()
+        saves.close()
 
         # 3. Restore time per tier, same mesh and half the devices.
         restore_s: dict[str, list[float]] = {}
@@ -251,17 +171,9 @@ def main(argv: list[str]) -> None:
         if len(devices) >= 2:
             targets[f"{len(devices) // 2} devices"] = devices[: len(devices) // 2]
         for target, subset in targets.items():
-            for tier, local in (("local", True), ("persistent", False)):
-                name = "local" if local else "persistent"
+            for tier in ("local", "persistent"):
                 for _ in range(3):
-                    ctx = context(name, local=local, persistent_every=0, devices=subset)
-                    ck = Checkpointer(ctx, handle_sigterm=False)
-                    start = time.perf_counter()
-                    restored = ck.restore_latest(ctx)
-                    jax.block_until_ready(restored.state)
-                    elapsed = time.perf_counter() - start
-                    ck.close()
-                    assert restored.tier == tier, (restored.tier, tier)
+                    elapsed = saves.restore(base, tier, subset)
                     restore_s.setdefault(f"{tier} -> {target}", []).append(elapsed)
     finally:
         shutil.rmtree(local_root, ignore_errors=True)

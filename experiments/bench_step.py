@@ -18,11 +18,11 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 
 import report
 from absl import app, flags
 from ml_collections import config_flags
+from step_timing import interleaved_blocks, model_flops_utilization
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,15 +35,11 @@ _OUT = flags.DEFINE_string("out", "experiments/results/bench_step.json", "Result
 def main(argv: list[str]) -> None:
     del argv
     import jax
-    import jax.numpy as jnp
 
     from resilient_jax.data import BatchLoader, make_source
     from resilient_jax.events import EventLog
-    from resilient_jax.model import ModelConfig
     from resilient_jax.run import compile_step, prepare
-    from resilient_jax.train.compile import without_fault_scale
-    from resilient_jax.train.loop import Loop
-    from resilient_jax.train.metrics import MetricsLogger, peak_flops_per_device
+    from resilient_jax.train.metrics import MetricsLogger
     from resilient_jax.train.state import init_state
 
     config = _CONFIG.value
@@ -54,44 +50,24 @@ def main(argv: list[str]) -> None:
     workdir = tempfile.mkdtemp(prefix="bench_step_")
     ctx = prepare(config, workdir, EventLog(workdir))
     step_fn = compile_step(ctx)  # (state, batch, fault scale): the bare side calls it as it is
-    loop_step = without_fault_scale(step_fn)  # the loop's step, as a run without faults has it
     loader = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config))
-    state = init_state(config, ctx.mesh)
     hooks = [MetricsLogger(ctx)]
-    _, fixed_batch = loader.next()
-    bare_state = init_state(config, ctx.mesh)
-    one = jnp.float32(1.0)
-
-    def framework_block(state, steps):
-        config.total_steps = int(jax.device_get(state.step)) + steps
-        start = time.perf_counter()
-        state, _ = Loop(ctx, loop_step, loader, hooks, restore=lambda max_step: None).run(state)
-        jax.block_until_ready(state)
-        return state, (time.perf_counter() - start) / steps
-
-    def bare_block(state, steps):
-        start = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = step_fn(state, fixed_batch, one)
-        jax.block_until_ready((state, metrics))
-        return state, (time.perf_counter() - start) / steps
-
-    state, _ = framework_block(state, 2)  # warm both paths
-    bare_state, _ = bare_block(bare_state, 2)
-    framework, bare = [], []
-    for _ in range(_BLOCKS.value):
-        state, t = framework_block(state, _STEPS.value)
-        framework.append(t)
-        bare_state, t = bare_block(bare_state, _STEPS.value)
-        bare.append(t)
+    framework, bare = interleaved_blocks(
+        ctx,
+        step_fn,
+        loader,
+        hooks,
+        init_state(config, ctx.mesh),
+        init_state(config, ctx.mesh),
+        _BLOCKS.value,
+        _STEPS.value,
+    )
     for hook in hooks:
         hook.close()
 
     tokens = config.global_batch_size * config.data.seq_len
     f_med, b_med = statistics.median(framework), statistics.median(bare)
-    model = ModelConfig.from_config(config.model)
-    peak = peak_flops_per_device(config.log.peak_flops_per_device) * len(ctx.topology.devices)
-    mfu = model.flops_per_token(config.data.seq_len) * tokens / f_med / peak if peak else None
+    mfu = model_flops_utilization(ctx, f_med)
     result = {
         "config": _CONFIG.value.model.to_dict() | {"global_batch_size": config.global_batch_size},
         "device": jax.devices()[0].device_kind,

@@ -8,6 +8,7 @@ this folder on the path).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from typing import Any
@@ -21,6 +22,17 @@ def write_json(path: str, result: Any, indent: int = 2) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=indent)
     print(f"wrote {path}")
+
+
+def finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float, at any depth, replaced by None: strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
 
 
 def host_line(suffix: str = "") -> str:

@@ -1,0 +1,391 @@
+"""The accelerator check: one command that measures, on a lent GPU, what the CPU benchmarks
+cannot: MFU, the device-to-host side of a save, device memory and compile times.
+
+    python experiments/gpu_check.py            # one GPU, configs/llama_1b.py shapes in bf16
+    python experiments/gpu_check.py --smoke    # the same code paths on CPU, tiny shapes
+    -> experiments/results/gpu_check.json (--out)
+
+It runs within `--budget_s` (7.5 min) and never initialises the device itself; its phases run in
+child processes one after another, each given the GPU alone:
+
+1. `measure` (`gpu_measure.py`, one process): the train step compiled cold; device memory in
+   steady training and at a save step, copying and keeping the state, against `--plan`'s
+   prediction (`train.memory_plan`); steady tokens/s and MFU of the run's loop with all its hooks
+   against a bare loop of the same compiled step; the blocking time of each checkpoint tier,
+   kept and copying, against the device-to-host copy of the same state alone and plain Orbax
+   async and sync; a restore from each tier.
+2. `restart_warm`: the trainer (`launch/train.py`, the config with saves to the local tier every
+   2 steps) starts fresh, is SIGKILLed after a local save has committed and a step more, and is
+   started again at once on the same executable cache (warm): kill -> first step, and -> the
+   first step past the last one done before the kill (productive), with the restart's phases
+   (process start, restore, compile or load, first step) from its events.
+3. `restart_cold`: the same kill and restart with an empty executable cache (compile time on
+   the device). Skipped, with an estimate from the measured compile times, when it does not fit.
+
+A phase that does not fit in the time left is skipped and says so in the phase table and the
+JSON; the figures of the phases done are kept. `--layers` shrinks the model's depth (recorded)
+when a full-depth run does not fit. On CPU (`--smoke`) `memory_stats()` is None: memory figures
+are null, with a note. Every float in the JSON is finite or null.
+
+Targets (checked in `targets` of the JSON, null where not measured): MFU >= 45%; loop overhead
+<= 1% of the bare step; a save's blocking time <= 1.2 x the device-to-host copy and <= 0.5 x plain
+Orbax async; peak memory at a save step within 10% of the plan; kill -> first productive step
+with a warm cache <= 2 x the steady step time + the restore.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any
+
+import ml_collections
+from absl import app, flags
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import report  # noqa: E402
+from cluster_runs import trainer_argv  # noqa: E402
+
+from configs import small_cpu  # noqa: E402
+from resilient_jax.contracts import env_vars  # noqa: E402
+from resilient_jax.control import compile_cache  # noqa: E402
+from resilient_jax.events import read_events  # noqa: E402
+
+_SMOKE = flags.DEFINE_bool("smoke", False, "On CPU with tiny shapes: every code path, quickly.")
+_OUT = flags.DEFINE_string(
+    "out", os.path.join(REPO, "experiments", "results", "gpu_check.json"), "Result file."
+)
+_BUDGET_S = flags.DEFINE_float("budget_s", 450.0, "Wall time for everything, in seconds.")
+_CONFIG = flags.DEFINE_string("config", "configs/llama_1b.py", "Config file.")
+_LAYERS = flags.DEFINE_integer("layers", 0, "Transformer blocks (0: the config's).")
+_STEPS = flags.DEFINE_integer("steps", 10, "Measured steps per side of the throughput phase.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Most measured rounds of each save kind.")
+_SCRATCH = flags.DEFINE_string("scratch", "", "Folder for checkpoints on disk (default: tmp).")
+
+# What every run of the check sets: no output that costs a step's time, no evaluation inside the
+# measured steps, one step kept on each tier (a step of llama_1b is 12 GB on disk and in RAM).
+COMMON: dict[str, Any] = {
+    "log.every_steps": 1,
+    "log.progress_bar": False,
+    "log.tensorboard": False,
+    "eval.every_steps": 0,
+    "checkpoint.keep": 1,
+    "checkpoint.local_keep": 1,
+}
+SMOKE: dict[str, Any] = {**small_cpu.MODEL, "global_batch_size": 4, "per_device_batch_size": 2}
+LOCAL_EVERY = 2  # the restart runs' local-tier interval (steps)
+START_S = 20.0  # a trainer process's start (Python, imports, JAX), for the estimates
+MEM_FRACTION = "0.9"  # of the GPU's memory for JAX's allocator (default 0.75): a save holds more
+
+
+def child_env(smoke: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    if smoke:  # one CPU device, whatever the caller's simulated device count
+        env[env_vars.JAX_PLATFORMS] = "cpu"
+        env[env_vars.XLA_FLAGS] = "--xla_force_host_platform_device_count=1"
+    else:
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
+    return env
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGKILLs `proc`'s process group (it was started in a session of its own) and reaps it."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_trainer_until(
+    argv: list[str],
+    env: dict[str, str],
+    workdir: str,
+    log: Any,
+    until: Callable[[list[dict[str, Any]]], bool],
+    deadline: float,
+) -> tuple[float, float, list[dict[str, Any]]]:
+    """Starts the trainer and SIGKILLs it once `until(its events)` holds: (start time, kill
+    time, its events). Raises RuntimeError if it exits first or the deadline passes."""
+    started = time.time()
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        while True:
+            if until([e for e in read_events(workdir) if e["time"] >= started]):
+                stop(proc)
+                killed = time.time()
+                # What it did up to the kill, the steps after the check included.
+                return started, killed, [e for e in read_events(workdir) if e["time"] >= started]
+            if proc.poll() is not None:
+                raise RuntimeError(f"the trainer exited with {proc.returncode} (see {log.name})")
+            if time.time() > deadline:
+                raise RuntimeError("out of time before the trainer got there")
+            time.sleep(0.05)
+    finally:
+        stop(proc)
+
+
+def steps_of(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["type"] == "step"]
+
+
+def restart_figures(
+    killed: float, started: float, events: list[dict[str, Any]], last_step: int
+) -> dict[str, Any]:
+    """A restarted trainer's path from the kill of its predecessor to its first steps."""
+    first = {}
+    for e in events:
+        first.setdefault(e["type"], e)
+    restore, compile_ = first["restore"], first["compile"]
+    steps = steps_of(events)
+    progress = next(e for e in steps if e["step"] > last_step)
+    return {
+        "kill_to_first_step_s": steps[0]["time"] - killed,
+        "kill_to_productive_step_s": progress["time"] - killed,
+        "process_start_s": first["process_start"]["time"] - started,
+        "restore_s": restore["duration_s"],
+        "restore_tier": restore["tier"],
+        "restored_step": restore["step"],
+        "steps_lost": last_step - restore["step"],
+        "compile_s": compile_["duration_s"],
+        "compile_cache": compile_.get("cache"),
+        "restart_gap_s": started - killed,  # the kill to the new process (a supervisor's share)
+    }
+
+
+def restarts(
+    config_file: str, overrides: dict[str, Any], env: dict, deadline: float, result: dict
+) -> None:
+    """Phases 2 and 3 (module docstring), into `result`'s `restart` and `phases`."""
+    scratch = tempfile.mkdtemp(prefix="gpu_check_restart_", dir=_SCRATCH.value or None)
+    local_dir = f"/dev/shm/gpu_check_{uuid.uuid4().hex[:8]}"
+    workdir = os.path.join(scratch, "run")
+    log = open(os.path.join(scratch, "trainer.log"), "w")  # noqa: SIM115 (closed at the end)
+
+    run = {
+        **overrides,
+        "checkpoint.local_dir": local_dir,
+        "checkpoint.local_every_steps": LOCAL_EVERY,
+        "checkpoint.local_auto_interval": False,
+        "checkpoint.every_steps": 0,
+    }
+    argv = trainer_argv("launch/train.py", config_file, workdir, run)
+
+    def with_cache(cache: str) -> dict[str, str]:
+        """`env` with the executable cache in `cache`, as a supervisor passes it to workers."""
+        coordinator = ml_collections.ConfigDict({"compilation_cache_dir": cache})
+        return env | compile_cache.cache_env(coordinator, workdir)
+
+    def past(step: int) -> Callable[[list[dict[str, Any]]], bool]:
+        return lambda events: any(e["step"] > step for e in steps_of(events))
+
+    def saved_and_stepped(events: list[dict[str, Any]]) -> bool:
+        saved = [e["step"] for e in events if e["type"] == "save_committed"]
+        return bool(saved) and past(max(saved))(events)
+
+    phases = result["phases"]
+    restart: dict[str, Any] = result.setdefault("restart", {})
+    try:
+        warm_cache = os.path.join(scratch, "cache_warm")
+        start = time.perf_counter()
+        try:
+            began, killed, events = run_trainer_until(
+                argv, with_cache(warm_cache), workdir, log, saved_and_stepped, deadline
+            )
+            last = max(e["step"] for e in steps_of(events))
+            first_run = next(e for e in events if e["type"] == "compile")
+            restart["fresh_start"] = {
+                "start_to_first_step_s": steps_of(events)[0]["time"] - began,
+                "compile_s": first_run["duration_s"],
+                "compile_cache": first_run.get("cache"),
+                "killed_after_step": last,
+            }
+            began, killed_again, events = run_trainer_until(
+                argv, with_cache(warm_cache), workdir, log, past(last), deadline
+            )
+            restart["warm"] = restart_figures(killed, began, events, last)
+            phases.append(_done("restart_warm", start))
+        except RuntimeError as e:
+            phases.append(_failed("restart_warm", start, str(e)))
+            return
+        last = max(e["step"] for e in steps_of(events))
+        estimate = (
+            restart["warm"]["kill_to_productive_step_s"] + restart["fresh_start"]["compile_s"]
+        )
+        start = time.perf_counter()
+        if estimate > deadline - time.time():
+            why = f"skipped: needs ~{estimate:.0f} s, {deadline - time.time():.0f} s left"
+            phases.append({"phase": "restart_cold", "s": 0.0, "status": why})
+            warm = restart["warm"]
+            restart["cold_estimate"] = {  # the warm restart with a compile instead of a load
+                "kill_to_productive_step_s": estimate - warm["compile_s"],
+                "from": "warm restart + the fresh start's compile - the warm load",
+            }
+            return
+        try:
+            cold = with_cache(os.path.join(scratch, "cache_cold"))
+            began, _, events = run_trainer_until(argv, cold, workdir, log, past(last), deadline)
+            restart["cold"] = restart_figures(killed_again, began, events, last)
+            phases.append(_done("restart_cold", start))
+        except RuntimeError as e:
+            phases.append(_failed("restart_cold", start, str(e)))
+    finally:
+        log.close()
+        shutil.rmtree(local_dir, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _done(name: str, start: float) -> dict[str, Any]:
+    return {"phase": name, "s": round(time.perf_counter() - start, 2), "status": "done"}
+
+
+def _failed(name: str, start: float, why: str) -> dict[str, Any]:
+    return {"phase": name, "s": round(time.perf_counter() - start, 2), "status": f"failed: {why}"}
+
+
+def measure(
+    config_file: str, overrides: dict[str, Any], env: dict, deadline: float
+) -> dict[str, Any]:
+    """Phase 1 in a child process; its result file as far as it got."""
+    fd, out = tempfile.mkstemp(prefix="gpu_measure_", suffix=".json")
+    os.close(fd)  # the child writes it
+    # The restarts' process starts, on top of the compile the child reserves once it knows it.
+    reserve = 3 * START_S
+    argv = [
+        sys.executable,
+        os.path.join(REPO, "experiments", "gpu_measure.py"),
+        f"--config={config_file}",
+        f"--overrides={json.dumps(overrides)}",
+        f"--out={out}",
+        f"--deadline={deadline}",
+        f"--reserve_s={reserve}",
+        f"--steps={_STEPS.value}",
+        f"--rounds={_ROUNDS.value}",
+        *([f"--scratch={_SCRATCH.value}"] if _SCRATCH.value else []),
+    ]
+    start = time.perf_counter()
+    log_path = f"{out}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=max(1.0, deadline - time.time() - reserve))
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            stop(proc)
+    result: dict[str, Any] = {"phases": []}
+    if os.path.exists(out):
+        with open(out) as f:
+            result = json.load(f)
+        os.remove(out)
+    status = "done" if code == 0 else "stopped at its deadline" if code is None else "failed"
+    if code:
+        with open(log_path) as f:
+            tail = f.read().strip().splitlines()[-1:]
+        status = f"failed (exit {code}): {tail[0] if tail else 'no output'}"
+    os.remove(log_path)
+    phases = [{**p, "phase": f"measure.{p['phase']}"} for p in result.pop("phases")]
+    result["phases"] = [*phases, _done("measure", start) | {"status": status}]
+    return result
+
+
+def targets(result: dict[str, Any]) -> dict[str, Any]:
+    """Each target of the module docstring: the measured value and whether it is met (null:
+    not measured)."""
+
+    def check(value: float | None, ok: Callable[[float], bool]) -> dict[str, Any]:
+        return {"value": value, "met": None if value is None else bool(ok(value))}
+
+    throughput = result.get("throughput", {})
+    saves = result.get("saves", {}).get("ratios", {})
+    memory = result.get("memory", {}).get("peak_over_plan", {})
+    warm = result.get("restart", {}).get("warm")
+    restore = result.get("restore", {}).get("local", [None])[0]
+    step_s = throughput.get("framework_step_s")
+    bound = 2 * step_s + restore if step_s is not None and restore is not None else None
+    out = {
+        "mfu >= 0.45": check(throughput.get("mfu", {}).get("framework"), lambda v: v >= 0.45),
+        "loop overhead <= 0.01": check(throughput.get("overhead"), lambda v: v <= 0.01),
+    }
+    for tier in ("local", "persistent"):
+        ratios = saves.get(tier, {})
+        out[f"{tier} save <= 1.2 x device_to_host"] = check(
+            ratios.get("over_device_to_host"), lambda v: v <= 1.2
+        )
+        out[f"{tier} save <= 0.5 x orbax_async"] = check(
+            ratios.get("over_orbax_async"), lambda v: v <= 0.5
+        )
+    for mode in ("kept", "copying"):
+        out[f"{mode} save peak within 10% of plan"] = check(
+            memory.get(mode), lambda v: abs(v - 1.0) <= 0.1
+        )
+    value = warm["kill_to_productive_step_s"] if warm else None
+    out["warm kill -> productive step <= 2 x step + restore"] = check(
+        value, lambda v: bound is not None and v <= bound
+    )
+    return out
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    print(f"\n{'phase':28}{'s':>8}  status")
+    for p in result["phases"]:
+        print(f"{p['phase']:28}{p['s']:>8.1f}  {p['status']}")
+    print(f"\n{'target':52}{'value':>10}  met")
+    for name, t in result["targets"].items():
+        value = "-" if t["value"] is None else f"{t['value']:.3f}"
+        met = "-" if t["met"] is None else ("yes" if t["met"] else "NO")
+        print(f"{name:52}{value:>10}  {met}")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    t0 = time.time()
+    deadline = t0 + _BUDGET_S.value
+    smoke = _SMOKE.value
+    overrides = {**COMMON, **(SMOKE if smoke else {})}
+    if _LAYERS.value:
+        overrides["model.num_layers"] = _LAYERS.value
+    env = child_env(smoke)
+    result: dict[str, Any] = {
+        "what": "one accelerator: throughput and MFU, saves, device memory, restore, restarts",
+        "smoke": smoke,
+        "config": _CONFIG.value,
+        "overrides": overrides,
+        "layers_shrunk": bool(_LAYERS.value),
+        "machine": report.host_line(),
+        "python": platform.python_version(),
+        "jax_version": metadata.version("jax"),
+        "jaxlib_version": metadata.version("jaxlib"),
+        "budget_s": _BUDGET_S.value,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
+    }
+    if not smoke:
+        result["xla_python_client_mem_fraction"] = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    result |= measure(_CONFIG.value, overrides, env, deadline)
+    if "setup" in result:  # the restarts need a config that compiles and runs
+        restarts(_CONFIG.value, overrides, env, deadline, result)
+    result["total_s"] = time.time() - t0
+    result["targets"] = targets(result)
+    report.write_json(_OUT.value, report.finite(result))
+    print_tables(result)
+    failed = [p["phase"] for p in result["phases"] if p["status"].startswith("failed")]
+    if failed:
+        sys.exit(f"gpu_check: phase(s) {', '.join(failed)} failed (see the phase table)")
+
+
+if __name__ == "__main__":
+    app.run(main)

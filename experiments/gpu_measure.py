@@ -1,0 +1,371 @@
+"""The in-process half of `gpu_check.py`: one JAX process measuring, on the config's model,
+
+1. `setup`: the train step compiled with an empty executable cache, the state initialised;
+2. `memory`: device memory (`memory_stats()`) in steady training, then at a save step copying
+   the state and at one keeping it (in that order: the peak is a high-water mark), against what
+   `train.memory_plan` (`launch/train.py --plan`) predicts for this config and device;
+3. `throughput`: steady steps of the run's `Loop` with the hooks `run.build_hooks` gives a run
+   (metrics, health, watchdog, the checkpointer with the config's own save schedule), then the
+   same compiled step in a bare loop on one batch: tokens/s and MFU of each;
+4. `saves`: the blocking time of each save kind of `checkpoint_saves` (the tiers, kept and
+   copying; plain Orbax async and sync; the device copy and the device-to-host copy alone);
+5. `restore`: each tier's newest step restored through a fresh checkpointer.
+
+Every phase is written to `--out` as soon as it ends, so the parent keeps what was measured if
+this process is stopped at its deadline; a phase whose estimated cost does not fit before
+`--deadline` (Unix time) is skipped and says so. `--reserve_s` is left free for the parent's
+restart runs: from the measured compile time on, the deadline moves earlier by what those runs
+will need (two process starts and one compile).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from absl import app, flags, logging
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import report  # noqa: E402
+
+_CONFIG = flags.DEFINE_string("config", "configs/llama_1b.py", "Config file, from the repository.")
+_OVERRIDES = flags.DEFINE_string("overrides", "{}", "JSON object of dotted config keys.")
+_OUT = flags.DEFINE_string("out", None, "Result file (JSON), rewritten after every phase.")
+_DEADLINE = flags.DEFINE_float("deadline", 0.0, "Unix time by which this process must be done.")
+_RESERVE_S = flags.DEFINE_float("reserve_s", 0.0, "Fixed seconds the parent needs after this.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Measured steps per side of the throughput phase.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Most measured rounds of each save kind.")
+_SCRATCH = flags.DEFINE_string("scratch", "", "Folder for the persistent saves (default: tmp).")
+
+# The order saves are timed in each round: copies first, the tiers, then plain Orbax.
+SAVE_ORDER = (
+    "device_to_host",
+    "snapshot",
+    "local",
+    "local_copy",
+    "persistent",
+    "orbax_async",
+    "orbax_sync",
+)
+MEMORY_KEYS = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "bytes_reserved")
+
+
+class Phases:
+    """The phases run so far, their durations and the result, written to `path` after each; and
+    the deadline they are checked against."""
+
+    def __init__(self, path: str, deadline: float) -> None:
+        self.path, self.deadline = path, deadline
+        self.result: dict[str, Any] = {"phases": []}
+
+    def remaining(self) -> float:
+        return self.deadline - time.time()
+
+    def run(self, name: str, estimate_s: float, body: Callable[[], dict[str, Any]]) -> bool:
+        """Runs `body` if `estimate_s` fits before the deadline; its dict becomes
+        `result[name]`. A skipped phase is recorded with the reason."""
+        if estimate_s > self.remaining():
+            why = f"skipped: needs ~{estimate_s:.0f} s, {self.remaining():.0f} s left"
+            self.result["phases"].append({"phase": name, "s": 0.0, "status": why})
+            self.write()
+            return False
+        start = time.perf_counter()
+        self.result[name] = body()
+        elapsed = time.perf_counter() - start
+        self.result["phases"].append({"phase": name, "s": round(elapsed, 2), "status": "done"})
+        self.write()
+        print(f"[gpu_measure] {name}: {elapsed:.1f} s", flush=True)
+        return True
+
+    def write(self) -> None:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report.finite(self.result), f, indent=2, allow_nan=False)
+        os.replace(tmp, self.path)
+
+
+def memory_stats(device: Any) -> dict[str, int] | None:
+    """The device's allocator figures, or None where the backend keeps none (CPU)."""
+    stats = device.memory_stats()
+    if not stats:
+        return None
+    return {key: int(stats[key]) for key in MEMORY_KEYS if key in stats}
+
+
+def live_bytes() -> int:
+    """Bytes of every live JAX array, on all devices."""
+    import jax
+
+    return int(sum(x.nbytes for x in jax.live_arrays()))
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
+    import jax
+    import jax.numpy as jnp
+    from checkpoint_saves import SaveKinds, context
+    from cluster_runs import load_config
+    from step_timing import bare_block, model_flops_utilization
+
+    from resilient_jax.checkpoint import Checkpointer
+    from resilient_jax.data import BatchLoader, make_source
+    from resilient_jax.data.position import DataPosition
+    from resilient_jax.events import read_events
+    from resilient_jax.health import Watchdog
+    from resilient_jax.run import build_hooks, compile_step
+    from resilient_jax.train import memory_plan
+    from resilient_jax.train.compile import without_fault_scale
+    from resilient_jax.train.hooks import Hook, StepInfo
+    from resilient_jax.train.loop import Loop
+    from resilient_jax.train.state import init_state
+
+    config = load_config(_CONFIG.value, json.loads(_OVERRIDES.value))
+    root = tempfile.mkdtemp(prefix="gpu_check_", dir=_SCRATCH.value or None)
+    local_root = f"/dev/shm/gpu_check_{uuid.uuid4().hex[:8]}"
+    config.checkpoint.local_dir = local_root
+    phases = Phases(_OUT.value, _DEADLINE.value - _RESERVE_S.value)
+    device = jax.devices()[0]
+    phases.result |= {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "num_devices": jax.device_count(),
+        "jax": jax.__version__,
+    }
+    phases.write()
+    tokens = config.global_batch_size * config.data.seq_len
+    run: dict[str, Any] = {}  # what the phases hand on: context, step, loader, state
+    step = 0
+
+    def train_step(state: Any) -> Any:
+        nonlocal step
+        state, _ = run["step_fn"](state, run["batch"], jnp.float32(1.0))
+        step += 1
+        return state
+
+    def info() -> StepInfo:
+        return StepInfo(step, step - 1, DataPosition(next_batch=step), 0.0)
+
+    def setup() -> dict[str, Any]:
+        workdir = os.path.join(root, "run")
+        ctx = context(config, workdir, local_root, True, 0)
+        ctx.config.update_from_flattened_dict(  # the config's own save schedule, in the loop
+            {
+                "checkpoint.local_every_steps": config.checkpoint.local_every_steps,
+                "checkpoint.local_auto_interval": config.checkpoint.local_auto_interval,
+                "checkpoint.every_steps": config.checkpoint.every_steps,
+            }
+        )
+        start = time.perf_counter()
+        run["step_fn"] = compile_step(ctx)
+        compile_s = time.perf_counter() - start
+        start = time.perf_counter()
+        state = jax.block_until_ready(init_state(config, ctx.mesh))
+        init_s = time.perf_counter() - start
+        run["loader"] = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config))
+        _, run["batch"] = run["loader"].next()
+        run["ctx"], run["state"] = ctx, state
+        state_bytes = run["state_bytes"] = sum(x.nbytes for x in jax.tree.leaves(state))
+        # The parent's restarts need two process starts and a compile of this step after here.
+        phases.deadline = _DEADLINE.value - _RESERVE_S.value - 2 * compile_s - init_s
+        (compile_event,) = [e for e in read_events(workdir) if e["type"] == "compile"]
+        return {
+            "compile_s": compile_s,
+            "compile_cache": compile_event.get("cache"),
+            "init_s": init_s,
+            "state_bytes": state_bytes,
+            "tokens_per_step": tokens,
+            "mesh": ctx.plan.describe(),
+        }
+
+    def memory() -> dict[str, Any]:
+        state = run["state"]
+        for _ in range(3):
+            start = time.perf_counter()
+            state = jax.block_until_ready(train_step(state))
+            run["step_s"] = time.perf_counter() - start  # the last: compiled and warm
+        steady = {"memory_stats": memory_stats(device), "live_array_bytes": live_bytes()}
+        start = time.perf_counter()
+        run["step_fn"].load_keeping()
+        keep_compile_s = time.perf_counter() - start
+        saves = run["saves"] = SaveKinds(config, root, local_root, run["ctx"].keeper)
+        saves.on_start(state)
+        at_save: dict[str, Any] = {}
+        for kind, mode in (("local_copy", "copying"), ("local", "kept")):
+            saves.save(kind, state, info(), record=False)
+            during = {"memory_stats": memory_stats(device), "live_array_bytes": live_bytes()}
+            state = jax.block_until_ready(train_step(state))  # keeps or donates the saved state
+            after = memory_stats(device)
+            saves.wait()
+            at_save[mode] = {"after_save": during, "after_next_step": after}
+        run["state"] = state
+        capacity = (steady["memory_stats"] or {}).get("bytes_limit")
+        cluster = memory_plan.ClusterSpec(
+            devices=jax.device_count(), memory_gb=(capacity or 80e9) / memory_plan.GB
+        )
+        predicted = memory_plan.plan(config, cluster).candidates[0].memory
+        prediction = {
+            "params": predicted.params,
+            "optimizer": predicted.optimizer,
+            "gradients": predicted.gradients,
+            "weights": predicted.weights,
+            "activations": predicted.activations,
+            "total": predicted.total,
+            "checkpoint": predicted.checkpoint,
+            # A save step holds one more state (params and optimizer) while the tiers read it.
+            "save_step_peak": predicted.total + predicted.checkpoint,
+        }
+        result: dict[str, Any] = {
+            "steady": steady,
+            "at_save": at_save,
+            "keep_program_load_s": keep_compile_s,
+            "plan": prediction,
+            "plan_capacity_bytes": capacity,
+        }
+        if steady["memory_stats"] is None:
+            result["note"] = f"memory_stats() is None on {device.platform}: no device figures"
+            return result
+        peaks = {
+            "steady": steady["memory_stats"]["peak_bytes_in_use"],
+            **{m: s["after_next_step"]["peak_bytes_in_use"] for m, s in at_save.items()},
+        }
+        result["peak_bytes"] = peaks
+        result["peak_over_plan"] = {
+            "steady": peaks["steady"] / prediction["total"],
+            **{m: peaks[m] / prediction["save_step_peak"] for m in at_save},
+        }
+        return result
+
+    class StepClock(Hook):
+        """When the loop finished each step's hooks: the steady time per step between them."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def after_step(self, ctx, state, info) -> None:
+            self.times.append(time.perf_counter())
+
+    def throughput() -> dict[str, Any]:
+        nonlocal step
+        ctx, state = run["ctx"], run["state"]
+        steps = _STEPS.value
+        clock = StepClock()
+        watchdog = Watchdog.from_config(config.health, ctx.events)
+        checkpointer = Checkpointer(ctx, handle_sigterm=False)
+        hooks = [*build_hooks(ctx, checkpointer=checkpointer, watchdog=watchdog), clock]
+        start_step = int(jax.device_get(state.step))
+        ctx.config.total_steps = start_step + 2 + steps  # 2 warm-up steps, then measured
+        watchdog.start()
+        try:
+            start = time.perf_counter()
+            loop_step = without_fault_scale(run["step_fn"])  # as a run without faults has it
+            state, _ = Loop(ctx, loop_step, run["loader"], hooks, lambda m: None).run(state)
+            loop_s = time.perf_counter() - start
+        finally:
+            for hook in hooks:
+                hook.close()
+        step = int(jax.device_get(state.step))
+        framework_s = (clock.times[-1] - clock.times[1]) / steps
+        # The final save (the loop's end: persistent, waited for until committed) and the start.
+        end_s = loop_s - (clock.times[-1] - start)
+        state, _ = bare_block(run["step_fn"], state, run["batch"], 2)  # warm-up
+        state, bare_s = bare_block(run["step_fn"], state, run["batch"], steps)
+        step += 2 + steps
+        run["state"] = state
+        shutil.rmtree(ctx.workdir, ignore_errors=True)  # the final save: disk for the next phase
+        mfu = {
+            "framework": model_flops_utilization(ctx, framework_s),
+            "bare": model_flops_utilization(ctx, bare_s),
+        }
+        return {
+            "steps": steps,
+            "framework_step_s": framework_s,
+            "bare_step_s": bare_s,
+            "overhead": framework_s / bare_s - 1.0,
+            "framework_tokens_per_s": tokens / framework_s,
+            "bare_tokens_per_s": tokens / bare_s,
+            "mfu": mfu,
+            "loop_end_s": end_s,
+            "hooks": [type(h).__name__ for h in hooks],
+        }
+
+    def saves_phase() -> dict[str, Any]:
+        saves = run["saves"]
+        state = run["state"]
+        blocking: dict[str, list[float]] = {kind: [] for kind in SAVE_ORDER}
+        round_s: list[float] = []
+        for r in range(_ROUNDS.value + 1):
+            if r > 1 and max(round_s) > phases.remaining() - 30:
+                break  # another round would not fit: keep the time for the restores
+            start = time.perf_counter()
+            for kind in SAVE_ORDER:
+                saves.wait()
+                state = jax.block_until_ready(train_step(state))  # the save timed alone
+                elapsed = saves.save(kind, state, info(), record=r > 0)
+                if r > 0:  # round 0 warms up compiles, thread pools and caches
+                    blocking[kind].append(elapsed)
+                saves.drop_plain()
+            saves.wait()
+            round_s.append(time.perf_counter() - start)
+        saves.drop_plain()
+        run["state"] = state
+        med = {k: statistics.median(v) for k, v in blocking.items() if v}
+        ratios = {}
+        if "device_to_host" in med and "orbax_async" in med:
+            ratios = {
+                kind: {
+                    "over_device_to_host": med[kind] / med["device_to_host"],
+                    "over_orbax_async": med[kind] / med["orbax_async"],
+                }
+                for kind in ("local", "persistent", "local_copy")
+            }
+        return {
+            "rounds": len(round_s) - 1,
+            "round_s": round_s,
+            "blocking_s": blocking,
+            "median_blocking_s": med,
+            "commit_s": saves.commit_s(),
+            "ratios": ratios,
+        }
+
+    def restore() -> dict[str, Any]:
+        saves = run.pop("saves")
+        saves.close()
+        run.pop("state")  # the restored state takes its place on the device
+        return {tier: [saves.restore(config, tier)] for tier in ("local", "persistent")}
+
+    def write_s() -> float:
+        """A guess at writing the state once to disk (1 GB/s), for the estimates."""
+        return run["state_bytes"] / 1e9
+
+    plan = (
+        ("setup", lambda: 0.0, setup),
+        ("memory", lambda: 0.0, memory),  # measures the step time the estimates use
+        ("throughput", lambda: (2 * _STEPS.value + 4) * run["step_s"] + write_s(), throughput),
+        ("saves", lambda: len(SAVE_ORDER) * run["step_s"] + 4 * write_s(), saves_phase),
+        ("restore", lambda: 2 * write_s(), restore),
+    )
+    try:
+        for name, estimate, body in plan:
+            if not phases.run(name, estimate(), body):
+                break  # the later phases need this one's state
+        if "saves" in run:
+            run["saves"].close()
+    finally:
+        shutil.rmtree(local_root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("out")
+    app.run(main)
