@@ -4,17 +4,21 @@ Every phase and decision (start, compile, restore, save, step, failure, restart,
 with at least `time` (unix seconds) and `type`. Several processes append to the same file: each line
 is written with one `write` on a file opened in append mode, which POSIX keeps whole for lines
 shorter than the pipe buffer, so lines from different processes never interleave.
-Goodput accounting (`resilient_jax.goodput.accounting`) reads this file back.
+Goodput accounting (`resilient_jax.goodput.accounting`) reads this file back. A supervised
+worker's log is fenced (`fence_with`): once a newer generation started it appends nothing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from resilient_jax.contracts.generation_file import GenerationFence
 
 EVENTS_FILE = "events.jsonl"
 
@@ -32,8 +36,14 @@ class EventLog:
         self._clock = clock
         self._common = {k: v for k, v in common.items() if v is not None}
         self._lock = threading.Lock()
+        self.fence: GenerationFence | None = None
         if self._path:
             os.makedirs(workdir, exist_ok=True)
+
+    def fence_with(self, fence: GenerationFence) -> None:
+        """From now on `emit` raises `generation_file.Fenced` instead of appending once `fence`'s
+        generation is superseded."""
+        self.fence = fence
 
     @property
     def path(self) -> str | None:
@@ -51,7 +61,9 @@ class EventLog:
         event = {"time": self._clock(), "type": type, **self._common}
         event.update({k: v for k, v in fields.items() if v is not None})
         if self._path:
-            line = json.dumps(event, default=_jsonable) + "\n"
+            if self.fence is not None:
+                self.fence.check()
+            line = strict_json(event) + "\n"
             with self._lock:
                 fd = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 try:
@@ -61,10 +73,25 @@ class EventLog:
         return event
 
 
-def _jsonable(value: Any) -> Any:
+def strict_json(value: Any) -> str:
+    """`value` as strict JSON (RFC 8259, what `jq` and strict parsers read): a missing number
+    (NaN, an infinity) is `null`, numpy and jax scalars are plain numbers, anything else that JSON
+    has no type for is its `str`. Python's own `json.dumps` would write `NaN`."""
+    return json.dumps(_finite(value), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
     try:
-        return value.item()  # numpy and jax scalars
-    except AttributeError:
+        return _finite(value.item())  # numpy and jax scalars
+    except (AttributeError, ValueError):  # no scalar (ValueError: an array of several values)
         return str(value)
 
 

@@ -210,7 +210,9 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
     opened: list[Hook] = []  # closed on the way out, in this order
     try:
         # Heartbeats to the supervisor (if one started us) begin before the slow JAX start-up.
-        client = SupervisorClient.from_env(config.coordinator)
+        client = SupervisorClient.from_env(config.coordinator, workdir=workdir)
+        if client is not None and client.fence is not None:
+            events.fence_with(client.fence)  # a superseded generation appends nothing
         if client is not None:
             opened.append(client)
         watchdog = Watchdog.from_config(config.health, events)

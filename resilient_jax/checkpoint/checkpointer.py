@@ -10,6 +10,7 @@ and each commit is reported by `save_committed`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -38,6 +39,7 @@ from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier, per
 from resilient_jax.checkpoint.policy import Decision, SavePolicy, SaveReason
 from resilient_jax.checkpoint.preemption import PreemptionNotice
 from resilient_jax.checkpoint.restore import Restored, Restorer, check_persistent_dir
+from resilient_jax.checkpoint.save_method import SaveMethod, choose
 from resilient_jax.checkpoint.snapshot import PersistentWriter, saved_state
 from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.checkpoint.tier import Tier
@@ -114,6 +116,7 @@ class Checkpointer(Hook):
                 jax.process_index(),
                 c.local_keep,
                 on_commit=self._on_local_commit,
+                fence=ctx.events.fence,
             )
         self._policy = SavePolicy(c, ctx.config.total_steps, clock, self._local is not None)
         self._cadence = (
@@ -122,6 +125,9 @@ class Checkpointer(Hook):
             else None
         )
         self._clock = ClockDecisions(self._policy, self._sync)
+        method = choose(ctx.config, ctx.plan)
+        self._keep_state = method.method == SaveMethod.KEEP
+        self._events.emit(EventType.SAVE_METHOD, **dataclasses.asdict(method))
         self._preemption = PreemptionNotice(handle_sigterm)
         self._deferred_error: CheckpointError | None = None
         self._last_local_step: int | None = None
@@ -170,8 +176,12 @@ class Checkpointer(Hook):
         Raises `CheckpointError` if any save failed, so the run does not exit 0. A run that
         reached `total_steps` then deletes its local-tier copies (`LocalTier.release`).
         """
+        final = Decision(persistent=True, reason=SaveReason.FINAL)
         if info is not None and info.step != self._last_persistent_step:
-            self._save(ctx, state, info, Decision(persistent=True, reason=SaveReason.FINAL))
+            self._save(ctx, state, info, final)
+        if info is not None and self._final_save_refused(info.step):
+            self._last_persistent_step = None
+            self._save(ctx, state, info, final)  # once more: a store's refusal may be passing
         self.wait_until_finished()
         if info is not None and info.step != self._last_persistent_step:
             raise CheckpointError(
@@ -299,11 +309,13 @@ class Checkpointer(Hook):
         local = d.local and self._cadence is not None and self._cadence.writer_free()
         if not (local or d.persistent):
             return
+        if self._events.fence is not None:  # a superseded generation commits nothing
+            self._events.fence.check()
         position = info.data_position.to_json()
         started = time.perf_counter()
         # One snapshot for both tiers, which the loop's next step leaves valid; each tier's
         # `save` event counts it in its blocking time.
-        snapshot = saved_state(state, ctx.keeper)
+        snapshot = saved_state(state, ctx.keeper, keep=self._keep_state)
         snapshot_s = time.perf_counter() - started
         if local:
             self._save_local(ctx, snapshot, info.step, position, snapshot_s)
@@ -361,7 +373,11 @@ class Checkpointer(Hook):
         started = time.perf_counter()  # real cost, whatever clock the policies run on
         started_mono = time.monotonic()
         views = self._sync.all_gather(
-            "persistent_ready", [self._persistent_blocker(step), self._outage.duration_s()]
+            "persistent_ready",
+            [
+                self._persistent_blocker(step, final=d.reason == SaveReason.FINAL),
+                self._outage.duration_s(),
+            ],
         )
         blocked = next((cause for cause, _ in views if cause), None)
         if blocked is None and self._persistent is None:
@@ -395,12 +411,13 @@ class Checkpointer(Hook):
             interval_s=interval,
         )
 
-    def _persistent_blocker(self, step: int) -> str | None:
+    def _persistent_blocker(self, step: int, final: bool = False) -> str | None:
         """Why this process cannot start a persistent save now (None: it can). The previous
         save is waited for as long as a save normally takes to commit (a few times the longest
         seen, at least 5 s: a loaded machine is slow, not an outage; never past
-        `checkpoint.persistent_timeout_s` from its start; not at all during an outage), the
-        store for at most a probe."""
+        `checkpoint.persistent_timeout_s` from its start; not at all during an outage; for the
+        `final` save, `checkpoint.persistent_timeout_s` from now, outage or not: nothing is
+        left to train meanwhile), the store for at most a probe."""
         wait_s = min(PROBE_WAIT_S, self._timeout_s)
         if self._writer is None:
             return self._probe.unreachable(wait_s)
@@ -411,6 +428,8 @@ class Checkpointer(Hook):
                 budget = min(budget, max(_COMMIT_WAIT_FACTOR * self._longest_commit_s, 5.0))
             if self._outage.since is not None:
                 budget = 0.0
+            if final:
+                budget = self._timeout_s
             try:
                 self._report_commit(self._writer.finish(max(0.0, budget)))
             except CheckpointError as e:
@@ -527,6 +546,22 @@ class Checkpointer(Hook):
         except CheckpointError as e:
             self._report_failure(Tier.PERSISTENT, e, pending.step)
             self._outage.begin(pending.step, str(e))
+
+    def _final_save_refused(self, step: int) -> bool:
+        """Waits (up to `checkpoint.persistent_timeout_s`) for the save of the final `step`;
+        True on every process when it failed on any (reported as a failure and an outage)."""
+        pending = self._writer.pending if self._writer is not None else None
+        failed = False
+        if pending is not None and pending.step == step:
+            assert self._writer is not None
+            try:
+                self._report_commit(self._writer.finish(self._timeout_s))
+            except CheckpointError as e:
+                if not self._writer.save_in_progress():  # still running: waited for at the end
+                    self._report_failure(Tier.PERSISTENT, e, step)
+                    self._outage.begin(step, str(e))
+                    failed = True
+        return any(self._sync.all_gather("final_refused", failed))
 
     def _report_commit(self, pending: PendingSave | None) -> None:
         if pending is not None:

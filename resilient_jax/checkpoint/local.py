@@ -8,6 +8,8 @@ Layout, under `<local_dir>/<run key>/` (the run key is a hash of the absolute wo
             manifest.json                  step, fingerprint, data position, every piece's array,
                                            index box, offset, size and CRC-32
         tmp-step_0000000130-<token>/       being written (or left by a crash)
+        tmp-spare-<token>/                 the last step dropped: its data file is overwritten
+                                           by the next write (see below)
 
 A process writes one copy of each distinct shard it holds, so every slice (replica) holds a full
 copy of the state. Restore assembles each shard the new sharding needs from any pieces this host
@@ -15,6 +17,12 @@ can read, whoever wrote them, so a surviving slice restores alone onto a smaller
 RAM disk lacks pieces fetches them from peer hosts first (`peer_fetch`). The blocking part of a
 save is the device-to-host copy; files are written by a background thread. The layout's names are
 in `contracts.local_tier` (the host agent serves it, `control.tier_service`).
+
+Bandwidth (`piece_io`): a new tmpfs file costs a page allocation (zeroed) per page, as much as the
+copy into it, so the step the tier drops is kept as the next write's directory and its data file
+overwritten in place. The RAM disk then holds `keep` + 1 copies between writes, what it held during
+each write before. A peer still reading the recycled step's file gets pieces that fail their CRC
+and takes them from another copy. Restore reads each piece straight into the array it assembles.
 """
 
 from __future__ import annotations
@@ -27,17 +35,27 @@ import shutil
 import threading
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from resilient_jax.checkpoint import piece_io
+from resilient_jax.checkpoint.assembly import (
+    Assembly,
+    Box,
+    StepFiles,
+    box_of,
+    named_leaves,
+    needed_regions,
+    restore_leaves,
+    size_of,
+)
 from resilient_jax.checkpoint.background import BackgroundThread, Job
-from resilient_jax.checkpoint.checksum import leaf_paths
-from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
+from resilient_jax.checkpoint.checksum import crc32
+from resilient_jax.checkpoint.errors import CheckpointError
+from resilient_jax.contracts.generation_file import GenerationFence
 from resilient_jax.contracts.local_tier import (
     DATA_FILE,
     MANIFEST,
@@ -50,136 +68,12 @@ from resilient_jax.contracts.local_tier import (
 
 FORMAT_VERSION = 1
 
-Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension
 _CLOSE_WAIT_S = 10.0  # closing waits this long for the writer thread to end
 
 
 def run_dir(local_root: str, workdir: str) -> str:
     """This run's directory on the local tier: the same path for every restart of the run."""
     return os.path.join(local_root, run_key(workdir))
-
-
-def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
-    return tuple((s.indices(n)[0], s.indices(n)[1]) for s, n in zip(index, shape, strict=True))
-
-
-def _size(box: Box) -> int:
-    return int(np.prod([b - a for a, b in box], dtype=np.int64)) if box else 1
-
-
-def _relative(part: Box, within: Box) -> tuple[slice, ...]:
-    """Slices selecting `part` out of an array that holds the box `within`."""
-    return tuple(slice(p0 - w0, p1 - w0) for (p0, p1), (w0, _) in zip(part, within, strict=True))
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
-    return None if any(lo >= hi for lo, hi in out) else out
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    path: str  # the data file
-    offset: int
-    nbytes: int
-    crc32: int
-    box: Box
-
-
-@dataclasses.dataclass
-class StepFiles:
-    """One process's committed copy of one step, as its manifest describes it."""
-
-    dir: str
-    manifest: dict[str, Any]
-
-    @property
-    def step(self) -> int:
-        return int(self.manifest["step"])
-
-    @property
-    def timeline(self) -> str:
-        """The timeline that wrote it: copies of one step assemble only within one timeline."""
-        return str(self.manifest.get("timeline", ""))
-
-    def pieces(self, leaf: str) -> list[Piece]:
-        path = os.path.join(self.dir, DATA_FILE)
-        return [
-            Piece(path, p["offset"], p["nbytes"], p["crc32"], tuple(map(tuple, p["box"])))
-            for p in self.manifest["pieces"]
-            if p["leaf"] == leaf
-        ]
-
-
-class Assembly:
-    """The pieces of one step available to this process, grouped by leaf and index box."""
-
-    def __init__(self, copies: list[StepFiles], wanted: dict[str, dict[str, Any]]) -> None:
-        self.copies = copies
-        self.groups: dict[str, dict[Box, list[Piece]]] = {}
-        for leaf in wanted:
-            by_box: dict[Box, list[Piece]] = {}
-            for copy in copies:
-                spec = copy.manifest["leaves"].get(leaf)
-                if spec != wanted[leaf]:
-                    continue
-                for piece in copy.pieces(leaf):
-                    by_box.setdefault(piece.box, []).append(piece)
-            self.groups[leaf] = by_box
-        self._verified: dict[Piece, bool] = {}
-
-    def plan(self, leaf: str, region: Box) -> list[tuple[Box, list[Piece]]] | None:
-        """Disjoint boxes (with their copies) tiling `region`; None if something is missing."""
-        chosen: list[tuple[Box, list[Piece]]] = []
-        covered = 0
-        for box, copies in sorted(self.groups.get(leaf, {}).items()):
-            part = _intersect(box, region) if region else ()
-            if part is None:
-                continue
-            if any(_intersect(part, other) is not None for other, _ in chosen if part):
-                continue  # a copy written under another layout; the tiling uses disjoint boxes
-            chosen.append((part, copies))
-            covered += _size(part)
-            if not region:
-                break
-        return chosen if covered == _size(region) else None
-
-    def read(self, leaf: str, region: Box, dtype: np.dtype) -> np.ndarray:
-        plan = self.plan(leaf, region)
-        if plan is None:
-            raise InvalidCheckpoint(f"{leaf}: no complete set of pieces for {region}")
-        out = np.empty([b - a for a, b in region], dtype)
-        for part, copies in plan:
-            data, box = self._first_good(leaf, copies, dtype)
-            out[_relative(part, region)] = data[_relative(part, box)]
-        return out
-
-    def _first_good(
-        self, leaf: str, copies: list[Piece], dtype: np.dtype
-    ) -> tuple[np.ndarray, Box]:
-        problems = []
-        for piece in copies:
-            try:
-                return _load_piece(piece, dtype, self._verified), piece.box
-            except InvalidCheckpoint as e:
-                problems.append(str(e))
-        raise InvalidCheckpoint(f"{leaf}: every copy is bad ({'; '.join(problems)})")
-
-
-def _load_piece(piece: Piece, dtype: np.dtype, verified: dict[Piece, bool]) -> np.ndarray:
-    try:
-        with open(piece.path, "rb") as f:
-            f.seek(piece.offset)
-            raw = f.read(piece.nbytes)
-    except OSError as e:
-        raise InvalidCheckpoint(f"{piece.path}: {e.strerror or e}") from e
-    if len(raw) != piece.nbytes:
-        raise InvalidCheckpoint(f"{piece.path} truncated at offset {piece.offset}")
-    if piece not in verified:
-        verified[piece] = zlib.crc32(raw) == piece.crc32
-    if not verified[piece]:
-        raise InvalidCheckpoint(f"{piece.path} CRC mismatch at offset {piece.offset}")
-    return np.frombuffer(raw, dtype).reshape([b - a for a, b in piece.box])
 
 
 def _host_pieces(snapshot: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
@@ -189,7 +83,7 @@ def _host_pieces(snapshot: Any) -> tuple[list[dict[str, Any]], list[np.ndarray]]
     for path, leaf in named_leaves(snapshot):
         seen: set[Box] = set()
         for shard in leaf.addressable_shards:
-            box = _box(shard.index, leaf.shape)
+            box = box_of(shard.index, leaf.shape)
             if box in seen:
                 continue
             seen.add(box)
@@ -213,6 +107,7 @@ class LocalTier:
         keep: int,
         on_commit: Callable[[int, float, int], None] | None = None,
         read_only: bool = False,  # only restores: creates nothing under `root`
+        fence: GenerationFence | None = None,  # checked right before each commit (the rename)
     ) -> None:
         self.root = root
         self.process_index = process_index
@@ -220,6 +115,7 @@ class LocalTier:
         self._token = uuid.uuid4().hex[:8]
         self.own_dir = os.path.join(root, f"{PROC_PREFIX}{process_index:05d}-{self._token}")
         self._on_commit = on_commit
+        self._fence = fence
         self._writer: BackgroundThread | None = None  # writes the saves; None: read-only
         self._job: Job | None = None
         self._job_step: int | None = None  # the step `_job` writes
@@ -227,6 +123,7 @@ class LocalTier:
         self._error_step: int | None = None
         self._committed: list[int] = []
         self._lock = threading.Lock()  # guards _committed (the writer thread appends)
+        self._spare: str | None = None  # a dropped step's directory, the next write's (writer)
         if read_only:
             return
         try:
@@ -294,16 +191,19 @@ class LocalTier:
         tmp = os.path.join(self.own_dir, f"{TMP_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
         try:
             entries, arrays = _host_pieces(snapshot)
-            _makedirs(tmp)
-            offset = 0
-            with open(os.path.join(tmp, DATA_FILE), "wb") as f:
+            self._take_spare(tmp)
+            fd = os.open(os.path.join(tmp, DATA_FILE), os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                offset = 0
                 for entry, array in zip(entries, arrays, strict=True):
-                    raw = array.reshape(-1).view(np.uint8)
-                    f.write(raw.data)
-                    entry.update(offset=offset, nbytes=raw.nbytes, crc32=zlib.crc32(raw))
+                    raw = piece_io.as_bytes(array)
+                    piece_io.write_at(fd, raw, offset)
+                    entry.update(offset=offset, nbytes=raw.nbytes, crc32=crc32(raw))
                     offset += raw.nbytes
-                f.flush()
-                os.fsync(f.fileno())
+                os.ftruncate(fd, offset)  # a recycled file may be longer
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             manifest = {**manifest, "pieces": entries, "bytes": offset}
             # The manifest is the commit marker inside the directory; the rename commits it.
             with open(os.path.join(tmp, MANIFEST), "w") as f:
@@ -311,6 +211,8 @@ class LocalTier:
                 f.flush()
                 os.fsync(f.fileno())
             final = os.path.join(self.own_dir, step_name(step))
+            if self._fence is not None:
+                self._fence.check()  # raises Fenced: the step stays uncommitted, tmp removed
             if os.path.exists(final):
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -323,8 +225,20 @@ class LocalTier:
             self._error, self._error_step = e, step
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def _take_spare(self, tmp: str) -> None:
+        """Makes `tmp`, the directory of the write starting: the spare one if there is one."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            try:
+                os.rename(spare, tmp)
+                return
+            except OSError:
+                shutil.rmtree(spare, ignore_errors=True)
+        _makedirs(tmp)
+
     def _collect_garbage(self) -> None:
-        """Keeps the newest `keep` own steps; drops older steps of any other process instance.
+        """Keeps the newest `keep` own steps (the first one dropped becomes the spare); drops
+        older steps of any other process instance.
 
         Other instances' steps older than our oldest kept step are from an earlier generation
         or a dead process (a live peer drops them itself at the same point). Their temp dirs
@@ -335,7 +249,14 @@ class LocalTier:
             drop, self._committed = self._committed[: -self.keep], self._committed[-self.keep :]
             oldest = self._committed[0]
         for step in drop:
-            shutil.rmtree(os.path.join(self.own_dir, step_name(step)), ignore_errors=True)
+            path = os.path.join(self.own_dir, step_name(step))
+            if self._spare is None:
+                spare = os.path.join(self.own_dir, f"{TMP_PREFIX}spare-{uuid.uuid4().hex[:8]}")
+                with contextlib.suppress(OSError):
+                    os.rename(path, spare)  # uncommitted from here: never listed or served
+                    self._spare = spare
+                    continue
+            shutil.rmtree(path, ignore_errors=True)
         for proc in _proc_dirs(self.root):
             if proc == self.own_dir:
                 continue
@@ -395,17 +316,7 @@ class LocalTier:
         Raises `InvalidCheckpoint` if a piece is missing, truncated or fails its CRC in every copy.
         """
         assembly = Assembly(copies, wanted)
-        arrays = []
-        for leaf, target in named_leaves(abstract_state):
-            dtype = jnp.dtype(target.dtype)
-            host = {r: assembly.read(leaf, r, dtype) for r in needed_regions(target)}
-            arrays.append(
-                jax.make_array_from_callback(
-                    target.shape,
-                    target.sharding,
-                    lambda index, host=host, shape=target.shape: host[_box(index, shape)],
-                )
-            )
+        arrays = restore_leaves(assembly, named_leaves(abstract_state))
         return jax.tree.unflatten(jax.tree.structure(abstract_state), arrays)
 
     # ------------------------------------------------------------------------------ maintenance
@@ -429,6 +340,7 @@ class LocalTier:
                     os.rmdir(proc)  # only if empty
         with self._lock:
             self._committed = [s for s in self._committed if step is not None and s <= step]
+        self._spare = None  # a temp dir, removed above
 
     def release(self, num_processes: int) -> None:
         """Gives the RAM back once the run has finished (its final step committed in the
@@ -442,6 +354,7 @@ class LocalTier:
                 shutil.rmtree(proc, ignore_errors=True)
         with self._lock:
             self._committed = []
+        self._spare = None
         with contextlib.suppress(OSError):
             os.rmdir(self.root)  # only if empty: the last process of this host removes it
 
@@ -494,7 +407,7 @@ def count_bad_pieces(copy: StepFiles) -> int:
         for piece in copy.manifest["pieces"]:
             f.seek(piece["offset"])
             raw = f.read(piece["nbytes"])
-            if len(raw) != piece["nbytes"] or zlib.crc32(raw) != piece["crc32"]:
+            if len(raw) != piece["nbytes"] or crc32(raw) != piece["crc32"]:
                 bad += 1
     return bad
 
@@ -504,7 +417,7 @@ def coverage_gaps(copies: list[StepFiles]) -> list[str]:
     gaps = []
     for leaf, spec in copies[0].manifest.get("leaves", {}).items():
         boxes = {piece.box for copy in copies for piece in copy.pieces(leaf)}
-        if sum(_size(box) for box in boxes) < _size(tuple((0, n) for n in spec["shape"])):
+        if sum(size_of(box) for box in boxes) < size_of(tuple((0, n) for n in spec["shape"])):
             gaps.append(leaf)
     return gaps
 
@@ -515,17 +428,6 @@ def _proc_index(proc_dir: str) -> int:
         return int(os.path.basename(proc_dir)[len(PROC_PREFIX) :].split("-")[0])
     except ValueError:
         return -1
-
-
-def named_leaves(tree: Any) -> list[tuple[str, Any]]:
-    return list(zip(leaf_paths(tree), jax.tree.leaves(tree), strict=True))
-
-
-def needed_regions(target: Any) -> list[Box]:
-    """The index boxes of `target` that this process's devices hold (each once)."""
-    shape = tuple(target.shape)
-    indices = target.sharding.addressable_devices_indices_map(shape).values()
-    return sorted({_box(index, shape) for index in indices})
 
 
 def _proc_dirs(root: str) -> list[str]:

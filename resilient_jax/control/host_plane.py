@@ -17,6 +17,7 @@ from typing import Any
 
 import ml_collections
 
+from resilient_jax.contracts import generation_file
 from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import attach, compile_cache, detector, processes, protocol
@@ -109,9 +110,25 @@ class HostPlane:
         self.tick()
         return self.hosts.ready_slices(self._cluster.processes_per_slice)
 
+    def next_generation(self, after: int) -> int:
+        """The number of the generation after `after`: never below the generation file's (a
+        generation given up by `supersede` is followed by the one the file names)."""
+        return max(after + 1, generation_file.current(self._workdir) or 0)
+
+    def supersede(self, generation: int) -> None:
+        """Gives `generation` up at once (a failure): its workers may append no event and commit
+        no checkpoint from now on, and stop at their next heartbeat, agent or none."""
+        generation_file.advance(self._workdir, generation + 1)
+        if self.server is not None:
+            self.server.fence_below(generation + 1)
+
     def fence(self, generation: int) -> None:
         """From now on the supervisor runs `generation`: survivors of earlier ones on hosts that
-        were cut off end now, and those that come back later are ended on registration."""
+        were cut off end now (by their agents, by the generation file and by the answer to their
+        heartbeats), and those that come back later are ended on registration."""
+        generation_file.advance(self._workdir, generation)
+        if self.server is not None:
+            self.server.fence_below(generation)
         self.hosts.generation = generation
         self.hosts.broadcast({"type": ap.CMD_FENCE, "below": generation})
 

@@ -40,6 +40,9 @@ MAX_ERROR_CHARS = 300
 
 MSG_HEARTBEAT = "heartbeat"
 MSG_BYE = "bye"  # the worker closes its client on purpose: silence after this is no failure
+# Supervisor -> worker, the one line it ever sends one: the answer to a heartbeat of a generation
+# the supervisor gave up ({"type": "fenced", "generation": the current one}); the worker stops.
+MSG_FENCED = "fenced"
 MAX_LINE_BYTES = 4096
 # Per worker, the supervisor keeps the arrival times of this many recent steps.
 MAX_ARRIVALS_KEPT = 64

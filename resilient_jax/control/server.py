@@ -10,6 +10,10 @@ one by one (`ConnectionLimits`).
 
 Host agents (`agent_protocol`) talk over the same listener: their lines go to `on_agent` with the
 connection, which `send` answers on; `on_disconnect` hears when such a connection closes.
+
+A heartbeat of a generation older than the current one (`fence_below`) is answered with
+`protocol.MSG_FENCED`: a worker the supervisor gave up stops itself even when its agent cannot
+stop it (frozen, cut off).
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ class HeartbeatServer(LineServer):
         self._on_disconnect = on_disconnect
         self._lock = threading.Lock()
         self._reports: dict[tuple[int, int], WorkerReport] = {}
+        self._current: int | None = None  # heartbeats of generations before it are fenced
         self._start()
 
     def reports(self, generation: int) -> dict[int, WorkerReport]:
@@ -92,7 +97,13 @@ class HeartbeatServer(LineServer):
         """Sends one line to an agent's connection; False when it is gone (closed on the way)."""
         return self._send(conn, protocol.encode(message))
 
+    def fence_below(self, generation: int) -> None:
+        """Workers of generations before `generation` are told to stop at their next heartbeat."""
+        with self._lock:
+            self._current = max(generation, self._current or 0)
+
     def forget_before(self, generation: int) -> None:
+        self.fence_below(generation)
         with self._lock:
             for key in [k for k in self._reports if k[0] < generation]:
                 del self._reports[key]
@@ -111,6 +122,11 @@ class HeartbeatServer(LineServer):
                 self._on_agent(conn, message)
         else:
             self._record(message)
+            with self._lock:
+                current = self._current
+            if current is not None and message["generation"] < current:
+                fenced = {"type": protocol.MSG_FENCED, "generation": current}
+                self._send(conn, protocol.encode(fenced))
         return None
 
     def _record(self, message: dict[str, Any]) -> None:

@@ -227,6 +227,7 @@ class Supervisor:
     def _after_failure(self, failure: detector.Failure) -> SupervisorResult | None:
         now = time.monotonic()
         gen = self._gen
+        self._plane.supersede(gen.number)  # a worker out of reach must write nothing more
         worker = gen.worker(failure.process)
         slice_id = worker.slice if worker else None
         since = gen.fault_times.get(failure.process, failure.since) if worker else failure.since
@@ -424,7 +425,7 @@ class Supervisor:
         backoff_s: float | None = None,
     ) -> None:
         assert self._plane.server is not None
-        number = self._gen.number + 1
+        number = self._plane.next_generation(self._gen.number)
         self._plane.server.forget_before(number)
         self._plane.fence(number)
         pps = self._cluster.processes_per_slice

@@ -95,8 +95,10 @@ def main(argv: list[str]) -> int:
     config = _CONFIG.value
     workdir = _WORKDIR.value
     slow = _slow_faults(_CHAOS.value)
-    client = SupervisorClient.from_env(config.coordinator)
+    client = SupervisorClient.from_env(config.coordinator, workdir=workdir)
     events = EventLog(workdir)
+    if client is not None and client.fence is not None:
+        events.fence_with(client.fence)
     env = initialize_from_env(config.coordinator, events)
 
     import jax  # after initialize_from_env: nothing may touch the backend before it
@@ -119,6 +121,8 @@ def main(argv: list[str]) -> int:
 
     def save(step: int) -> None:
         if process == 0:
+            if events.fence is not None:  # the commit of a superseded generation: refused
+                events.fence.check()
             _save(workdir, {"step": step, "value": state["value"]})
             events.emit(EventType.SAVE, step=step)
 

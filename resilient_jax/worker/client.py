@@ -5,13 +5,20 @@ median step time, so heartbeats keep coming while the main thread compiles, rest
 supervisor tells "alive but slow" (heartbeats, no steps) from "dead" (no heartbeats). The main
 thread only updates a few fields under a lock; it never touches the socket, so a dead or stopped
 supervisor can never block training.
+
+The same thread fences the worker: when the supervisor answers a heartbeat with
+`protocol.MSG_FENCED`, or the run's generation file names a newer generation, this generation was
+given up (its agent frozen or cut off, say), and the worker ends itself and its process group at
+once, whatever its main thread is doing (a collective with a dead peer never returns).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
+import select
 import signal
 import socket
 import statistics
@@ -25,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import ml_collections
 
 from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.generation_file import Fenced, GenerationFence
 from resilient_jax.control import protocol
 from resilient_jax.train.hooks import Hook, StepInfo
 
@@ -50,8 +58,10 @@ class SupervisorClient(Hook):
         process: int,
         slice_id: int | None,
         interval_s: float,
+        fence: GenerationFence | None = None,
     ) -> None:
         self._address = protocol.split_address(address)
+        self.fence = fence  # also what the worker's event log and checkpoints check
         self._identity = {
             "token": token,
             "generation": generation,
@@ -69,6 +79,7 @@ class SupervisorClient(Hook):
         self._stop = threading.Event()
         self._wake = threading.Event()  # send now instead of at the next tick
         self._sock: socket.socket | None = None
+        self._replies = b""  # what the supervisor sent that is not a whole line yet
         self._thread = threading.Thread(target=self._run, name="rj-supervisor-client", daemon=True)
         self._thread.start()
 
@@ -77,8 +88,10 @@ class SupervisorClient(Hook):
         cls,
         coordinator_config: ml_collections.ConfigDict,
         environ: Mapping[str, str] = os.environ,
+        workdir: str | None = None,
     ) -> SupervisorClient | None:
-        """A started client when a supervisor launched this process, else None."""
+        """A started client when a supervisor launched this process, else None; with `workdir`
+        it fences the worker by the run's generation file too."""
         address = environ.get(env_vars.SUPERVISOR_ADDRESS)
         if not address:
             return None
@@ -86,13 +99,15 @@ class SupervisorClient(Hook):
         if supervisor_pid:
             _die_with_parent(int(supervisor_pid))
         slice_id = environ.get(env_vars.SLICE)
+        generation = int(environ.get(env_vars.GENERATION, "0"))
         client = cls(
             address=address,
             token=environ.get(env_vars.RUN_TOKEN, ""),
-            generation=int(environ.get(env_vars.GENERATION, "0")),
+            generation=generation,
             process=int(environ.get(env_vars.PROCESS_ID, "0")),
             slice_id=int(slice_id) if slice_id is not None else None,
             interval_s=float(coordinator_config.heartbeat_interval_s),
+            fence=GenerationFence(workdir, generation) if workdir else None,
         )
         client.install_excepthook()
         return client
@@ -179,6 +194,7 @@ class SupervisorClient(Hook):
     def _run(self) -> None:
         while True:
             self._send(self._message(protocol.MSG_HEARTBEAT))
+            self._check_fence()
             self._wake.wait(self._interval_s)
             self._wake.clear()
             if self._stop.is_set():
@@ -200,6 +216,46 @@ class SupervisorClient(Hook):
             if self._sock is not None:
                 self._sock.close()
             self._sock = None
+
+    def _check_fence(self) -> None:
+        """Ends this process when the supervisor said, or the generation file says, that a
+        newer generation replaced this one."""
+        newer = self._fenced_by_supervisor()
+        if newer is None and self.fence is not None:
+            newer = self.fence.superseded_by()
+        if newer is None:
+            return
+        reason = Fenced(int(self._identity["generation"]), newer)
+        with contextlib.suppress(OSError):
+            os.write(2, f"error: {reason}\n".encode())
+        # The worker leads its own session when an agent started it: its helpers go with it.
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _fenced_by_supervisor(self) -> int | None:
+        """The newer generation a `fenced` answer names, if one has arrived (never blocks)."""
+        sock = self._sock
+        if sock is None:
+            return None
+        try:
+            if not select.select([sock], [], [], 0)[0]:
+                return None
+            data = sock.recv(65536)
+        except (OSError, ValueError):
+            return None
+        *lines, self._replies = (self._replies + data).split(b"\n")
+        self._replies = self._replies[-protocol.MAX_LINE_BYTES :]
+        for line in lines:
+            try:
+                reply = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(reply, dict) and reply.get("type") == protocol.MSG_FENCED:
+                newer = reply.get("generation")
+                if isinstance(newer, int):
+                    return newer
+        return None
 
 
 def _die_with_parent(supervisor_pid: int) -> None:
