@@ -153,3 +153,63 @@ def test_a_save_reads_the_kept_state_after_later_steps_donated_theirs(
         "local": expected,
         "persistent": expected,
     }
+
+
+def test_a_save_whose_kept_state_would_not_fit_copies_it_to_host_and_keeps_nothing(
+    tmp_path, local_root, held_saves
+):
+    """`checkpoint.keep_state=auto` on a device whose memory holds the steady state but not the
+    save step's peak (a kept state beside the new one): the save copies the state to pinned host
+    memory before the next step donates it, no non-donating step is asked for, and both tiers
+    still hold step 2 bit for bit after later steps donated every buffer."""
+    from resilient_jax.checkpoint.snapshot import host_snapshot
+    from resilient_jax.train import memory_plan
+
+    overrides = {
+        "checkpoint.every_steps": 2,
+        "checkpoint.local_every_steps": 2,
+        "checkpoint.local_auto_interval": False,
+    }
+    probe = run_context(checkpoint_config(local_root, **overrides), str(tmp_path / "probe"))
+    mem = memory_plan.mesh_memory(probe.config, probe.plan, slices=1, capacity=1)
+    between = (mem.total + mem.save_peak_kept) / 2 / memory_plan.HEADROOM
+    assert mem.total < memory_plan.HEADROOM * between < mem.save_peak_kept
+    config = checkpoint_config(
+        local_root, **overrides, **{"checkpoint.device_memory_gb": between / memory_plan.GB}
+    )
+    ctx = run_context(config, str(tmp_path / "run"))
+    step = compile_step(ctx)
+    asked = []
+    ctx.keeper.keep = lambda state: asked.append(state) or True
+    batches = _batches(ctx, 5)
+    one = np.float32(1.0)
+    state = init_state(config, ctx.mesh)
+    for i in range(2):
+        state, _ = step(state, batches[i], one)
+    expected = host_bytes(state)
+    copy = host_snapshot(state)
+    assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(copy)} == {"pinned_host"}
+    assert host_bytes(copy) == expected
+
+    checkpointer = Checkpointer(ctx, handle_sigterm=False)
+    state = init_state(config, ctx.mesh)
+    checkpointer.on_start(ctx, state)
+    for i in range(5):
+        state, _ = step(state, batches[i], one)
+        if i == 1:
+            checkpointer.after_step(ctx, state, StepInfo(2, 1, data_position(2), 0.01))
+            saved = state
+    jax.block_until_ready(state)
+    assert donated(saved) and not asked  # the next step donated it: nothing was kept
+    held_saves.set()
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    (method,) = [e for e in read_events(ctx.workdir) if e["type"] == EventType.SAVE_METHOD]
+    assert method["method"] == "copy_to_host" and "exceeds" in method["why"]
+    assert method["steady_bytes"] < memory_plan.HEADROOM * method["device_bytes"]
+    assert method["save_peak_bytes"] > memory_plan.HEADROOM * method["device_bytes"]
+    restored = restore_from_each_tier(config, ctx.workdir, 2)
+    assert {tier: host_bytes(state) for tier, state in restored.items()} == {
+        "local": expected,
+        "persistent": expected,
+    }

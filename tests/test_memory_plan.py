@@ -3,6 +3,7 @@ made without allocating the model, and the refusal of a cluster description it c
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 
 import jax
@@ -103,6 +104,13 @@ def test_bad_cluster_descriptions_are_refused(text, why):
     assert "\n" not in str(e.value) and memory_plan.CLUSTER_SYNTAX in str(e.value)
 
 
+def test_the_save_peak_counts_the_kept_state_and_decides_keep_state_auto(seven_b_plan):
+    mem = seven_b_plan[0].candidates[0].memory
+    assert mem.save_peak_kept == mem.total + mem.params + mem.optimizer and mem.keeps_state
+    squeezed = dataclasses.replace(mem, capacity=int(mem.save_peak_kept / 0.9) - 1)
+    assert squeezed.fits and not squeezed.keeps_state
+
+
 def test_launcher_prints_the_plan_and_refuses_a_bad_cluster():
     args = ["launch/train.py", "--config=configs/llama_7b.py", "--plan"]
     ok = run_python([*args, "--cluster=devices=64,memory_gb=80,slices=8"], timeout=120)
@@ -112,7 +120,14 @@ def test_launcher_prints_the_plan_and_refuses_a_bad_cluster():
     parts = [PARAM_BYTES, ADAM_BYTES, GRAD_BYTES, WEIGHT_BYTES, ACTIVATION_BYTES]
     expected = [*parts, sum(parts), PARAM_BYTES + ADAM_BYTES]  # ..., total, checkpoint
     assert all(close(p, e / GB) for p, e in zip(printed, expected, strict=True)), row
-    assert row[-1] == "yes"
+    # Fits; the save step's peak (total + checkpoint: the kept state) fits as well.
+    assert row[11] == "yes" and close(float(row[12]), (sum(parts) + expected[-1]) / GB)
+    assert row[13:] == ["yes"]
+    # 32 GB devices: the steady state (21.5 GB) fits 90%, the save peak (31.6 GB) does not, so
+    # keep_state=auto copies the state to host at a save.
+    small = run_python([*args, "--cluster=devices=64,memory_gb=32,slices=8"], timeout=120)
+    row = next(line.split() for line in small.stdout.splitlines() if line.strip().startswith("8 "))
+    assert row[11] == "yes" and row[13:] == ["no:", "copies", "to", "host"], row
     bad = run_python([*args, "--cluster=devices=64,slices=3,memory_gb=80"], timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [

@@ -1,10 +1,12 @@
 """What a save costs the training thread: one copy of the state, then everything in the background.
 
-`saved_state` is what a save reads: the state itself when the loop's next step keeps it (runs
-without donating it, `train.keep`, elastic mode's update too: no copy at all), else
-`device_snapshot`, a copy of the state into fresh buffers with the same shardings (the loop's next
-step donates the state's buffers, so an unkept state must be copied before that step runs;
-dispatching the copy returns before it is done). Every later stage reads that, not the live state.
+`saved_state` is what a save reads, by the run's save method (`save_method`): the state itself
+when the loop's next step keeps it (runs without donating it, `train.keep`, elastic mode's update
+too: no copy at all), else `device_snapshot`, a copy of the state into fresh buffers with the same
+shardings (the loop's next step donates the state's buffers, so an unkept state must be copied
+before that step runs; dispatching the copy returns before it is done); or, where device memory
+has no room for a second state, `host_snapshot`: the state copied straight into pinned host
+memory, same shardings, waited for. Every later stage reads that, not the live state.
 One snapshot feeds both tiers when they save the same step: the local tier's writer thread and the
 persistent tier's writer thread each read it from there.
 
@@ -43,9 +45,27 @@ _STOP_WAIT_S = 10.0  # an idle writer thread ends within milliseconds
 device_snapshot = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
 
-def saved_state(state: Any, keeper: StateKeeper) -> Any:
-    """`state` for a save to read in the background: itself if the loop's next step keeps it
-    (`keeper.keep`), else a `device_snapshot` of it."""
+def host_memory_kind() -> str:
+    """The host memory the devices can copy into directly (pinned where the backend has it)."""
+    kinds = {m.kind for m in jax.local_devices()[0].addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else "unpinned_host"
+
+
+def host_snapshot(state: Any) -> Any:
+    """A copy of `state` in host memory with the same shardings, complete on return: every
+    array's shards are transferred device-to-host at once, into host buffers only (no second
+    device copy), and waited for, since the loop's next step donates the state's buffers."""
+    kind = host_memory_kind()
+    copy = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind(kind)), state)
+    return jax.block_until_ready(copy)
+
+
+def saved_state(state: Any, keeper: StateKeeper, keep: bool = True) -> Any:
+    """`state` for a save to read in the background. With `keep` (the save method keeps the
+    state on the device): itself if the loop's next step keeps it (`keeper.keep`), else a
+    `device_snapshot` of it. Without: a `host_snapshot`."""
+    if not keep:
+        return host_snapshot(state)
     return state if keeper.keep(state) else device_snapshot(state)
 
 

@@ -109,6 +109,16 @@ def default_config() -> ml_collections.ConfigDict:
     # observed MTBF or checkpoint.mtbf_s), at most local_every_steps apart.
     c.checkpoint.local_auto_interval = True
     c.checkpoint.local_keep = 2  # newest local steps kept per process
+    # What a save holds while both tiers read the state in the background (resilient_jax.
+    # checkpoint.save_method): "always" keeps it on the device (the step after the save runs
+    # without donation: no copy, but one extra params + optimizer state in device memory until
+    # the tiers have read it); "never" copies it straight to pinned host memory, array by array
+    # (no second device copy; the save blocks for the device-to-host transfer); "auto" keeps it
+    # where the save step's peak (`--plan`) fits the device's memory, else copies.
+    c.checkpoint.keep_state = "auto"
+    # Memory of one device in GB for keep_state=auto; 0 = what the device reports (GPU, TPU).
+    # A CPU reports none: there device memory is host memory, and the state is kept.
+    c.checkpoint.device_memory_gb = 0.0
     # A replaced host (new machine, empty RAM disk) fetches the local-tier pieces it lacks from the
     # other hosts' agents, which serve their RAM disks read-only (resilient_jax.checkpoint.
     # peer_fetch), so the job resumes from the newest local step, not the older persistent one.

@@ -5,6 +5,7 @@ profiled steps)."""
 from __future__ import annotations
 
 import glob
+import math
 import os
 from typing import Any
 
@@ -167,6 +168,10 @@ def _validate_checkpoint(c: ml_collections.ConfigDict) -> None:
         )
     if c.init_from and c.init_from_hf:
         _fail("checkpoint.init_from_hf", c.init_from_hf, "excludes checkpoint.init_from (pick one)")
+    if c.keep_state not in ("auto", "always", "never"):
+        _fail("checkpoint.keep_state", c.keep_state, "one of auto, always, never")
+    if not c.device_memory_gb >= 0 or math.isinf(c.device_memory_gb):
+        _fail("checkpoint.device_memory_gb", c.device_memory_gb, "must be >= 0 GB (0 = reported)")
 
 
 def _validate_health(h: ml_collections.ConfigDict) -> None:

@@ -30,6 +30,10 @@ class EventType(Name):
     SAVE = "save"
     SAVE_COMMITTED = "save_committed"  # step, tier, duration_s (from the save's start)
     SAVE_FAILED = "save_failed"  # step, tier, cause
+    # How saves hold the state while the tiers read it (checkpoint.keep_state), chosen at the
+    # checkpointer's start: method (keep | copy_to_host), why; with auto, device_bytes,
+    # steady_bytes and save_peak_bytes (the plan's, per device).
+    SAVE_METHOD = "save_method"
     CHECKPOINT_INTERVAL = "checkpoint_interval"  # tier, every_steps, cost_s, mtbf_s
     CHECKPOINT_INVALID = "checkpoint_invalid"  # step, tier, cause: skipped on restore
     CHECKPOINT_QUARANTINED = "checkpoint_quarantined"  # step, path, cause

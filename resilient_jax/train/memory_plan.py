@@ -20,10 +20,15 @@ device, for each candidate mesh:
   kernel would not, so the estimate is high on such a backend), the attention output, the
   residual, the MLP's four [d_ff] tensors; plus the float32 logits and their gradient.
 - **checkpoint**: the device's shards of params and optimizer state, what it writes per save
-  (not device memory: host RAM for the local tier, storage for the persistent one).
+  (host RAM for the local tier, storage for the persistent one).
+- **save peak**: the device memory of a save step when the state is kept for the tiers
+  (`checkpoint.keep_state`): the step after the save runs without donating its input, so the
+  saved params + optimizer state stay alive beside the new ones: total + checkpoint. A save that
+  copies the state to pinned host memory instead adds nothing on the device: its peak is total.
 
 A mesh fits when params + optimizer + gradients + weights + activations stay within
-`HEADROOM` of the device's memory; the rest is left to XLA's temporaries and the runtime.
+`HEADROOM` of the device's memory; the rest is left to XLA's temporaries and the runtime. Where
+the save peak does not fit as well, `keep_state=auto` copies the state to host at a save.
 """
 
 from __future__ import annotations
@@ -124,6 +129,16 @@ class MeshMemory:
     @property
     def fits(self) -> bool:
         return self.total <= HEADROOM * self.capacity
+
+    @property
+    def save_peak_kept(self) -> int:
+        """Device bytes at a save step whose state is kept on the device for the tiers."""
+        return self.total + self.checkpoint
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether `checkpoint.keep_state=auto` keeps the state here (its save peak fits)."""
+        return self.save_peak_kept <= HEADROOM * self.capacity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,6 +297,7 @@ def format_plan(result: Plan) -> str:
     header = (
         f"{'slices':>6} {'mesh r x f x t':>14} {'micro':>5} {'rows':>4} {'params':>7} "
         f"{'optim':>7} {'grads':>7} {'weights':>7} {'activ':>7} {'total':>7} {'ckpt':>7}  fits"
+        f"  {'save peak':>9}  save keeps state"
     )
     lines.append(header)
     for cand in result.candidates:
@@ -303,6 +319,12 @@ def format_plan(result: Plan) -> str:
             f"{cand.slices:>6} {f'{p.replica}x{p.fsdp}x{p.tensor}':>14} {p.microbatches:>5} "
             f"{p.rows_per_device:>4} "
             + " ".join(f"{b / GB:7.2f}" for b in sizes)
-            + f"  {'yes' if mem.fits else 'NO'}"
+            + f"  {'yes' if mem.fits else 'NO':>4}  {mem.save_peak_kept / GB:9.2f}"
+            + f"  {'yes' if mem.keeps_state else 'no: copies to host'}"
         )
+    lines.append(
+        "save peak: total + ckpt, a save step with the state kept on the device for the tiers; "
+        "checkpoint.keep_state=auto keeps it only where that fits, else copies it to host "
+        "(peak = total)"
+    )
     return "\n".join(lines)
