@@ -58,6 +58,25 @@ def test_same_mesh_is_bitwise_deterministic():
         assert np.array_equal(a, b)
 
 
+def strict_json_lines(path) -> list[dict]:
+    """Every line of a .jsonl file, parsed as strict JSON (NaN or Infinity fail the test)."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{path}: {constant} is no JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def test_strict_json_writes_a_missing_number_as_null(tmp_path):
+    from resilient_jax.events import EventLog, strict_json
+
+    value = {"a": float("nan"), "b": [np.float32(1.5), float("inf")], "c": np.int64(3)}
+    assert strict_json(value) == '{"a": null, "b": [1.5, null], "c": 3}'
+    EventLog(str(tmp_path), clock=lambda: 1.0).emit("step", duration_s=float("nan"), step=1)
+    (event,) = strict_json_lines(tmp_path / "events.jsonl")
+    assert event == {"time": 1.0, "type": "step", "duration_s": None, "step": 1}
+
+
 def test_tiny_training_run_loss_falls_and_writes_run_files(tmp_path):
     result = run_python(
         [
@@ -66,18 +85,22 @@ def test_tiny_training_run_loss_falls_and_writes_run_files(tmp_path):
             f"--workdir={tmp_path}",
             "--config.total_steps=60",
             "--config.model.num_layers=2",
-            "--config.log.every_steps=5",
+            "--config.log.every_steps=1",
             "--config.checkpoint.local_dir=",
         ],
         timeout=400,
         env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = strict_json_lines(tmp_path / "metrics.jsonl")
     assert rows[-1]["step"] == 60 and all("loss" in r for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, [r["loss"] for r in rows]
+    # The first step has no step time (nothing before it to measure from): null, not NaN.
+    assert rows[0]["step"] == 1 and rows[0]["step_time_s"] is None
+    assert rows[1]["step_time_s"] > 0
     assert json.loads((tmp_path / "config.json").read_text())["total_steps"] == 60
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    events = strict_json_lines(tmp_path / "events.jsonl")
+    assert next(e for e in events if e["type"] == "step")["duration_s"] is None
     types = {e["type"] for e in events}
     assert {"process_start", "compile", "step", "stop"} <= types
     assert list((tmp_path / "tensorboard").iterdir())

@@ -14,7 +14,6 @@ and the busiest expert of any layer over that window.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -25,6 +24,7 @@ import numpy as np
 from tqdm import tqdm
 
 from resilient_jax.contracts.event_types import EventType
+from resilient_jax.events import strict_json
 from resilient_jax.model import ModelConfig
 from resilient_jax.model.moe import expert_load_extremes
 from resilient_jax.train.hooks import Hook, StepInfo
@@ -125,7 +125,7 @@ class MetricsLogger(Hook):
 
     def _write(self, row: dict[str, Any]) -> None:
         if self._jsonl:
-            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.write(strict_json(row) + "\n")
             self._jsonl.flush()
         if self._tb:
             for key, value in row.items():
