@@ -32,6 +32,11 @@ def plan(config, num_devices=8):
             {"checkpoint.peer_timeout_s": 400.0},
             "checkpoint.peer_timeout_s=400.0 is invalid: must be below checkpoint.sync_timeout_s",
         ),
+        (
+            {"checkpoint.keep_state": "sometimes"},
+            "config.checkpoint.keep_state='sometimes' is invalid: one of auto, always, never",
+        ),
+        ({"checkpoint.device_memory_gb": -1.0}, "checkpoint.device_memory_gb=-1.0 is invalid"),
     ],
 )
 def test_invalid_values_rejected(overrides, message):
