@@ -165,86 +165,98 @@ def restart_figures(
     }
 
 
-def restarts(
-    config_file: str, overrides: dict[str, Any], env: dict, deadline: float, result: dict
-) -> None:
-    """Phases 2 and 3 (module docstring), into `result`'s `restart` and `phases`."""
-    scratch = tempfile.mkdtemp(prefix="gpu_check_restart_", dir=_SCRATCH.value or None)
-    local_dir = f"/dev/shm/gpu_check_{uuid.uuid4().hex[:8]}"
-    workdir = os.path.join(scratch, "run")
-    log = open(os.path.join(scratch, "trainer.log"), "w")  # noqa: SIM115 (closed at the end)
+class RestartRuns:
+    """Phases 2 and 3 (module docstring): the trainer's runs, their folders and their config.
 
-    run = {
-        **overrides,
-        "checkpoint.local_dir": local_dir,
-        "checkpoint.local_every_steps": LOCAL_EVERY,
-        "checkpoint.local_auto_interval": False,
-        "checkpoint.every_steps": 0,
-    }
-    argv = trainer_argv("launch/train.py", config_file, workdir, run)
+    `extra` are the keys the runs add to the check's overrides (the local tier every
+    `LOCAL_EVERY` steps, no persistent saves); `measure` compiles its step for that config into
+    `warm_cache`, so the fresh start and the warm restart load it."""
 
-    def with_cache(cache: str) -> dict[str, str]:
-        """`env` with the executable cache in `cache`, as a supervisor passes it to workers."""
-        coordinator = ml_collections.ConfigDict({"compilation_cache_dir": cache})
-        return env | compile_cache.cache_env(coordinator, workdir)
-
-    def past(step: int) -> Callable[[list[dict[str, Any]]], bool]:
-        return lambda events: any(e["step"] > step for e in steps_of(events))
-
-    def saved_and_stepped(events: list[dict[str, Any]]) -> bool:
-        saved = [e["step"] for e in events if e["type"] == "save_committed"]
-        return bool(saved) and past(max(saved))(events)
-
-    phases = result["phases"]
-    restart: dict[str, Any] = result.setdefault("restart", {})
-    try:
-        warm_cache = os.path.join(scratch, "cache_warm")
-        start = time.perf_counter()
-        try:
-            began, killed, events = run_trainer_until(
-                argv, with_cache(warm_cache), workdir, log, saved_and_stepped, deadline
-            )
-            last = max(e["step"] for e in steps_of(events))
-            first_run = next(e for e in events if e["type"] == "compile")
-            restart["fresh_start"] = {
-                "start_to_first_step_s": steps_of(events)[0]["time"] - began,
-                "compile_s": first_run["duration_s"],
-                "compile_cache": first_run.get("cache"),
-                "killed_after_step": last,
-            }
-            began, killed_again, events = run_trainer_until(
-                argv, with_cache(warm_cache), workdir, log, past(last), deadline
-            )
-            restart["warm"] = restart_figures(killed, began, events, last)
-            phases.append(_done("restart_warm", start))
-        except RuntimeError as e:
-            phases.append(_failed("restart_warm", start, str(e)))
-            return
-        last = max(e["step"] for e in steps_of(events))
-        estimate = (
-            restart["warm"]["kill_to_productive_step_s"] + restart["fresh_start"]["compile_s"]
+    def __init__(self, config_file: str, overrides: dict[str, Any], env: dict[str, str]) -> None:
+        self.scratch = tempfile.mkdtemp(prefix="gpu_check_restart_", dir=_SCRATCH.value or None)
+        self.local_dir = f"/dev/shm/gpu_check_{uuid.uuid4().hex[:8]}"
+        self.workdir = os.path.join(self.scratch, "run")
+        self.warm_cache = os.path.join(self.scratch, "cache_warm")
+        self.extra = {
+            "checkpoint.local_dir": self.local_dir,
+            "checkpoint.local_every_steps": LOCAL_EVERY,
+            "checkpoint.local_auto_interval": False,
+            "checkpoint.every_steps": 0,
+        }
+        self.argv = trainer_argv(
+            "launch/train.py", config_file, self.workdir, {**overrides, **self.extra}
         )
-        start = time.perf_counter()
-        if estimate > deadline - time.time():
-            why = f"skipped: needs ~{estimate:.0f} s, {deadline - time.time():.0f} s left"
-            phases.append({"phase": "restart_cold", "s": 0.0, "status": why})
-            warm = restart["warm"]
-            restart["cold_estimate"] = {  # the warm restart with a compile instead of a load
-                "kill_to_productive_step_s": estimate - warm["compile_s"],
-                "from": "warm restart + the fresh start's compile - the warm load",
-            }
-            return
-        try:
-            cold = with_cache(os.path.join(scratch, "cache_cold"))
-            began, _, events = run_trainer_until(argv, cold, workdir, log, past(last), deadline)
-            restart["cold"] = restart_figures(killed_again, began, events, last)
-            phases.append(_done("restart_cold", start))
-        except RuntimeError as e:
-            phases.append(_failed("restart_cold", start, str(e)))
-    finally:
-        log.close()
-        shutil.rmtree(local_dir, ignore_errors=True)
-        shutil.rmtree(scratch, ignore_errors=True)
+        self.env = env
+
+    def with_cache(self, cache: str) -> dict[str, str]:
+        """The environment with the executable cache in `cache`, as a supervisor passes it."""
+        coordinator = ml_collections.ConfigDict({"compilation_cache_dir": cache})
+        return self.env | compile_cache.cache_env(coordinator, self.workdir)
+
+    def close(self) -> None:
+        shutil.rmtree(self.local_dir, ignore_errors=True)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def run(self, deadline: float, result: dict[str, Any]) -> None:
+        """The fresh start, its kill and the warm restart; then, if it fits, the cold restart:
+        into `result["restart"]`, their phases into `result["phases"]`."""
+        phases = result["phases"]
+        restart: dict[str, Any] = result.setdefault("restart", {})
+        warm = self.with_cache(self.warm_cache)
+        with open(os.path.join(self.scratch, "trainer.log"), "w") as log:
+            start = time.perf_counter()
+            try:
+                began, killed, events = run_trainer_until(
+                    self.argv, warm, self.workdir, log, saved_and_stepped, deadline
+                )
+                last = max(e["step"] for e in steps_of(events))
+                first_run = next(e for e in events if e["type"] == "compile")
+                restart["fresh_start"] = {
+                    "start_to_first_step_s": steps_of(events)[0]["time"] - began,
+                    "compile_s": first_run["duration_s"],
+                    "compile_cache": first_run.get("cache"),
+                    "killed_after_step": last,
+                }
+                began, killed_again, events = run_trainer_until(
+                    self.argv, warm, self.workdir, log, past(last), deadline
+                )
+                restart["warm"] = restart_figures(killed, began, events, last)
+                phases.append(_done("restart_warm", start))
+            except RuntimeError as e:
+                phases.append(_failed("restart_warm", start, str(e)))
+                return
+            last = max(e["step"] for e in steps_of(events))
+            compile_s = result.get("setup", {}).get("compile_s", 0.0)
+            estimate = restart["warm"]["kill_to_productive_step_s"] + compile_s
+            start = time.perf_counter()
+            if estimate > deadline - time.time():
+                why = f"skipped: needs ~{estimate:.0f} s, {deadline - time.time():.0f} s left"
+                phases.append({"phase": "restart_cold", "s": 0.0, "status": why})
+                restart["cold_estimate"] = {  # the warm restart with a compile instead of a load
+                    "kill_to_productive_step_s": estimate - restart["warm"]["compile_s"],
+                    "from": "the warm restart + the measured cold compile - the warm load",
+                }
+                return
+            cold = self.with_cache(os.path.join(self.scratch, "cache_cold"))
+            try:
+                began, _, events = run_trainer_until(
+                    self.argv, cold, self.workdir, log, past(last), deadline
+                )
+                restart["cold"] = restart_figures(killed_again, began, events, last)
+                phases.append(_done("restart_cold", start))
+            except RuntimeError as e:
+                phases.append(_failed("restart_cold", start, str(e)))
+
+
+def past(step: int) -> Callable[[list[dict[str, Any]]], bool]:
+    """Whether a run's events show a step after `step`."""
+    return lambda events: any(e["step"] > step for e in steps_of(events))
+
+
+def saved_and_stepped(events: list[dict[str, Any]]) -> bool:
+    """Whether a run's events show a committed save and a step after it."""
+    saved = [e["step"] for e in events if e["type"] == "save_committed"]
+    return bool(saved) and past(max(saved))(events)
 
 
 def _done(name: str, start: float) -> dict[str, Any]:
@@ -256,7 +268,7 @@ def _failed(name: str, start: float, why: str) -> dict[str, Any]:
 
 
 def measure(
-    config_file: str, overrides: dict[str, Any], env: dict, deadline: float
+    config_file: str, overrides: dict[str, Any], restarts: RestartRuns, deadline: float
 ) -> dict[str, Any]:
     """Phase 1 in a child process; its result file as far as it got."""
     fd, out = tempfile.mkstemp(prefix="gpu_measure_", suffix=".json")
@@ -268,6 +280,7 @@ def measure(
         os.path.join(REPO, "experiments", "gpu_measure.py"),
         f"--config={config_file}",
         f"--overrides={json.dumps(overrides)}",
+        f"--compile_overrides={json.dumps(restarts.extra)}",
         f"--out={out}",
         f"--deadline={deadline}",
         f"--reserve_s={reserve}",
@@ -279,7 +292,12 @@ def measure(
     log_path = f"{out}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv,
+            cwd=REPO,
+            env=restarts.with_cache(restarts.warm_cache),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         try:
             code = proc.wait(timeout=max(1.0, deadline - time.time() - reserve))
@@ -375,9 +393,13 @@ def main(argv: list[str]) -> None:
     }
     if not smoke:
         result["xla_python_client_mem_fraction"] = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    result |= measure(_CONFIG.value, overrides, env, deadline)
-    if "setup" in result:  # the restarts need a config that compiles and runs
-        restarts(_CONFIG.value, overrides, env, deadline, result)
+    restarts = RestartRuns(_CONFIG.value, overrides, env)
+    try:
+        result |= measure(_CONFIG.value, overrides, restarts, deadline)
+        if "setup" in result:  # the restarts need a config that compiles and runs
+            restarts.run(deadline, result)
+    finally:
+        restarts.close()
     result["total_s"] = time.time() - t0
     result["targets"] = targets(result)
     report.write_json(_OUT.value, report.finite(result))

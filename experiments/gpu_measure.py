@@ -40,6 +40,9 @@ import report  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/llama_1b.py", "Config file, from the repository.")
 _OVERRIDES = flags.DEFINE_string("overrides", "{}", "JSON object of dotted config keys.")
+_COMPILE_OVERRIDES = flags.DEFINE_string(
+    "compile_overrides", "{}", "JSON: the restart runs' further keys, for the compiled step."
+)
 _OUT = flags.DEFINE_string("out", None, "Result file (JSON), rewritten after every phase.")
 _DEADLINE = flags.DEFINE_float("deadline", 0.0, "Unix time by which this process must be done.")
 _RESERVE_S = flags.DEFINE_float("reserve_s", 0.0, "Fixed seconds the parent needs after this.")
@@ -118,18 +121,20 @@ def main(argv: list[str]) -> None:
     from cluster_runs import load_config
     from step_timing import bare_block, model_flops_utilization
 
+    from resilient_jax import executables
     from resilient_jax.checkpoint import Checkpointer
     from resilient_jax.data import BatchLoader, make_source
     from resilient_jax.data.position import DataPosition
-    from resilient_jax.events import read_events
+    from resilient_jax.events import EventLog, read_events
     from resilient_jax.health import Watchdog
-    from resilient_jax.run import build_hooks, compile_step
+    from resilient_jax.run import build_hooks, compile_step, prepare
     from resilient_jax.train import memory_plan
     from resilient_jax.train.compile import without_fault_scale
     from resilient_jax.train.hooks import Hook, StepInfo
     from resilient_jax.train.loop import Loop
     from resilient_jax.train.state import init_state
 
+    executables.supersede_jax_cache()  # as a run does: part of its programs' cache keys
     config = load_config(_CONFIG.value, json.loads(_OVERRIDES.value))
     root = tempfile.mkdtemp(prefix="gpu_check_", dir=_SCRATCH.value or None)
     local_root = f"/dev/shm/gpu_check_{uuid.uuid4().hex[:8]}"
@@ -157,8 +162,18 @@ def main(argv: list[str]) -> None:
         return StepInfo(step, step - 1, DataPosition(next_batch=step), 0.0)
 
     def setup() -> dict[str, Any]:
-        workdir = os.path.join(root, "run")
-        ctx = context(config, workdir, local_root, True, 0)
+        # Compiled for the parent's restart runs' config (`--compile_overrides`): the executable
+        # cache (JAX_COMPILATION_CACHE_DIR) then holds what their trainer loads. The loop and the
+        # saves here run the config's own schedule on that program, keeping through its keeper.
+        compiled_for = os.path.join(root, "compile")
+        compile_config = load_config(
+            _CONFIG.value, json.loads(_OVERRIDES.value) | json.loads(_COMPILE_OVERRIDES.value)
+        )
+        ctx_compile = prepare(compile_config, compiled_for, EventLog(compiled_for))
+        start = time.perf_counter()
+        run["step_fn"] = compile_step(ctx_compile)
+        compile_s = time.perf_counter() - start
+        ctx = context(config, os.path.join(root, "run"), local_root, True, 0)
         ctx.config.update_from_flattened_dict(  # the config's own save schedule, in the loop
             {
                 "checkpoint.local_every_steps": config.checkpoint.local_every_steps,
@@ -166,9 +181,7 @@ def main(argv: list[str]) -> None:
                 "checkpoint.every_steps": config.checkpoint.every_steps,
             }
         )
-        start = time.perf_counter()
-        run["step_fn"] = compile_step(ctx)
-        compile_s = time.perf_counter() - start
+        ctx.keeper = ctx_compile.keeper
         start = time.perf_counter()
         state = jax.block_until_ready(init_state(config, ctx.mesh))
         init_s = time.perf_counter() - start
@@ -176,9 +189,10 @@ def main(argv: list[str]) -> None:
         _, run["batch"] = run["loader"].next()
         run["ctx"], run["state"] = ctx, state
         state_bytes = run["state_bytes"] = sum(x.nbytes for x in jax.tree.leaves(state))
-        # The parent's restarts need two process starts and a compile of this step after here.
-        phases.deadline = _DEADLINE.value - _RESERVE_S.value - 2 * compile_s - init_s
-        (compile_event,) = [e for e in read_events(workdir) if e["type"] == "compile"]
+        # The parent's restarts need one more compile of this step (the cold restart) and an
+        # initialisation (the fresh start) after here.
+        phases.deadline = _DEADLINE.value - _RESERVE_S.value - compile_s - init_s
+        (compile_event,) = [e for e in read_events(compiled_for) if e["type"] == "compile"]
         return {
             "compile_s": compile_s,
             "compile_cache": compile_event.get("cache"),

@@ -1,0 +1,82 @@
+"""experiments/gpu_check.py --smoke: the accelerator check runs every phase on CPU and writes
+strict JSON, so the command a lent GPU runs has not rotted in between."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import run_python
+
+PHASES = [
+    "measure.setup",
+    "measure.memory",
+    "measure.throughput",
+    "measure.saves",
+    "measure.restore",
+    "measure",
+    "restart_warm",
+    "restart_cold",
+]
+SAVE_KINDS = {
+    "device_to_host",
+    "snapshot",
+    "local",
+    "local_copy",
+    "persistent",
+    "orbax_async",
+    "orbax_sync",
+}
+
+
+def _refuse(constant: str) -> None:
+    raise AssertionError(f"{constant} in the result: not strict JSON")
+
+
+def test_smoke_runs_every_phase(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    proc = run_python(
+        ["experiments/gpu_check.py", "--smoke", f"--out={out}", f"--scratch={tmp_path}"],
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text(), parse_constant=_refuse)
+
+    assert [p["phase"] for p in result["phases"]] == PHASES
+    assert {p["status"] for p in result["phases"]} == {"done"}, result["phases"]
+    assert result["smoke"] is True and result["device"] == "cpu"
+    assert result["jax_version"] and not result["layers_shrunk"]
+
+    # CPU devices keep no allocator statistics: null, and said so; the plan is there regardless.
+    memory = result["memory"]
+    assert memory["steady"]["memory_stats"] is None and "None on cpu" in memory["note"]
+    plan = memory["plan"]
+    assert plan["save_step_peak"] == plan["total"] + plan["checkpoint"]
+    assert memory["steady"]["live_array_bytes"] >= result["setup"]["state_bytes"]
+
+    throughput = result["throughput"]
+    assert throughput["framework_step_s"] > 0 and throughput["bare_step_s"] > 0
+    assert throughput["mfu"] == {"framework": None, "bare": None}  # no peak FLOP/s for a CPU
+    assert "Checkpointer" in throughput["hooks"] and "Watchdog" in throughput["hooks"]
+
+    saves = result["saves"]
+    assert saves["rounds"] >= 1
+    assert {k for k, v in saves["blocking_s"].items() if v} == SAVE_KINDS
+    assert all(saves["commit_s"][k] for k in ("local", "persistent", "local_copy", "orbax_async"))
+    assert set(saves["ratios"]) == {"local", "persistent", "local_copy"}
+    assert all(result["restore"][tier][0] > 0 for tier in ("local", "persistent"))
+
+    # The measured step was compiled into the cache the fresh start and the warm restart load;
+    # the cold restart compiles it again.
+    restart = result["restart"]
+    assert result["setup"]["compile_cache"] == "miss"
+    assert restart["fresh_start"]["compile_cache"] == "hit"
+    assert restart["warm"]["compile_cache"] == "hit"
+    assert restart["cold"]["compile_cache"] == "miss"
+    for run in (restart["warm"], restart["cold"]):
+        assert run["restore_tier"] == "local" and run["steps_lost"] >= 0
+        assert run["kill_to_productive_step_s"] >= run["kill_to_first_step_s"] > 0
+
+    targets = result["targets"]
+    assert targets["mfu >= 0.45"] == {"value": None, "met": None}
+    assert targets["kept save peak within 10% of plan"]["value"] is None
+    assert targets["local save <= 1.2 x device_to_host"]["value"] > 0
