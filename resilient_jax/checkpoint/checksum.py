@@ -13,17 +13,27 @@ holds, whose shares `combine_sums` adds up across processes). They agree bit for
 (in the persistent writer thread, beside training) and restores use the host version: no digest
 program is compiled, on the recovery path or anywhere, and its cross-process step is a key-value
 exchange, not a device collective. The device version is the reference the tests compare with.
+
+`crc32` is the local tier's per-piece check (zlib's CRC-32, the value `zlib.crc32` gives), computed
+with ISA-L's carry-less-multiply kernels: 20-30 GB/s on one core against zlib's 1.5-4 GB/s, which
+made the CRC a third of a RAM-disk commit. Both release the GIL.
 """
 
 from __future__ import annotations
 
 import functools
+import zlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
+
+try:
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # a platform without an ISA-L wheel: the same value, several times slower
+    _crc32 = zlib.crc32
 
 _W1_MUL = 0x9E3779B1
 _W1_ADD = 0x7F4A7C15
@@ -33,6 +43,11 @@ _W2_MUL = 0x297A2D39
 
 def format_digest(h1: int, h2: int) -> str:
     return f"{int(h1):08x}{int(h2):08x}"
+
+
+def crc32(data: Any) -> int:
+    """The CRC-32 of a buffer (bytes, memoryview, contiguous numpy array), as `zlib.crc32`."""
+    return int(_crc32(data))
 
 
 def leaf_paths(tree: Any) -> list[str]:
