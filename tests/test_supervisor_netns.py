@@ -4,6 +4,8 @@ the bridge), the supervisor in our own namespace on the bridge's address.
 
 - kill -9 of the supervisor's pid: the agents and workers train on; the same command started
   again adopts them (no worker restarted) and the run ends with the undisturbed value.
+- the same under Slurm (`launch/slurm/train.sbatch`), whose batch script starts the killed
+  supervisor again.
 - the link of process 0's host cut: the supervisor gives its generation up, and the worker there,
   which neither its agent nor the supervisor can reach, stops by itself (the run's generation
   file on the shared directory) within heartbeat_timeout_s + 1 s, writing nothing after it.
@@ -215,3 +217,77 @@ def _running(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] != "Z"
     except OSError:
         return False
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("slurm_cluster", [2], indirect=True)
+def test_slurm_job_starts_a_killed_supervisor_again_which_adopts_the_run(slurm_cluster, tmp_path):
+    """launch/slurm/train.sbatch: kill -9 of the supervisor's pid; the batch script starts the
+    same command again, which adopts the agents' workers; the job completes with exit 0."""
+    testbed = slurm_cluster
+    total = 80
+    workdir = tmp_path / "run"
+    out = tmp_path / "job.out"
+    env = {
+        **testbed.env,
+        "PYTHONPATH": REPO,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHON": sys.executable,
+        "CONFIG": "configs/tiny_cpu.py",
+        "WORKDIR": str(workdir),
+        "REPROBE_S": "600",
+        "TMPDIR": str(tmp_path),  # the agents' per-node lock files
+    }
+    flags = [
+        "--worker=-m resilient_jax.testing.sim_worker --sim_step_time_s=0.1",
+        *as_flags({**OVERRIDES, "total_steps": total}),
+    ]
+    submit = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=2",
+            f"--output={out}",
+            "--time=10",
+            f"--chdir={REPO}",
+            "launch/slurm/train.sbatch",
+            *flags,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip()
+
+    def job_output() -> str:
+        return out.read_text()[-6000:] if out.exists() else "(no output yet)"
+
+    def running() -> bool:
+        proc = subprocess.run(
+            ["squeue", "-h", "-o", "%i"], env=testbed.env, capture_output=True, text=True
+        )
+        return job in proc.stdout.split()
+
+    try:
+        wait_for(lambda: saved_step(workdir) >= 20, 180, job_output())
+        first = json.loads((workdir / "supervisor.json").read_text())["pid"]
+        os.kill(first, signal.SIGKILL)  # the supervisor's own pid (same pid namespace)
+        killed_at, at_kill = time.time(), saved_step(workdir)
+        wait_for(lambda: saved_step(workdir) >= at_kill + 5, 30, "no steps while away")
+        wait_for(lambda: not running(), 180, f"the job did not finish\n{job_output()}")
+    finally:
+        subprocess.run(["scancel", job], env=testbed.env, capture_output=True)
+    text = job_output()
+    assert "supervisor killed (exit 137): starting it again (1 of 3)" in text, text
+    assert "stop: supervisor exit 0" in text, text
+    events = list(read_events(str(workdir)))
+    starts = [e for e in events if e["type"] == "process_start" and e.get("source") == "supervisor"]
+    assert sorted((e["process"], e["generation"]) for e in starts) == [(0, 0), (1, 0)]
+    attached = [e for e in events if e["type"] == "supervisor_attach" and e["time"] > killed_at]
+    assert sorted(e["workers"] for e in attached) == [[[0, 0]], [[0, 1]]]
+    assert not [e for e in events if e["type"] in ("failure_detected", "restart")]
+    state = json.loads((workdir / "sim_state.json").read_text())
+    assert state == {"step": total, "value": expected_value(total)}
