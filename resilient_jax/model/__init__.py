@@ -25,6 +25,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from resilient_jax.model.init import (
+    INIT_STD,
+    init_normal,
+    residual_init_std,
+    untied_output_init_std,
+)
 from resilient_jax.model.moe import DENSE, MoeConfig, MoeMlp
 from resilient_jax.perf import model_size
 
@@ -101,10 +107,6 @@ class KVCache:
         return self.layers[0].keys_BTKE.shape[1]
 
 
-def _dense_init(fan_in: int) -> nn.initializers.Initializer:
-    return nn.initializers.normal(stddev=fan_in**-0.5)
-
-
 def rotary(x_BLHE: jax.Array, positions_L: jax.Array, theta: float) -> jax.Array:
     half = x_BLHE.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -139,29 +141,30 @@ class Attention(nn.Module):
         """The attention output; with `cache` (decoding, `x_BLD` at positions `start..`), also
         the cache with this layer's keys and values written in."""
         c = self.cfg
-        dense = lambda name, shape, axes, fan_in: self.param(
-            name, nn.with_logical_partitioning(_dense_init(fan_in), axes), shape
+        dense = lambda name, shape, axes, std: self.param(
+            name, nn.with_logical_partitioning(init_normal(std), axes), shape
         )
+        out_std = residual_init_std(c.num_layers)
         wq = dense(
-            "wq", (c.d_model, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), c.d_model
+            "wq", (c.d_model, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), INIT_STD
         )
         wk = dense(
             "wk",
             (c.d_model, c.num_kv_heads, c.head_dim),
             ("embed", "kv_heads", "head_dim"),
-            c.d_model,
+            INIT_STD,
         )
         wv = dense(
             "wv",
             (c.d_model, c.num_kv_heads, c.head_dim),
             ("embed", "kv_heads", "head_dim"),
-            c.d_model,
+            INIT_STD,
         )
         wo = dense(
             "wo",
             (c.num_heads, c.head_dim, c.d_model),
             ("heads", "head_dim", "embed"),
-            c.num_heads * c.head_dim,
+            out_std,
         )
         dt = c.dtype
         positions = jnp.arange(x_BLD.shape[1])
@@ -192,12 +195,14 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         c = self.cfg
-        init = nn.with_logical_partitioning(_dense_init(c.d_model), ("embed", "mlp"))
+        init = nn.with_logical_partitioning(init_normal(INIT_STD), ("embed", "mlp"))
         w_gate = self.param("w_gate", init, (c.d_model, c.d_ff))
         w_up = self.param("w_up", init, (c.d_model, c.d_ff))
         w_down = self.param(
             "w_down",
-            nn.with_logical_partitioning(_dense_init(c.d_ff), ("mlp", "embed")),
+            nn.with_logical_partitioning(
+                init_normal(residual_init_std(c.num_layers)), ("mlp", "embed")
+            ),
             (c.d_ff, c.d_model),
         )
         dt = c.dtype
@@ -220,7 +225,9 @@ class Block(nn.Module):
         x_BLD = x_BLD + attn_BLD
         mlp_in_BLD = RMSNorm(c.norm_eps, c.dtype, name="mlp_norm")(x_BLD)
         if c.moe.is_moe_layer(self.layer):
-            x_BLD = x_BLD + MoeMlp(c.moe, c.d_model, c.dtype, name="moe")(mlp_in_BLD)
+            x_BLD = x_BLD + MoeMlp(
+                c.moe, c.d_model, c.dtype, residual_init_std(c.num_layers), name="moe"
+            )(mlp_in_BLD)
         else:
             x_BLD = x_BLD + Mlp(c, name="mlp")(mlp_in_BLD)
         return nn.with_logical_constraint(x_BLD, ("batch", "seq", "embed")), cache
@@ -241,7 +248,7 @@ class Transformer(nn.Module):
         c = self.cfg
         embed_VD = self.param(
             "embed",
-            nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+            nn.with_logical_partitioning(init_normal(INIT_STD), ("vocab", "embed")),
             (c.vocab_size, c.d_model),
         )
         x_BLD = embed_VD.astype(c.dtype)[tokens_BL]
@@ -261,7 +268,9 @@ class Transformer(nn.Module):
         else:
             out_DV = self.param(
                 "unembed",
-                nn.with_logical_partitioning(_dense_init(c.d_model), ("embed", "vocab")),
+                nn.with_logical_partitioning(
+                    init_normal(untied_output_init_std(c.d_model)), ("embed", "vocab")
+                ),
                 (c.d_model, c.vocab_size),
             )
         logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, out_DV.astype(c.dtype)).astype(jnp.float32)
