@@ -22,21 +22,23 @@ import dataclasses
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from resilient_jax.checkpoint.errors import InvalidCheckpoint
-from resilient_jax.checkpoint.local import (
+from resilient_jax.checkpoint import piece_io
+from resilient_jax.checkpoint.assembly import (
     Assembly,
-    LocalTier,
     Piece,
     StepFiles,
     named_leaves,
     needed_regions,
 )
+from resilient_jax.checkpoint.checksum import crc32
+from resilient_jax.checkpoint.errors import InvalidCheckpoint
+from resilient_jax.checkpoint.local import LocalTier
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.local_tier import (
@@ -50,6 +52,9 @@ from resilient_jax.control.tier_service import PeerError, list_copies, read_rang
 from resilient_jax.events import EventLog
 
 _BATCH_BYTES = 64 << 20  # one request asks a peer for at most this much (a larger piece alone)
+_STREAMS = 4  # requests in flight at once, each on a connection of its own
+
+_Item = tuple[str, Piece, list[Piece]]  # (leaf, the copy asked for, every copy of the piece)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,10 +147,12 @@ class PeerFetcher:
         entries: list[dict[str, Any]] = []
         try:
             os.makedirs(tmp)
-            with open(os.path.join(tmp, DATA_FILE), "wb") as out:
+            out = os.open(os.path.join(tmp, DATA_FILE), os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
                 sources = self._fetch_into(out, needed, by_path, entries)
-                out.flush()
-                os.fsync(out.fileno())
+                os.fsync(out)
+            finally:
+                os.close(out)
             manifest = {
                 **{
                     k: v
@@ -189,64 +196,95 @@ class PeerFetcher:
 
     def _fetch_into(
         self,
-        out: Any,
+        out: int,
         needed: list[tuple[str, list[Piece]]],
         by_path: dict[str, PeerCopy],
         entries: list[dict[str, Any]],
     ) -> set[str]:
-        """Writes each needed piece to `out` (appending its manifest entry to `entries`), from the
-        first of its copies whose peer answers and whose bytes pass their CRC; returns the peers
-        that served any."""
+        """Writes each needed piece into the file `out` at an offset of its own (appending its
+        manifest entry to `entries`), from the first of its copies whose peer answers and whose
+        bytes pass their CRC; returns the peers that served any.
+
+        Requests run on `_STREAMS` connections at once, each into a buffer of its own (one TCP
+        stream on loopback moved about 300 MB/s of a RAM disk's 1-2 GB/s)."""
         dead: set[str] = set()  # peers that failed a request: not asked again
         bad: set[Piece] = set()  # pieces that arrived corrupt
         problems: list[str] = []
         sources: set[str] = set()
+        slots: dict[tuple[str, Any], int] = {}  # (leaf, box) -> offset in `out`
+        end = 0
+        for leaf, pieces in needed:
+            slots[(leaf, pieces[0].box)] = end
+            end += pieces[0].nbytes
+        # A copy whose manifest gives its piece another size would overrun its neighbour's slot.
+        fits = {(leaf, p) for leaf, ps in needed for p in ps if p.nbytes == ps[0].nbytes}
+        buffers = threading.local()
+
+        def fetch_batch(job: tuple[str, str, list[_Item]]) -> tuple[list[_Item], str | None]:
+            """(items that failed, why the peer failed or None); writes the rest."""
+            address, copy_id, batch = job
+            ranges = [(piece.offset, piece.nbytes) for _, piece, _ in batch]
+            size = sum(n for _, n in ranges)
+            if len(getattr(buffers, "data", b"")) < size:
+                buffers.data = memoryview(bytearray(max(size, _BATCH_BYTES)))
+            try:
+                data = read_ranges(
+                    address, self._token, self._run, copy_id, ranges, self._timeout_s, buffers.data
+                )
+            except PeerError as e:
+                return batch, str(e)
+            failed, offset = [], 0
+            for leaf, piece, alternatives in batch:
+                raw = data[offset : offset + piece.nbytes]
+                offset += piece.nbytes
+                if crc32(raw) != piece.crc32:
+                    failed.append((leaf, piece, alternatives))
+                    continue
+                piece_io.write_at(out, raw, slots[(leaf, piece.box)])
+            return failed, None
+
         pending = needed
         while pending:
-            batches: dict[tuple[str, str], list[tuple[str, Piece, list[Piece]]]] = {}
+            batches: dict[tuple[str, str], list[_Item]] = {}
             for leaf, pieces in pending:
-                usable = [p for p in pieces if p not in bad and by_path[p.path].address not in dead]
+                usable = [
+                    p
+                    for p in pieces
+                    if (leaf, p) in fits and p not in bad and by_path[p.path].address not in dead
+                ]
                 if not usable:
                     why = "; ".join(problems[-3:]) or "no peer holds it"
                     raise InvalidCheckpoint(f"{leaf} box {list(pieces[0].box)}: {why}")
                 copy = by_path[usable[0].path]
                 batches.setdefault((copy.address, copy.copy), []).append((leaf, usable[0], pieces))
+            jobs = [(a, c, batch) for (a, c), items in batches.items() for batch in _split(items)]
             pending = []
-            for (address, copy_id), items in batches.items():
-                for batch in _split(items):
-                    if address in dead:
-                        pending.extend((leaf, alternatives) for leaf, _, alternatives in batch)
+            for (address, copy_id, batch), (failed, peer_problem) in zip(
+                jobs, piece_io.parallel_map(fetch_batch, jobs, _STREAMS), strict=True
+            ):
+                if peer_problem is not None:
+                    dead.add(address)
+                    problems.append(peer_problem)
+                for leaf, piece, alternatives in failed:
+                    if peer_problem is None:
+                        bad.add(piece)
+                        problems.append(f"peer {address} {copy_id}: CRC mismatch in {leaf}")
+                    pending.append((leaf, alternatives))
+                written = {(leaf, piece.box) for leaf, piece, _ in failed}
+                for leaf, piece, _ in batch:
+                    if (leaf, piece.box) in written:
                         continue
-                    ranges = [(piece.offset, piece.nbytes) for _, piece, _ in batch]
-                    try:
-                        data = read_ranges(
-                            address, self._token, self._run, copy_id, ranges, self._timeout_s
-                        )
-                    except PeerError as e:
-                        dead.add(address)
-                        problems.append(str(e))
-                        pending.extend((leaf, alternatives) for leaf, _, alternatives in batch)
-                        continue
-                    view, offset = memoryview(data), 0
-                    for leaf, piece, alternatives in batch:
-                        raw = view[offset : offset + piece.nbytes]
-                        offset += piece.nbytes
-                        if zlib.crc32(raw) != piece.crc32:
-                            bad.add(piece)
-                            problems.append(f"peer {address} {copy_id}: CRC mismatch in {leaf}")
-                            pending.append((leaf, alternatives))
-                            continue
-                        entries.append(
-                            {
-                                "leaf": leaf,
-                                "box": [list(b) for b in piece.box],
-                                "offset": out.tell(),
-                                "nbytes": piece.nbytes,
-                                "crc32": piece.crc32,
-                            }
-                        )
-                        out.write(raw)
-                        sources.add(address)
+                    sources.add(address)
+                    entries.append(
+                        {
+                            "leaf": leaf,
+                            "box": [list(b) for b in piece.box],
+                            "offset": slots[(leaf, piece.box)],
+                            "nbytes": piece.nbytes,
+                            "crc32": piece.crc32,
+                        }
+                    )
+        entries.sort(key=lambda entry: entry["offset"])
         return sources
 
 
