@@ -26,12 +26,14 @@ bitwise equal.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import os
 import pickle
+import threading
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -41,6 +43,7 @@ import jaxlib
 import ml_collections
 from etils import epath
 from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh
 
 from resilient_jax.config import config_to_dict
@@ -48,6 +51,8 @@ from resilient_jax.contracts.event_types import EventType
 from resilient_jax.events import EventLog
 
 SUBDIR = "executables"
+_jax_cache_lock = threading.Lock()
+_jax_cache_superseded = False  # JAX's cache turned off for good in this process
 _ENV_KEYS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # JAX flags that say where and when to cache, not what to compile: a run may move its cache.
@@ -69,10 +74,51 @@ def supersede_jax_cache() -> None:
     written by JAX process 0 of any job, the compile-ahead helper's included, so a restarted
     worker could hit it and store such an entry. With JAX's cache off, everything stored here
     comes from a compile. What this cache does not hold (initialisation, small helpers) compiles
-    in milliseconds. Call before the process's first compile: JAX decides once per process.
+    in milliseconds. Takes effect from the process's next compile.
     """
+    global _jax_cache_superseded
     if default_dir():
-        jax.config.update("jax_enable_compilation_cache", False)
+        with _jax_cache_lock:
+            _jax_cache_superseded = True
+            _set_jax_cache(False)
+
+
+def _set_jax_cache(enabled: bool) -> None:
+    """Turns JAX's persistent compilation cache on or off from the next compile on: JAX reads
+    the flag once and keeps its answer until `reset_cache`."""
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
+
+
+_jax_cache_holds = 0  # compiles in flight that turned JAX's cache off; the last turns it back on
+
+
+@contextlib.contextmanager
+def _bypassing_jax_cache():
+    """JAX's persistent cache off while the body compiles something this cache will store.
+
+    A process that runs workers turns JAX's cache off for good (`supersede_jax_cache`), but one
+    that keeps it on for its other programs (a test session sharing compiles between tests, a
+    notebook) must not store an executable JAX loaded from it: that entry lacks its kernels. The
+    flag is process-wide, so compiles in other threads meanwhile neither read nor write JAX's
+    cache; it is turned back on when the last such compile ends."""
+    global _jax_cache_holds
+    with _jax_cache_lock:
+        held = _jax_cache_holds > 0 or bool(
+            jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir
+        )
+        if held:
+            if _jax_cache_holds == 0:
+                _set_jax_cache(False)
+            _jax_cache_holds += 1
+    try:
+        yield
+    finally:
+        if held:
+            with _jax_cache_lock:
+                _jax_cache_holds -= 1
+                if _jax_cache_holds == 0 and not _jax_cache_superseded:
+                    _set_jax_cache(True)
 
 
 @functools.cache
@@ -139,7 +185,8 @@ def load_or_compile(
     compiled = _load(path, list(devices), events)
     if compiled is not None:
         return compiled, True
-    compiled = lower().compile()
+    with _bypassing_jax_cache():
+        compiled = lower().compile()
     _store(path, compiled)
     return compiled, False
 
@@ -150,7 +197,9 @@ def compile_ahead(key: str, lower: Callable[[], jax.stages.Lowered], directory: 
     path = entry_path(directory, key)
     if path.exists():
         return False
-    _store(path, lower().compile())
+    with _bypassing_jax_cache():
+        compiled = lower().compile()
+    _store(path, compiled)
     return True
 
 

@@ -200,19 +200,25 @@ x = jnp.arange(12.0).reshape(4, 3)
 if role == "jax":  # any process of a job that fills JAX's own cache, as JAX process 0 does
     print("jax", np.asarray(f(x)).tolist())
 else:  # a worker: its first compile misses this cache, its restart loads what it stored
-    executables.supersede_jax_cache()
+    if role == "worker":
+        executables.supersede_jax_cache()
+    # "shared": a process keeping JAX's cache on for everything else (a test session)
     compiled, hit = executables.load_or_compile("sum", lambda: f.lower(x), jax.devices()[:1],
                                                 executables.default_dir())
+    assert jax.config.jax_enable_compilation_cache == (role == "shared")
     print("hit" if hit else "miss", np.asarray(compiled(x)).tolist())
 """
 
 
-def test_an_entry_stored_after_jax_cached_the_program_runs_when_loaded(tmp_path):
+@pytest.mark.parametrize("storer", ["worker", "shared"])
+def test_an_entry_stored_after_jax_cached_the_program_runs_when_loaded(tmp_path, storer):
     """On CPU an executable JAX took from its own cache serializes without its kernels: a restart
-    that loaded such an entry failed ("Function ... not found"), again at every restart."""
+    that loaded such an entry failed ("Function ... not found"), again at every restart. The
+    entry is stored by a worker (JAX's cache off) or by a process that keeps JAX's cache on for
+    its other programs, which must compile what it stores afresh and then use JAX's cache again."""
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
     outputs = []
-    for role in ("jax", "worker", "worker"):
+    for role in ("jax", storer, "worker"):
         run = subprocess.run(
             [sys.executable, "-c", _CACHED_PROGRAM, role, str(tmp_path)],
             capture_output=True,
