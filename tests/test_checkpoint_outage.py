@@ -22,6 +22,7 @@ from conftest import (
     as_flags,
     assert_bitwise,
     checkpoint_config,
+    data_position,
     events_of,
     run_context,
     step_through,
@@ -32,7 +33,8 @@ from resilient_jax.checkpoint import Checkpointer, CheckpointError, Tier
 from resilient_jax.checkpoint.outage import PROBE_WAIT_S
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.train.hooks import StopTraining
+from resilient_jax.testing.refusing_store import RefusingStore
+from resilient_jax.train.hooks import StepInfo, StopTraining
 from resilient_jax.train.state import init_state
 
 pytestmark = pytest.mark.slow
@@ -199,6 +201,89 @@ def test_outage_past_its_limit_stops_after_a_local_save(tmp_path, local_root, gc
     assert stop.value.exit_code == ExitCode.STORAGE_UNREACHABLE
     assert "persistent_outage_limit_s" in stop.value.reason
     assert ck.latest_step() == step + 1  # the step that stopped the run is on the local tier
+
+
+# What these tests refuse is one step's uploads, not time: a timeout well above a loaded machine's
+# commit (4.5 s seen at load 13) keeps a slow save from being taken for an outage.
+REFUSAL_TIMEOUT_S = 30.0
+
+
+@pytest.fixture
+def refusing(gcs, monkeypatch):
+    """A proxy in front of the emulator that refuses the uploads of chosen steps (HTTP 403);
+    TensorStore and gcsfs are sent through it for the test."""
+    store = RefusingStore(gcs.url)
+    for key, value in store.environ().items():
+        monkeypatch.setenv(key, value)
+    yield store
+    store.close()
+
+
+def _persistent_events(workdir: str, kind: str) -> list[dict]:
+    return [e for e in events_of(workdir, kind) if e.get("tier", "persistent") == "persistent"]
+
+
+def test_a_refused_save_costs_only_itself(tmp_path, local_root, gcs, refusing, state0):
+    workdir = str(tmp_path / "run")
+    config = _config(local_root, gcs, **{"checkpoint.persistent_timeout_s": REFUSAL_TIMEOUT_S})
+    ctx = run_context(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.restore_latest(ctx)
+    ck.on_start(ctx, state0)
+    state, host = step_through(ck, ctx, state0, 1, 4)
+    ck.wait_until_finished()
+    refusing.refuse_steps = {8}
+    state, more = step_through(ck, ctx, state, 5, 12)  # 8 refused; 12 started after it
+    host.update(more)
+    ck.wait_until_finished()  # raises if the save of 12 failed too
+    ck.close()
+
+    assert refusing.refused, "the proxy refused nothing: the test tested nothing"
+    assert {e["step"] for e in _persistent_events(workdir, EventType.SAVE_FAILED)} == {8}
+    # Seen by a poll after step 8, or when the save of 12 waits for it.
+    assert [e["step"] for e in events_of(workdir, EventType.PERSISTENT_OUTAGE)] in ([8], [12])
+    assert [e["step"] for e in events_of(workdir, EventType.PERSISTENT_RECOVERED)] == [12]
+    committed = [e["step"] for e in _persistent_events(workdir, EventType.SAVE_COMMITTED)]
+    assert committed == [4, 12]
+    restore_config = config.copy_and_resolve_references()
+    restore_config.checkpoint.local_dir = ""  # the persistent tier alone
+    ctx = run_context(restore_config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 12)
+    assert_bitwise(restored.state, host[12])
+
+
+def test_a_refused_last_save_and_a_refused_final_save_still_end_committed(
+    tmp_path, local_root, gcs, refusing, state0
+):
+    """The last scheduled save before the end (12 of 14) is refused, and so is the first try
+    of the final save (14): the run still ends with step 14 committed, as a run exiting 0."""
+    workdir = str(tmp_path / "run")
+    config = _config(local_root, gcs, **{"checkpoint.persistent_timeout_s": REFUSAL_TIMEOUT_S})
+    ctx = run_context(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.restore_latest(ctx)
+    ck.on_start(ctx, state0)
+    refusing.refuse_steps = {12}
+    refusing.refuse_once = {14}
+    state, host = step_through(ck, ctx, state0, 1, 14)
+    ck.on_end(ctx, state, StepInfo(14, 13, data_position(14), 0.01))  # raises if 14 is not in
+    ck.close()
+
+    assert not refusing.refuse_once  # the final save's first try was refused
+    failed = [e["step"] for e in _persistent_events(workdir, EventType.SAVE_FAILED)]
+    assert failed[0] == 12 and failed[-1] == 14
+    assert [e["step"] for e in events_of(workdir, EventType.PERSISTENT_RECOVERED)] == [14]
+    restore_config = config.copy_and_resolve_references()
+    restore_config.checkpoint.local_dir = ""  # the persistent tier alone
+    ctx = run_context(restore_config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 14)
+    assert_bitwise(restored.state, host[14])
 
 
 # ------------------------------------------------------------------- whole runs on gs://

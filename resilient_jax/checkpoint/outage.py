@@ -12,8 +12,9 @@ them. The checkpointer never waits on the store for longer than `checkpoint.pers
   and is left to finish or fail in the background;
 - before each persistent save a probe asks whether the directory answers, waiting at most
   `PROBE_WAIT_S` (the question runs in a daemon thread, so a store that never answers costs the
-  training thread nothing more); no answer, or a save still in flight, skips the save with a
-  `save_failed` event, and the next one is tried on schedule;
+  training thread nothing more; an endpoint that refuses connections is an answer at once); no
+  answer, or a save still in flight, skips the save with a `save_failed` event, and the next
+  one is tried on schedule;
 - the first save that commits again ends the outage (`persistent_recovered`);
 - an outage longer than `checkpoint.persistent_outage_limit_s` stops the run after a local save.
 """
@@ -23,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
+import urllib.parse
 
 import fsspec
 from etils import epath
@@ -36,6 +39,7 @@ from resilient_jax.events import EventLog
 # The longest a probe holds the training thread. A healthy store answers in milliseconds; the
 # bound must stay far below a persistent save's own cost.
 PROBE_WAIT_S = 2.0
+GCS_ENDPOINT = ("storage.googleapis.com", 443)
 
 
 def one_line(e: BaseException) -> str:
@@ -58,7 +62,7 @@ class StoreProbe:
 
         def ask() -> None:
             try:
-                _ask_store(os.fspath(self._directory))
+                _ask_store(os.fspath(self._directory), wait_s)
                 outcome.append(None)
             except Exception as e:
                 outcome.append(f"{self._directory} unreachable: {one_line(e)}")
@@ -71,9 +75,41 @@ class StoreProbe:
         return outcome[0]
 
 
-def _ask_store(path: str) -> None:
+def store_endpoint(path: str) -> tuple[str, int] | None:
+    """(host, port) that gcsfs sends the requests for a gs:// `path` to: `STORAGE_EMULATOR_HOST`
+    (an emulator, a GCS-compatible store) or Google's; None for other paths."""
+    if not path.startswith("gs://"):
+        return None
+    endpoint = os.environ.get("STORAGE_EMULATOR_HOST", "")
+    if not endpoint:
+        return GCS_ENDPOINT
+    if "://" not in endpoint:
+        endpoint = f"http://{endpoint}"
+    parsed = urllib.parse.urlsplit(endpoint)
+    return parsed.hostname or "localhost", parsed.port or (443 if parsed.scheme == "https" else 80)
+
+
+def _refuses_connections(path: str, wait_s: float) -> str | None:
+    """Why the store's endpoint refused a TCP connection, if it did. A refusal is an answer,
+    and a final one: gcsfs would retry it for about 33 s before saying so."""
+    endpoint = store_endpoint(path)
+    if endpoint is None:
+        return None
+    try:
+        with socket.create_connection(endpoint, timeout=wait_s):
+            return None
+    except ConnectionRefusedError:
+        return f"connection to {endpoint[0]}:{endpoint[1]} refused"
+    except OSError:
+        return None  # slow or unresolvable: the store's own request tells
+
+
+def _ask_store(path: str, wait_s: float) -> None:
     """One request to the store holding `path`; raises if it does not answer. A missing path is
     an answer. gcsfs answers from its listing cache when it can, so that is dropped first."""
+    refused = _refuses_connections(path, wait_s)
+    if refused is not None:
+        raise ConnectionRefusedError(refused)
     fs, stripped = fsspec.core.url_to_fs(path)
     fs.invalidate_cache(stripped)
     with contextlib.suppress(FileNotFoundError):

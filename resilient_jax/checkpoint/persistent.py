@@ -12,6 +12,7 @@ the checkpointer agrees on success across processes itself, with a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -224,6 +225,7 @@ class PersistentTier:
         if temporary:
             self._temporary.add(step)
         started = time.monotonic()
+        self._disarm_reported_error()
         try:
             self._manager.save(
                 step,
@@ -240,6 +242,20 @@ class PersistentTier:
             ) from e
         self.pending = PendingSave(step, started, time.monotonic() - started)
         return self.pending
+
+    def _disarm_reported_error(self) -> None:
+        """Orbax 0.12 keeps a failed save's error in its finalize thread and re-raises it once
+        per calling thread, at that thread's next `save()` or `wait_until_finished()`. Saves may
+        start on one thread (the persistent writer's) while `finish()` collects their outcome on
+        another, so the starting thread would fail its next save at once with an error already
+        reported, and a store that refused one save would lose the next one too. With no save
+        pending, any error left is such an old one: this thread's copy is taken here (and the
+        async checkpointer's own, should `finish()` have stopped at the first)."""
+        if self.pending is not None:
+            return
+        for collect in (self._manager.wait_until_finished, self._manager.check_for_errors):
+            with contextlib.suppress(Exception):
+                collect()
 
     def poll(self) -> PendingSave | None:
         """The pending save if it has finished since the last call (without waiting)."""
@@ -267,11 +283,12 @@ class PersistentTier:
                 time.sleep(0.05)
         pending, self.pending = self.pending, None
         error: BaseException | None = None
-        try:
-            self._manager.wait_until_finished()
-            self._manager.check_for_errors()
-        except Exception as e:
-            error = e
+        # Both, whatever the first says: each keeps an error of its own until it is asked.
+        for collect in (self._manager.wait_until_finished, self._manager.check_for_errors):
+            try:
+                collect()
+            except Exception as e:
+                error = error or e
         if pending is None:
             if error is not None:
                 raise CheckpointError(f"persistent save failed: {_one_line(error)}") from error
