@@ -5,6 +5,8 @@ parametrized over the two. Outages of the object store: test_checkpoint_outage.p
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import jax
 import pytest
@@ -21,6 +23,7 @@ from etils import epath
 from resilient_jax import executables
 from resilient_jax.checkpoint import Checkpointer, Tier
 from resilient_jax.checkpoint.__main__ import main as inspect_main
+from resilient_jax.checkpoint.outage import StoreProbe, store_endpoint
 from resilient_jax.checkpoint.persistent import QUARANTINE_DIR
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.train.state import init_state
@@ -105,3 +108,19 @@ def test_executable_cache_round_trip(persistent_base):
     assert hit
     x = jax.device_put(jax.numpy.arange(len(devices) * 2, dtype="float32"), sharding)
     assert (loaded(x) == compiled(x)).all()
+
+
+def test_a_store_that_refuses_connections_is_reported_refused_at_once(monkeypatch):
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    assert store_endpoint("gs://bucket/run") == ("127.0.0.1", port)
+    assert store_endpoint("/local/dir") is None
+    started = time.monotonic()
+    cause = StoreProbe("gs://test-bucket/run/checkpoints").unreachable(30.0)
+    assert time.monotonic() - started < 5.0  # not the 30 s of "did not answer"
+    assert cause == (
+        "gs://test-bucket/run/checkpoints unreachable: ConnectionRefusedError: "
+        f"connection to 127.0.0.1:{port} refused"
+    )
