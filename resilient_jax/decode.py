@@ -110,9 +110,16 @@ class Decoder:
             )
 
     def generate(
-        self, params: Any, prompt: list[int], max_new_tokens: int, seed: int
+        self,
+        params: Any,
+        prompt: list[int],
+        max_new_tokens: int,
+        seed: int,
+        stop_id: int | None = None,
     ) -> tuple[list[int], list[jax.Array]]:
-        """The new tokens after `prompt` and the logits each was chosen from."""
+        """The new tokens after `prompt` and the logits each was chosen from; with `stop_id`
+        (end-of-text), generation ends once that token is chosen (it is the last one returned).
+        Stopping changes no token before it: each is drawn as without `stop_id`."""
         self.check_fits(len(prompt), max_new_tokens)
         key = jax.random.key(seed)
         cache = KVCache.empty(self.cfg, 1, self.max_len)
@@ -125,6 +132,9 @@ class Decoder:
         tokens.append(token_B)
         logits.append(logits_BV)
         for _ in range(max_new_tokens - 1):
+            # Reading the token waits for its step: only when there is a token to stop at.
+            if stop_id is not None and int(token_B[0]) == stop_id:
+                break
             token_B, logits_BV, cache = self._next(params, token_B, cache, key)
             tokens.append(token_B)
             logits.append(logits_BV)

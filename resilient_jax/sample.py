@@ -1,7 +1,7 @@
 """Text from a trained checkpoint.
 
     python -m resilient_jax.sample --workdir=DIR --prompt="To be" [--max_new_tokens=100
-        --temperature=0.8 --top_k=40 --top_p=0.95 --seed=0 --max_len=0]
+        --temperature=0.8 --top_k=40 --top_p=0.95 --seed=0 --max_len=0 --stop_at_eos=true]
 
 Reads the run's `config.json`, restores the newest verified checkpoint of either tier (the
 checkpoint package's resume order) onto the devices present, whatever mesh the run trained on, and
@@ -12,7 +12,10 @@ Decoding fills the prompt into a `model.KVCache` once, then runs one jitted sing
 new token on buffers of a fixed length: a step's cost and compiled shape do not depend on the
 position. `--temperature=0` is greedy decoding; `--top_k` keeps the k likeliest tokens and `--top_p`
 the smallest set whose probability reaches p (both before drawing with the seed). Tokens are those
-of the run's tokenizer (`config.data.tokenizer`).
+of the run's tokenizer (`config.data.tokenizer`). Training ends every document with the
+tokenizer's end-of-text token, so a sample stops there (`--stop_at_eos`, on by default; the token is
+not printed); `--stop_at_eos=false` goes on to `--max_new_tokens`, printing it as its text (e.g.
+`<|endoftext|>`). A tokenizer without one (said on stderr) always runs to `--max_new_tokens`.
 
 Exits 0 with the text; 2 with one line on bad input (no config.json, no checkpoint, a flag value
 out of range, a prompt that does not fit the trained context); `ExitCode.CHECKPOINT` when
@@ -45,6 +48,7 @@ def sample(
     sampling: Sampling,
     seed: int,
     max_len: int = 0,
+    stop_at_eos: bool = True,
 ) -> tuple[str, Restored]:
     """The continuation of `prompt` by the newest checkpoint in `workdir`, and that checkpoint.
 
@@ -69,8 +73,13 @@ def sample(
         ModelConfig.from_config(config.model), sampling, tokenizer.vocab_size, max_len or trained
     )
     decoder.check_fits(len(ids), max_new_tokens)
+    stop_id = tokenizer.eos_id if stop_at_eos else None
+    if stop_at_eos and stop_id is None:
+        print(f"note: {tokenizer.special_tokens_summary()}", file=sys.stderr)
     restored = restore_newest(config, workdir)
-    new, _ = decoder.generate(restored.state.params, ids, max_new_tokens, seed)
+    new, _ = decoder.generate(restored.state.params, ids, max_new_tokens, seed, stop_id)
+    if new and new[-1] == stop_id:
+        new = new[:-1]
     return tokenizer.decode(new), restored
 
 
@@ -92,7 +101,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max_len", type=int, default=0, help="KV cache positions; 0: the trained data.seq_len"
     )
+    p.add_argument(
+        "--stop_at_eos",
+        type=_boolean,
+        nargs="?",
+        const=True,
+        default=True,
+        help="stop at the tokenizer's end-of-text (true/false; on by default)",
+    )
     return p
+
+
+def _boolean(value: str) -> bool:
+    """`true`/`false` (any case, or 1/0), as absl reads a boolean flag's value."""
+    lowered = value.lower()
+    if lowered not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a boolean (true or false)")
+    return lowered in ("true", "1")
 
 
 def main(argv: list[str]) -> None:
@@ -105,6 +130,7 @@ def main(argv: list[str]) -> None:
             Sampling(args.temperature, args.top_k, args.top_p),
             args.seed,
             args.max_len,
+            args.stop_at_eos,
         )
     except BadInput as e:
         _exit(f"error: {e}", ExitCode.BAD_INPUT)

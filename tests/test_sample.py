@@ -15,8 +15,10 @@ import pytest
 from conftest import run_python, tiny_config
 
 from resilient_jax.chaos.corrupt import corrupt_step
+from resilient_jax.checkpoint.reader import load_run_config, restore_newest
 from resilient_jax.config import BadInput
 from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.data.tokenizer import load
 from resilient_jax.decode import Decoder, Sampling, choose
 from resilient_jax.model import KVCache, ModelConfig, Transformer
 from resilient_jax.sample import sample
@@ -53,6 +55,19 @@ def test_cached_greedy_decoding_gives_the_tokens_and_logits_of_full_recomputatio
     assert len(set(tokens)) > 1  # a sequence that exercises more than one token
     diff = np.abs(np.stack([np.asarray(x[0]) for x in logits]) - np.stack(expected_logits))
     assert diff.max() < 1e-5
+
+
+def test_generation_stops_at_the_stop_token_and_changes_nothing_before_it():
+    cfg, params = random_model()
+    decoder = Decoder(cfg, Sampling(temperature=1.0), vocab=cfg.vocab_size, max_len=32)
+    prompt = [5, 81, 3]
+    free, _ = decoder.generate(params, prompt, max_new_tokens=16, seed=2)
+    stop = free[5]
+    first = free.index(stop)
+    stopped, logits = decoder.generate(params, prompt, max_new_tokens=16, seed=2, stop_id=stop)
+    assert stopped == free[: first + 1] and len(logits) == first + 1
+    absent = next(t for t in range(cfg.vocab_size) if t not in free)
+    assert decoder.generate(params, prompt, 16, seed=2, stop_id=absent)[0] == free
 
 
 def test_the_decode_step_compiles_to_one_shape_at_every_position():
@@ -111,6 +126,26 @@ def test_the_same_seed_gives_the_same_text_from_the_newest_checkpoint(trained_ru
     assert text == again and text != other and text
     # The sampler is no part of the run: nothing of it lands in the run's event log.
     assert (trained_run / "events.jsonl").read_text() == events_before
+
+
+def test_the_sampler_stops_at_end_of_text_unless_told_not_to(trained_run, monkeypatch):
+    """The sample ends before the tokenizer's end-of-text (made here the token the run's greedy
+    continuation reaches at its fourth step); with stop_at_eos=False it runs on and prints it."""
+    import resilient_jax.sample as sample_module
+
+    bpe = load("bundled")
+    free, _ = sample(str(trained_run), "ROMEO:", 12, GREEDY, seed=0, stop_at_eos=False)
+    ids = bpe.encode("ROMEO:")
+    config = tiny_config()
+    decoder = Decoder(ModelConfig.from_config(config.model), GREEDY, 1024, config.data.seq_len)
+    params = restore_newest(load_run_config(str(trained_run)), str(trained_run)).state.params
+    tokens, _ = decoder.generate(params, ids, 12, seed=0)
+    assert bpe.decode(tokens) == free
+    eos = tokens[3]
+    monkeypatch.setattr(bpe, "eos_id", eos)
+    monkeypatch.setattr(sample_module, "from_config", lambda config: bpe)
+    stopped, _ = sample(str(trained_run), "ROMEO:", 12, GREEDY, seed=0)
+    assert stopped == bpe.decode(tokens[: tokens.index(eos)])
 
 
 def _files(root) -> dict[str, tuple[int, int]]:
@@ -182,6 +217,7 @@ def test_a_run_directory_without_config_or_checkpoint_is_refused(tmp_path):
     [
         (["--top_k=many"], "argument --top_k: invalid int value: 'many'"),
         (["--top_p=1.5"], "--top_p=1.5 is invalid"),
+        (["--stop_at_eos=maybe"], "'maybe' is not a boolean"),
         ([], "no config.json"),
     ],
 )
