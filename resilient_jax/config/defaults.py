@@ -225,15 +225,14 @@ def default_config() -> ml_collections.ConfigDict:
     # An agent without a supervisor for this long asks its workers to save and stop, then exits
     # with ExitCode.SUPERVISOR_LOST; a supervisor restarted sooner finds the run still training.
     c.coordinator.orphan_timeout_s = 120.0
-    # The control ports (heartbeat, quorum) against clients that are not the run's: a connection
-    # that has not sent a line with the run token after auth_timeout_s is closed, and at most
-    # max_pending_connections such are open at once (more are closed at once). Every refusal is
-    # logged, at most refusals_logged_per_peer per peer host and refusal_log_window_s; the rest
-    # are counted and their count logged when the window ends.
+    # The control ports (heartbeat, quorum) against clients that are not the run's. A connection
+    # that has sent no line with the run token after this long is closed (refused):
     c.coordinator.auth_timeout_s = 10.0
-    c.coordinator.max_pending_connections = 64
+    c.coordinator.max_pending_connections = 64  # such connections at once; more: closed at once
+    # Every refusal is logged, at most this many per peer host and refusal_log_window_s; the
+    # rest are counted, and their count is logged when the window ends.
     c.coordinator.refusals_logged_per_peer = 10
-    c.coordinator.refusal_log_window_s = 60.0
+    c.coordinator.refusal_log_window_s = 60.0  # the window of refusals_logged_per_peer
     # The health probe before a host is admitted: start a JAX process and count its devices
     # (False: only the workdir, the local tier and free disk are checked).
     c.coordinator.probe_jax = True
