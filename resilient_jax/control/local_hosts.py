@@ -34,13 +34,14 @@ LOG_FILE = "workers.log"
 AGENT_FILE = "agent.json"  # the pid of the host's agent, and its run token's digest
 
 
-def _gone(pid: int) -> bool:
-    """Whether `pid` no longer runs (a zombie no one has reaped yet counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] == "Z"
-    except OSError:
-        pass
+def _gone(pid: int, zombie: bool = True) -> bool:
+    """Whether `pid` no longer runs; a zombie not reaped yet counts as gone when `zombie`."""
+    if zombie:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] == "Z"
+        except OSError:
+            pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -190,7 +191,7 @@ class LocalHosts:
                 popen.wait(timeout=5.0)
         # A worker or an adopted agent killed here is not our child: gone once init reaps it.
         gone_by = time.monotonic() + _EXIT_WAIT_S
-        while any(not _gone(pid) for pid in [*self._adopted, *worker_pids]):
+        while any(not _gone(pid, zombie=False) for pid in [*self._adopted, *worker_pids]):
             if time.monotonic() > gone_by:
                 break
             time.sleep(0.02)
