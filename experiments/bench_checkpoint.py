@@ -9,17 +9,21 @@ devices when running on CPU. Three measurements:
 1. Blocking time per save, interleaved round by round in rotating order: the checkpointer's local
    tier (RAM disk) and its persistent tier (async Orbax plus per-array digests, in a writer
    thread), both reading the state itself, which the next step keeps (`train.keep`: it runs
-   without donating); the local tier copying the state first instead (`device_snapshot`, what a
-   save does when the step cannot keep it); a plain async Orbax `CheckpointManager` save, a
-   plain synchronous Orbax save (`Checkpointer(StandardCheckpointHandler)`) of the same state,
-   and the device snapshot alone, waited for. "hook" is the wall time `after_step` took (what
+   without donating); each tier copying the state to pinned host memory first
+   (`checkpoint.keep_state=never`: `local_host`, `persistent_host`, what a save does where a
+   kept state would not fit the device); the local tier copying the state on the device first
+   (`device_snapshot`, what a save does until the step can keep it); a plain async Orbax
+   `CheckpointManager` save, a plain synchronous Orbax save
+   (`Checkpointer(StandardCheckpointHandler)`) of the same state, and the device snapshot and
+   the device-to-host copy alone, waited for. "hook" is the wall time `after_step` took (what
    the loop waits for); "commit" is when the data was durable. Each save follows a fresh train
    step that is waited for first, so the numbers are the save alone (part 2 shows what the
    loop pays in all).
 2. Step time, blocks of training steps in rotating order: no saves; every step non-donating (the
    cost of the step that keeps its input, without a save); a local save after every step (each
-   next step keeping the saved state); the same with the copy instead. A save block includes
-   waiting for its last write.
+   next step keeping the saved state; a save due while the previous write runs is skipped); the
+   same with the device copy, and with the host copy, instead. A save block includes waiting for
+   its last write.
 3. Restore time per tier onto the same mesh and onto half the devices.
 
 With `--backends` it measures instead the persistent tier on a local directory against gs:// on
@@ -118,7 +122,17 @@ def main(argv: list[str]) -> None:
             for e in read_events(compiled_in)
             if e["type"] == "compile_background"
         ]
-        kinds = ["local", "persistent", "local_copy", "orbax_async", "orbax_sync", "snapshot"]
+        kinds = [
+            "local",
+            "persistent",
+            "local_copy",
+            "local_host",
+            "persistent_host",
+            "orbax_async",
+            "orbax_sync",
+            "snapshot",
+            "device_to_host",
+        ]
         hook_s: dict[str, list[float]] = {kind: [] for kind in kinds}
         digest_s: list[float] = []
         for r in range(_ROUNDS.value + 1):
@@ -155,7 +169,7 @@ def main(argv: list[str]) -> None:
                 tiers[mode][0].wait_until_finished()
             return state, (time.perf_counter() - start) / _STEPS.value
 
-        modes = ["no_saves", "non_donating", "local", "local_copy"]
+        modes = ["no_saves", "non_donating", "local", "local_copy", "local_host"]
         block_s: dict[str, list[float]] = {mode: [] for mode in modes}
         for b in range(_BLOCKS.value + 1):
             for mode in modes[b % len(modes) :] + modes[: b % len(modes)]:

@@ -67,7 +67,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import report  # noqa: E402
-from cluster_runs import load_config, trainer_argv  # noqa: E402
+from cluster_runs import extra_overrides, load_config, trainer_argv  # noqa: E402
 from host_scenarios import host_detection, supervisor_restart  # noqa: E402
 
 from configs import small_cpu  # noqa: E402
@@ -123,7 +123,12 @@ def run_scenario(
     fault: FaultKind = FaultKind.KILL,
     fault_step: int | None = None,
 ) -> dict[str, Any]:
-    overrides = {**BASE_OVERRIDES, "total_steps": _TOTAL.value, **overrides}
+    overrides = {
+        **BASE_OVERRIDES,
+        **extra_overrides(),
+        "total_steps": _TOTAL.value,
+        **overrides,
+    }
     workdir = tempfile.mkdtemp(prefix=f"rj_bench_{name}_")
     argv = trainer_argv(_WORKER.value, CONFIG_FILE, workdir, overrides)
     kill = SupervisorAction(fault, slice=1, at_step=fault_step or _FAULT.value)
@@ -480,6 +485,7 @@ def main(argv: list[str]) -> None:
             ram = next(s for s in SCENARIOS if s.name == "ram")
             overrides = {
                 **BASE_OVERRIDES,
+                **extra_overrides(),
                 "total_steps": _TOTAL.value,
                 **scenario_overrides(ram, shm, cache_dir),
             }
@@ -499,7 +505,7 @@ def main(argv: list[str]) -> None:
         "setup": {
             "cluster": "2 slices x 1 process x 2 CPU devices (simulated slices)",
             "config": CONFIG_FILE,
-            "overrides": BASE_OVERRIDES,
+            "overrides": {**BASE_OVERRIDES, **extra_overrides()},
             "total_steps": _TOTAL.value,
             "fault_step": _FAULT.value,
             "local_every": _LOCAL_EVERY.value,

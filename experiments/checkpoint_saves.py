@@ -9,7 +9,11 @@ and keeping (or not) through that step's `StateKeeper`:
   plus per-array digests in a writer thread), both reading the state itself, which the next step
   keeps (`train.keep`: it runs without donating);
 - `local_copy`: the local tier copying the state first (`copying`: the one switch between the
-  kept and the copying save);
+  kept and the copying save), on the device (what a save does until the non-donating step is
+  loaded);
+- `local_host`, `persistent_host`: each tier with `checkpoint.keep_state=never`, the state
+  copied straight to pinned host memory first (what `auto` picks where a kept state would not
+  fit the device's memory);
 - `orbax_async`: a plain async Orbax `CheckpointManager` save; `orbax_sync`: a plain synchronous
   Orbax save (`Checkpointer(StandardCheckpointHandler)`);
 - `snapshot`: the device copy a copying save makes, waited for; `device_to_host`: the whole state
@@ -43,7 +47,8 @@ from resilient_jax.train.hooks import StepInfo
 from resilient_jax.train.keep import StateKeeper
 from resilient_jax.train.state import abstract_state
 
-TIERS = ("local", "persistent", "local_copy")  # the checkpointer's saves
+# The checkpointer's saves.
+TIERS = ("local", "persistent", "local_copy", "local_host", "persistent_host")
 PLAIN = ("orbax_async", "orbax_sync", "snapshot", "device_to_host")  # what they are judged against
 SAVE_KINDS = TIERS + PLAIN
 
@@ -55,6 +60,7 @@ def context(
     local: bool,
     persistent_every: int,
     devices: list[Any] | None = None,
+    keep_state: str = "always",
 ) -> RunContext:
     """A run context of `base` saving to the local tier under `local_root` every step (`local`)
     and to the persistent tier in `workdir` every `persistent_every` steps (0: never); on
@@ -64,6 +70,7 @@ def context(
     config.checkpoint.local_every_steps = 1 if local else 0
     config.checkpoint.local_auto_interval = False
     config.checkpoint.every_steps = persistent_every
+    config.checkpoint.keep_state = keep_state
     if devices is None:
         return prepare(config, workdir, EventLog(workdir))
     topology = mesh_lib.discover(devices)
@@ -94,6 +101,12 @@ class SaveKinds:
         ctx_local = context(base, os.path.join(root, "local"), local_root, True, 0)
         ctx_persistent = context(base, os.path.join(root, "persistent"), local_root, False, 1)
         ctx_copy = copying(context(base, os.path.join(root, "local_copy"), local_root, True, 0))
+        ctx_local_host = context(
+            base, os.path.join(root, "local_host"), local_root, True, 0, keep_state="never"
+        )
+        ctx_persistent_host = context(
+            base, os.path.join(root, "persistent_host"), local_root, False, 1, keep_state="never"
+        )
         ctx_local.keeper = ctx_persistent.keeper = keeper  # the one step keeps what both read
         self.tiers: dict[str, tuple[Checkpointer, RunContext]] = {
             name: (Checkpointer(ctx, handle_sigterm=False), ctx)
@@ -101,6 +114,8 @@ class SaveKinds:
                 ("local", ctx_local),
                 ("persistent", ctx_persistent),
                 ("local_copy", ctx_copy),
+                ("local_host", ctx_local_host),
+                ("persistent_host", ctx_persistent_host),
             )
         }
         self._sync_orbax = ocp.Checkpointer(ocp.StandardCheckpointHandler())

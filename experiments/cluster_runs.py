@@ -3,6 +3,7 @@ command line of the trainer that their supervisor (or launcher) runs as workers.
 
 from __future__ import annotations
 
+import ast
 import os
 import runpy
 import sys
@@ -12,9 +13,31 @@ from collections.abc import Callable
 from typing import Any
 
 import ml_collections
+from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the config files import resilient_jax
+
+
+# Config overrides a driver (`growth.py`) passes to a cluster benchmark, on top of its own: the
+# model's shapes of one state size, e.g. `--overrides=model.d_model=768,model.num_layers=8`.
+_OVERRIDES = flags.DEFINE_list(
+    "overrides", [], "KEY=VALUE config overrides on top of the benchmark's own (a model's size)."
+)
+
+
+def extra_overrides() -> dict[str, Any]:
+    """`--overrides` as a dict, each value a Python literal where it reads as one."""
+    out: dict[str, Any] = {}
+    for item in _OVERRIDES.value:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"--overrides item {item!r} is not KEY=VALUE")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
 
 
 # A measured run's logging: a metrics row every step, no progress bar, TensorBoard, evaluation or

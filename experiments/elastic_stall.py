@@ -47,7 +47,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import elastic as el
 import report
-from cluster_runs import supervise
+from cluster_runs import extra_overrides, supervise
 
 from configs import small_cpu
 from resilient_jax.control.elastic import ElasticSupervisor
@@ -56,6 +56,7 @@ FLAGS = flags.FLAGS
 _MODEL = flags.DEFINE_enum("model", "tiny", ["tiny", "small"], "tiny_cpu, or its SMALL variant.")
 _SMALL_STEPS = flags.DEFINE_integer("small_steps", 1500, "Steps per run with --model=small.")
 _SMALL_FAULT = flags.DEFINE_integer("small_fault_step", 100, "Kill step with --model=small.")
+_OUT = flags.DEFINE_string("out", "", "Result file (default: results/elastic_stall[_small].json).")
 _BASELINE = flags.DEFINE_string(
     "baseline", "", "A checkout of another commit: its slices run the kill once more."
 )
@@ -77,6 +78,7 @@ def extra() -> dict[str, Any]:
     return {
         **el.ELASTIC,
         **(SMALL if _MODEL.value == "small" else {}),
+        **extra_overrides(),
         "total_steps": total_steps(),
     }
 
@@ -309,7 +311,9 @@ def main(argv_: list[str]) -> None:
             code = os.path.abspath(_BASELINE.value)
             results[KILLS[1]] = kill_run(root, reference, KILLS[1], code)
     name = "elastic_stall_small" if small else "elastic_stall"
-    report.write_json(os.path.join(el.RESULTS, f"{name}.json"), results)
+    if extra_overrides():
+        results["overrides"] = extra_overrides()
+    report.write_json(_OUT.value or os.path.join(el.RESULTS, f"{name}.json"), results)
     print(f"elastic undisturbed: median step {results['elastic']['median_step_s']:.3f} s")
     kills = [k for k in KILLS if k in results]
     print(f"{'':<36}" + "".join(f"{k:>26}" for k in kills))
@@ -357,7 +361,8 @@ def plot(results: dict[str, Any], name: str) -> None:
     ax.set_title(f"Slice 1 SIGKILLed and replaced: {results['config'][:48]}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(el.RESULTS, f"{name}.png"), dpi=120)
+    path = os.path.splitext(_OUT.value)[0] + ".png" if _OUT.value else None
+    fig.savefig(path or os.path.join(el.RESULTS, f"{name}.png"), dpi=120)
 
 
 if __name__ == "__main__":

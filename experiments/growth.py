@@ -1,0 +1,351 @@
+"""How each cost grows with the train state: the checkpoint, peer-fetch, recovery and elastic
+benchmarks run at several state sizes, and the growth exponent of every figure between them.
+
+    python experiments/growth.py [--sizes=44MB,1GB,2.4GB]
+        [--stages=checkpoint,peer,recovery,elastic]
+    -> experiments/results/growth.json, growth.png (log-log); each run's own result under
+       experiments/results/growth/<stage>_<size>.json
+
+Sizes are tiny_cpu's model widened and deepened (the train state is float32 parameters plus
+AdamW's two moments: 12 bytes a parameter):
+
+    44MB   configs/tiny_cpu.py as it is (d_model 256, 4 layers; 128 tokens x 16 rows)
+    1GB    d_model 768, 8 layers, d_ff 3072, 12 heads; 64 tokens x 8 rows (0.92 GB)
+    2.4GB  d_model 1024, 12 layers, d_ff 4096, 16 heads; 64 tokens x 8 rows
+
+Stages, each a benchmark of its own run as a subprocess with the size's overrides:
+
+- `checkpoint` (`bench_checkpoint.py`): blocking and commit time of each tier, kept and copying,
+  against plain Orbax async and sync; the step-time overhead of a local save every step; restore
+  from each tier onto the same mesh and onto half the devices.
+- `peer` (`bench_peer_fetch.py`): a replaced host's restore from a peer's RAM disk against the
+  local and persistent restores.
+- `recovery` (`bench_recovery.py`, the `ram` scenario): fault to first productive step on a
+  2-slice local cluster, by phase.
+- `elastic` (`elastic_stall.py`): elastic mode's heal transfer and the survivor's stall at a
+  slice kill.
+
+The exponent of a figure between two sizes is log(figure ratio) / log(state ratio): 1 grows like
+the state, below 1 slower (a fixed part dominates), above 1 faster. A stage that cannot run at a
+size on this machine (memory: a 2-slice cluster holds several states and their RAM-disk copies)
+is skipped there with the reason in the JSON (`--max_cluster_gb`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+
+SIZES: dict[str, dict[str, Any]] = {
+    "44MB": {},
+    "1GB": {
+        "model.d_model": 768,
+        "model.num_layers": 8,
+        "model.d_ff": 3072,
+        "model.num_heads": 12,
+        "model.num_kv_heads": 12,
+        "model.head_dim": 64,
+        "data.seq_len": 64,
+        "global_batch_size": 8,
+    },
+    "2.4GB": {
+        "model.d_model": 1024,
+        "model.num_layers": 12,
+        "model.d_ff": 4096,
+        "model.num_heads": 16,
+        "model.num_kv_heads": 16,
+        "model.head_dim": 64,
+        "data.seq_len": 64,
+        "global_batch_size": 8,
+    },
+}
+# Keys of configs/tiny_cpu.py's model, for the cluster stages (their base is the tests' smaller
+# model: the 44MB size puts tiny_cpu's shapes back).
+TINY = {
+    "model.d_model": 256,
+    "model.num_layers": 4,
+    "model.d_ff": 768,
+    "model.num_heads": 4,
+    "model.num_kv_heads": 4,
+    "model.head_dim": 64,
+    "data.seq_len": 128,
+    "global_batch_size": 16,
+}
+STAGES = ("checkpoint", "peer", "recovery", "elastic")
+
+_SIZES = flags.DEFINE_list("sizes", list(SIZES), f"State sizes to run, of {list(SIZES)}.")
+_STAGES = flags.DEFINE_list("stages", list(STAGES), f"Benchmarks to run, of {list(STAGES)}.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Measured rounds of the one-process benchmarks.")
+_MAX_CLUSTER_GB = flags.DEFINE_float(
+    "max_cluster_gb", 1.0, "Largest state the 2-slice cluster stages run (memory)."
+)
+_SUMMARIZE = flags.DEFINE_bool("summarize", False, "Only summarise the results already written.")
+_TIMEOUT_S = flags.DEFINE_integer("timeout_s", 3600, "Bound on one benchmark run.")
+
+
+def state_gb(size: str) -> float:
+    return {"44MB": 0.044, "1GB": 0.92, "2.4GB": 2.43}[size]
+
+
+def result_path(stage: str, size: str) -> str:
+    return os.path.join(RESULTS, "growth", f"{stage}_{size}.json")
+
+
+def command(stage: str, size: str) -> list[str]:
+    """The benchmark run of `stage` at `size`."""
+    overrides = SIZES[size]
+    out = f"--out={result_path(stage, size)}"
+    py = [sys.executable]
+    if stage in ("checkpoint", "peer"):
+        script = "bench_checkpoint.py" if stage == "checkpoint" else "bench_peer_fetch.py"
+        flat = {"checkpoint.local_keep": 1, **overrides}  # RAM-disk room for the large states
+        return [
+            *py,
+            os.path.join(HERE, script),
+            "--config=configs/tiny_cpu.py",
+            *(f"--config.{k}={v}" for k, v in flat.items()),
+            f"--rounds={_ROUNDS.value}",
+            *(["--blocks=1", "--steps=3"] if stage == "checkpoint" else []),
+            out,
+        ]
+    cluster = ",".join(f"{k}={v}" for k, v in {**TINY, **overrides}.items())
+    if stage == "recovery":
+        return [
+            *py,
+            os.path.join(HERE, "bench_recovery.py"),
+            "--scenarios=ram",
+            "--total_steps=24",
+            "--fault_step=12",
+            "--local_every=1",
+            f"--overrides={cluster}",
+            out,
+        ]
+    return [
+        *py,
+        os.path.join(HERE, "elastic_stall.py"),
+        "--total_steps=24",
+        "--fault_step=10",
+        f"--overrides={cluster}",
+        out,
+    ]
+
+
+def run_stage(stage: str, size: str) -> dict[str, Any]:
+    """Runs one benchmark; what happened (its result file is read by `summarize`)."""
+    if stage in ("recovery", "elastic") and state_gb(size) > _MAX_CLUSTER_GB.value:
+        return {
+            "skipped": f"a 2-slice cluster of a {size} state (two processes, each with the state, "
+            f"its kept copy and gradients, plus each slice's RAM-disk copies) does not fit this "
+            f"machine's memory (--max_cluster_gb={_MAX_CLUSTER_GB.value:g})"
+        }
+    argv = command(stage, size)
+    log = os.path.join(RESULTS, "growth", f"{stage}_{size}.log")
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    print(f"[{time.strftime('%H:%M:%S')}] {stage} at {size}: {' '.join(argv[1:3])} ...", flush=True)
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            argv, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=_TIMEOUT_S.value)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            code = None
+    took = time.perf_counter() - start
+    print(f"    exit {code} after {took:.0f} s (log {os.path.relpath(log, REPO)})", flush=True)
+    return {"exit_code": code, "wall_s": round(took, 1), "load_avg": os.getloadavg()}
+
+
+# ------------------------------------------------------------------------------ the figures
+
+
+def _med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _checkpoint(r: dict[str, Any]) -> dict[str, float]:
+    hook, commit = r["save_hook_s"], r["save_commit_s"]
+    out = {f"blocking {kind} s": _med(v) for kind, v in hook.items()}
+    out |= {f"commit {kind} s": _med(v) for kind, v in commit.items() if v}
+    out |= {f"step overhead {mode}": v for mode, v in r["step_overhead"].items()}
+    out |= {f"restore {name} s": _med(v) for name, v in r["restore_s"].items()}
+    out["step s (no saves)"] = _med(r["step_s_no_saves"])
+    sync = out["blocking orbax_sync s"]
+    out["persistent blocking / orbax async"] = (
+        out["blocking persistent s"] / out["blocking orbax_async s"]
+    )
+    out["persistent blocking / orbax sync"] = out["blocking persistent s"] / sync
+    out["local blocking / orbax sync"] = out["blocking local s"] / sync
+    gb = r["state_mb"] / 1e3
+    out["local commit GB/s"] = gb / out["commit local s"]
+    same = next(k for k in r["restore_s"] if k.startswith("local -> same"))
+    out["local restore GB/s"] = gb / _med(r["restore_s"][same])
+    return out
+
+
+def _peer(r: dict[str, Any]) -> dict[str, float]:
+    return {
+        "peer restore s": _med(r["restore_s"]["peer"]),
+        "peer / local restore": r["peer_over_local"],
+        "peer fetch MB/s": r["fetch_mb_per_s"],
+    }
+
+
+def _recovery(r: dict[str, Any]) -> dict[str, float]:
+    ram = r["scenarios"]["ram"]
+    out = {"fault -> first step s": ram["fault_to_first_step_s"]}
+    out |= {f"recovery {k} s": v for k, v in ram["phases_s"].items()}
+    return out
+
+
+def _elastic(r: dict[str, Any]) -> dict[str, float]:
+    kill = r["elastic_kill"]
+    return {
+        "elastic stall s": kill["stall_s"],
+        "elastic stall in steps": kill["stall_in_steps_alone"],
+        "elastic heal received s": kill.get("heal_received_s"),
+        "elastic step s": kill["median_step_s"],
+    }
+
+
+FIGURES: dict[str, Callable[[dict[str, Any]], dict[str, float]]] = {
+    "checkpoint": _checkpoint,
+    "peer": _peer,
+    "recovery": _recovery,
+    "elastic": _elastic,
+}
+
+
+def exponent(a: float | None, b: float | None, size_a: float, size_b: float) -> float | None:
+    if not a or not b or a <= 0 or b <= 0:
+        return None
+    return math.log(b / a) / math.log(size_b / size_a)
+
+
+def summarize(runs: dict[str, Any]) -> dict[str, Any]:
+    sizes = [s for s in SIZES if any(os.path.exists(result_path(st, s)) for st in STAGES)]
+    table: dict[str, dict[str, float]] = {}
+    state_mb: dict[str, float] = {}
+    for size in sizes:
+        for stage, figures in FIGURES.items():
+            path = result_path(stage, size)
+            if not os.path.exists(path):
+                continue
+            with open(path) as f:
+                result = json.load(f)
+            if "state_mb" in result:
+                state_mb[size] = result["state_mb"]
+            for name, value in figures(result).items():
+                table.setdefault(name, {})[size] = value
+    gb = {s: state_mb.get(s, 1e3 * state_gb(s)) / 1e3 for s in sizes}
+    growth = {}
+    for name, values in table.items():
+        present = [s for s in sizes if values.get(s) is not None]
+        pairs = list(itertools.pairwise(present))
+        growth[name] = {
+            f"{a} -> {b}": exponent(values[a], values[b], gb[a], gb[b]) for a, b in pairs
+        }
+    return {
+        "what": "each cost at several train-state sizes, and its growth exponent between them",
+        "machine": report.host_line(),
+        "state_gb": gb,
+        "figures": table,
+        "growth_exponent": growth,
+        "runs": runs,
+    }
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    sizes = list(summary["state_gb"])
+    print(f"{'figure':44}" + "".join(f"{s:>11}" for s in sizes) + "   exponents")
+    for name, values in summary["figures"].items():
+        cells = "".join(
+            f"{values[s]:>11.4g}" if values.get(s) is not None else f"{'-':>11}" for s in sizes
+        )
+        exps = ", ".join(
+            f"{k}: {v:.2f}" for k, v in summary["growth_exponent"][name].items() if v is not None
+        )
+        print(f"{name:44}{cells}   {exps}")
+
+
+def plot(summary: dict[str, Any], path: str) -> None:
+    plt = report.pyplot()
+    gb = summary["state_gb"]
+    shown = [
+        "blocking local s",
+        "blocking persistent s",
+        "blocking orbax_async s",
+        "blocking orbax_sync s",
+        "commit local s",
+        "commit persistent s",
+        "restore local -> same mesh s",
+        "restore persistent -> same mesh s",
+        "peer restore s",
+        "fault -> first step s",
+        "elastic stall s",
+    ]
+    fig, ax = plt.subplots(figsize=(9, 6))
+    for name in shown:
+        values = summary["figures"].get(name, {})
+        xs = [gb[s] for s in gb if values.get(s)]
+        ys = [values[s] for s in gb if values.get(s)]
+        if len(xs) >= 2:
+            ax.plot(xs, ys, marker="o", label=name)
+    xs = sorted(gb.values())
+    slope_one = [1e-3 * x / xs[0] for x in xs]
+    ax.plot(xs, slope_one, "k--", linewidth=1, label="slope 1 (grows as the state)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("train state, GB")
+    ax.set_ylabel("seconds")
+    ax.set_title("Checkpoint and recovery costs against the state size (log-log)")
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    for name in _SIZES.value:
+        if name not in SIZES:
+            raise app.UsageError(f"--sizes: unknown size {name!r}; known: {list(SIZES)}")
+    for name in _STAGES.value:
+        if name not in STAGES:
+            raise app.UsageError(f"--stages: unknown stage {name!r}; known: {list(STAGES)}")
+    summary_path = os.path.join(RESULTS, "growth.json")
+    runs: dict[str, Any] = {}
+    if os.path.exists(summary_path):
+        with open(summary_path) as f:
+            runs = json.load(f).get("runs", {})
+    if not _SUMMARIZE.value:
+        for size in _SIZES.value:
+            for stage in _STAGES.value:
+                runs[f"{stage}_{size}"] = run_stage(stage, size)
+    summary = summarize(runs)
+    print_table(summary)
+    report.write_json(summary_path, report.finite(summary))
+    plot(summary, os.path.join(RESULTS, "growth.png"))
+
+
+if __name__ == "__main__":
+    app.run(main)
