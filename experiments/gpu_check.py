@@ -56,12 +56,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import report  # noqa: E402
-from cluster_runs import trainer_argv  # noqa: E402
+from cluster_runs import load_config, trainer_argv  # noqa: E402
 
 from configs import small_cpu  # noqa: E402
 from resilient_jax.contracts import env_vars  # noqa: E402
 from resilient_jax.control import compile_cache  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
+from resilient_jax.perf import model_size  # noqa: E402
 
 _SMOKE = flags.DEFINE_bool("smoke", False, "On CPU with tiny shapes: every code path, quickly.")
 _OUT = flags.DEFINE_string(
@@ -70,7 +71,7 @@ _OUT = flags.DEFINE_string(
 _BUDGET_S = flags.DEFINE_float("budget_s", 450.0, "Wall time for everything, in seconds.")
 _CONFIG = flags.DEFINE_string("config", "configs/llama_1b.py", "Config file.")
 _LAYERS = flags.DEFINE_integer("layers", 0, "Transformer blocks (0: the config's).")
-_STEPS = flags.DEFINE_integer("steps", 10, "Measured steps per side of the throughput phase.")
+_STEPS = flags.DEFINE_integer("steps", 8, "Measured steps per side of the throughput phase.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Most measured rounds of each save kind.")
 _SCRATCH = flags.DEFINE_string("scratch", "", "Folder for checkpoints on disk (default: tmp).")
 
@@ -84,10 +85,36 @@ COMMON: dict[str, Any] = {
     "checkpoint.keep": 1,
     "checkpoint.local_keep": 1,
 }
-SMOKE: dict[str, Any] = {**small_cpu.MODEL, "global_batch_size": 4, "per_device_batch_size": 2}
+# The smallest model that still takes every path (two microbatches, the local tier, the cache).
+SMOKE: dict[str, Any] = {
+    **small_cpu.MODEL,
+    "model.num_layers": 1,
+    "model.remat": False,
+    "model.compute_dtype": "float32",
+    "global_batch_size": 4,
+    "per_device_batch_size": 2,
+}
 LOCAL_EVERY = 2  # the restart runs' local-tier interval (steps)
 START_S = 20.0  # a trainer process's start (Python, imports, JAX), for the estimates
+SHM = "/dev/shm"
+SHM_COPIES = 6  # states the local tiers hold at once at most: 3 tiers, a write in flight each
 MEM_FRACTION = "0.9"  # of the GPU's memory for JAX's allocator (default 0.75): a save holds more
+
+
+def local_storage(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """Where the local tiers write, and the room there and for the persistent saves: the RAM disk
+    if it holds a few copies of the state (the tiers, their writes in flight), else a folder on
+    the scratch disk (recorded: the local tier's figures are then a disk's)."""
+    state_bytes = 12 * model_size.num_params(config.model)  # float32 params, Adam's two moments
+    scratch = _SCRATCH.value or tempfile.gettempdir()
+    free = {path: shutil.disk_usage(path).free for path in (SHM, scratch) if os.path.isdir(path)}
+    on_shm = free.get(SHM, 0) >= SHM_COPIES * state_bytes
+    return {
+        "state_bytes_estimate": state_bytes,
+        "free_bytes": free,
+        "local_tier_parent": SHM if on_shm else scratch,
+        "local_tier_on": "RAM disk" if on_shm else f"disk: {SHM} holds < {SHM_COPIES} states",
+    }
 
 
 def child_env(smoke: bool) -> dict[str, str]:
@@ -172,9 +199,11 @@ class RestartRuns:
     `LOCAL_EVERY` steps, no persistent saves); `measure` compiles its step for that config into
     `warm_cache`, so the fresh start and the warm restart load it."""
 
-    def __init__(self, config_file: str, overrides: dict[str, Any], env: dict[str, str]) -> None:
+    def __init__(
+        self, config_file: str, overrides: dict[str, Any], env: dict[str, str], local_parent: str
+    ) -> None:
         self.scratch = tempfile.mkdtemp(prefix="gpu_check_restart_", dir=_SCRATCH.value or None)
-        self.local_dir = f"/dev/shm/gpu_check_{uuid.uuid4().hex[:8]}"
+        self.local_dir = os.path.join(local_parent, f"gpu_check_{uuid.uuid4().hex[:8]}")
         self.workdir = os.path.join(self.scratch, "run")
         self.warm_cache = os.path.join(self.scratch, "cache_warm")
         self.extra = {
@@ -209,7 +238,7 @@ class RestartRuns:
                 began, killed, events = run_trainer_until(
                     self.argv, warm, self.workdir, log, saved_and_stepped, deadline
                 )
-                last = max(e["step"] for e in steps_of(events))
+                last = last_step(events)
                 first_run = next(e for e in events if e["type"] == "compile")
                 restart["fresh_start"] = {
                     "start_to_first_step_s": steps_of(events)[0]["time"] - began,
@@ -225,7 +254,7 @@ class RestartRuns:
             except RuntimeError as e:
                 phases.append(_failed("restart_warm", start, str(e)))
                 return
-            last = max(e["step"] for e in steps_of(events))
+            last = last_step(events)
             compile_s = result.get("setup", {}).get("compile_s", 0.0)
             estimate = restart["warm"]["kill_to_productive_step_s"] + compile_s
             start = time.perf_counter()
@@ -248,6 +277,13 @@ class RestartRuns:
                 phases.append(_failed("restart_cold", start, str(e)))
 
 
+def last_step(events: list[dict[str, Any]]) -> int:
+    """The last step a run's events show done: logged, or saved (a step is saved before the
+    loop logs it)."""
+    done = [e["step"] for e in events if e["type"] in ("step", "save_committed")]
+    return max(done)
+
+
 def past(step: int) -> Callable[[list[dict[str, Any]]], bool]:
     """Whether a run's events show a step after `step`."""
     return lambda events: any(e["step"] > step for e in steps_of(events))
@@ -268,7 +304,11 @@ def _failed(name: str, start: float, why: str) -> dict[str, Any]:
 
 
 def measure(
-    config_file: str, overrides: dict[str, Any], restarts: RestartRuns, deadline: float
+    config_file: str,
+    overrides: dict[str, Any],
+    restarts: RestartRuns,
+    local_parent: str,
+    deadline: float,
 ) -> dict[str, Any]:
     """Phase 1 in a child process; its result file as far as it got."""
     fd, out = tempfile.mkstemp(prefix="gpu_measure_", suffix=".json")
@@ -279,13 +319,14 @@ def measure(
         sys.executable,
         os.path.join(REPO, "experiments", "gpu_measure.py"),
         f"--config={config_file}",
-        f"--overrides={json.dumps(overrides)}",
-        f"--compile_overrides={json.dumps(restarts.extra)}",
+        f"--override_json={json.dumps(overrides)}",
+        f"--compile_override_json={json.dumps(restarts.extra)}",
         f"--out={out}",
         f"--deadline={deadline}",
         f"--reserve_s={reserve}",
         f"--steps={_STEPS.value}",
         f"--rounds={_ROUNDS.value}",
+        f"--local_parent={local_parent}",
         *([f"--scratch={_SCRATCH.value}"] if _SCRATCH.value else []),
     ]
     start = time.perf_counter()
@@ -306,10 +347,11 @@ def measure(
         finally:
             stop(proc)
     result: dict[str, Any] = {"phases": []}
-    if os.path.exists(out):
-        with open(out) as f:
-            result = json.load(f)
-        os.remove(out)
+    with open(out) as f:
+        text = f.read()
+    os.remove(out)
+    if text:  # empty: the child stopped before its first phase ended
+        result = json.loads(text)
     status = "done" if code == 0 else "stopped at its deadline" if code is None else "failed"
     if code:
         with open(log_path) as f:
@@ -347,7 +389,7 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
         out[f"{tier} save <= 0.5 x orbax_async"] = check(
             ratios.get("over_orbax_async"), lambda v: v <= 0.5
         )
-    for mode in ("kept", "copying"):
+    for mode in ("kept", "device_copy", "host_copy"):
         out[f"{mode} save peak within 10% of plan"] = check(
             memory.get(mode), lambda v: abs(v - 1.0) <= 0.1
         )
@@ -393,9 +435,12 @@ def main(argv: list[str]) -> None:
     }
     if not smoke:
         result["xla_python_client_mem_fraction"] = env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    restarts = RestartRuns(_CONFIG.value, overrides, env)
+    storage = local_storage(load_config(_CONFIG.value, overrides))
+    result["storage"] = storage
+    local_parent = storage["local_tier_parent"]
+    restarts = RestartRuns(_CONFIG.value, overrides, env, local_parent)
     try:
-        result |= measure(_CONFIG.value, overrides, restarts, deadline)
+        result |= measure(_CONFIG.value, overrides, restarts, local_parent, deadline)
         if "setup" in result:  # the restarts need a config that compiles and runs
             restarts.run(deadline, result)
     finally:

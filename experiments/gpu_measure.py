@@ -39,27 +39,36 @@ sys.path.insert(0, REPO)
 import report  # noqa: E402
 
 _CONFIG = flags.DEFINE_string("config", "configs/llama_1b.py", "Config file, from the repository.")
-_OVERRIDES = flags.DEFINE_string("overrides", "{}", "JSON object of dotted config keys.")
+_OVERRIDES = flags.DEFINE_string("override_json", "{}", "JSON object of dotted config keys.")
 _COMPILE_OVERRIDES = flags.DEFINE_string(
-    "compile_overrides", "{}", "JSON: the restart runs' further keys, for the compiled step."
+    "compile_override_json", "{}", "JSON: the restart runs' further keys, for the compiled step."
 )
 _OUT = flags.DEFINE_string("out", None, "Result file (JSON), rewritten after every phase.")
 _DEADLINE = flags.DEFINE_float("deadline", 0.0, "Unix time by which this process must be done.")
 _RESERVE_S = flags.DEFINE_float("reserve_s", 0.0, "Fixed seconds the parent needs after this.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Measured steps per side of the throughput phase.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Most measured rounds of each save kind.")
+_LOCAL_PARENT = flags.DEFINE_string("local_parent", "/dev/shm", "Where the local tiers go.")
 _SCRATCH = flags.DEFINE_string("scratch", "", "Folder for the persistent saves (default: tmp).")
 
-# The order saves are timed in each round: copies first, the tiers, then plain Orbax.
-SAVE_ORDER = (
+# The order saves are timed in each round: copies first, the tiers, then plain Orbax; a kind
+# `checkpoint_saves` adds later is timed last.
+PREFERRED_ORDER = (
     "device_to_host",
     "snapshot",
     "local",
     "local_copy",
+    "local_host",
     "persistent",
+    "persistent_host",
     "orbax_async",
     "orbax_sync",
 )
+# Not in the warm-up round: each writes the whole state to disk and compiles nothing of ours.
+NO_WARM_UP = ("orbax_async", "orbax_sync")
+# A save step's memory, in the order of the peak each is expected to reach (the peak counter is a
+# high-water mark): copied to host (keep_state=never), copied on the device, kept on the device.
+MEMORY_MODES = (("host_copy", "local_host"), ("device_copy", "local_copy"), ("kept", "local"))
 MEMORY_KEYS = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "bytes_reserved")
 
 
@@ -117,7 +126,7 @@ def main(argv: list[str]) -> None:
     logging.set_verbosity(logging.WARNING)  # Orbax logs every save at INFO
     import jax
     import jax.numpy as jnp
-    from checkpoint_saves import SaveKinds, context
+    from checkpoint_saves import SAVE_KINDS, TIERS, SaveKinds, context
     from cluster_runs import load_config
     from step_timing import bare_block, model_flops_utilization
 
@@ -137,9 +146,9 @@ def main(argv: list[str]) -> None:
     executables.supersede_jax_cache()  # as a run does: part of its programs' cache keys
     config = load_config(_CONFIG.value, json.loads(_OVERRIDES.value))
     root = tempfile.mkdtemp(prefix="gpu_check_", dir=_SCRATCH.value or None)
-    local_root = f"/dev/shm/gpu_check_{uuid.uuid4().hex[:8]}"
+    local_root = os.path.join(_LOCAL_PARENT.value, f"gpu_check_{uuid.uuid4().hex[:8]}")
     config.checkpoint.local_dir = local_root
-    phases = Phases(_OUT.value, _DEADLINE.value - _RESERVE_S.value)
+    phases = Phases(_OUT.value, _DEADLINE.value - _RESERVE_S.value)  # refined in `setup`
     device = jax.devices()[0]
     phases.result |= {
         "device": device.device_kind,
@@ -149,6 +158,9 @@ def main(argv: list[str]) -> None:
     }
     phases.write()
     tokens = config.global_batch_size * config.data.seq_len
+    save_order = [k for k in PREFERRED_ORDER if k in SAVE_KINDS]
+    save_order += [k for k in SAVE_KINDS if k not in save_order]
+    memory_modes = [(mode, kind) for mode, kind in MEMORY_MODES if kind in SAVE_KINDS]
     run: dict[str, Any] = {}  # what the phases hand on: context, step, loader, state
     step = 0
 
@@ -162,7 +174,7 @@ def main(argv: list[str]) -> None:
         return StepInfo(step, step - 1, DataPosition(next_batch=step), 0.0)
 
     def setup() -> dict[str, Any]:
-        # Compiled for the parent's restart runs' config (`--compile_overrides`): the executable
+        # Compiled for the parent's restart runs' config (`--compile_override_json`): the executable
         # cache (JAX_COMPILATION_CACHE_DIR) then holds what their trainer loads. The loop and the
         # saves here run the config's own schedule on that program, keeping through its keeper.
         compiled_for = os.path.join(root, "compile")
@@ -173,6 +185,7 @@ def main(argv: list[str]) -> None:
         start = time.perf_counter()
         run["step_fn"] = compile_step(ctx_compile)
         compile_s = time.perf_counter() - start
+        run["step_fn"].start_loading()  # the non-donating twin, beside the initialisation
         ctx = context(config, os.path.join(root, "run"), local_root, True, 0)
         ctx.config.update_from_flattened_dict(  # the config's own save schedule, in the loop
             {
@@ -189,9 +202,8 @@ def main(argv: list[str]) -> None:
         _, run["batch"] = run["loader"].next()
         run["ctx"], run["state"] = ctx, state
         state_bytes = run["state_bytes"] = sum(x.nbytes for x in jax.tree.leaves(state))
-        # The parent's restarts need one more compile of this step (the cold restart) and an
-        # initialisation (the fresh start) after here.
-        phases.deadline = _DEADLINE.value - _RESERVE_S.value - compile_s - init_s
+        run["compile_s"], run["init_s"] = compile_s, init_s
+        phases.deadline = _DEADLINE.value - restarts_need_s()
         (compile_event,) = [e for e in read_events(compiled_for) if e["type"] == "compile"]
         return {
             "compile_s": compile_s,
@@ -208,14 +220,15 @@ def main(argv: list[str]) -> None:
             start = time.perf_counter()
             state = jax.block_until_ready(train_step(state))
             run["step_s"] = time.perf_counter() - start  # the last: compiled and warm
+        phases.deadline = _DEADLINE.value - restarts_need_s()
         steady = {"memory_stats": memory_stats(device), "live_array_bytes": live_bytes()}
         start = time.perf_counter()
         run["step_fn"].load_keeping()
-        keep_compile_s = time.perf_counter() - start
+        keep_wait_s = time.perf_counter() - start
         saves = run["saves"] = SaveKinds(config, root, local_root, run["ctx"].keeper)
         saves.on_start(state)
         at_save: dict[str, Any] = {}
-        for kind, mode in (("local_copy", "copying"), ("local", "kept")):
+        for mode, kind in memory_modes:
             saves.save(kind, state, info(), record=False)
             during = {"memory_stats": memory_stats(device), "live_array_bytes": live_bytes()}
             state = jax.block_until_ready(train_step(state))  # keeps or donates the saved state
@@ -236,13 +249,19 @@ def main(argv: list[str]) -> None:
             "activations": predicted.activations,
             "total": predicted.total,
             "checkpoint": predicted.checkpoint,
-            # A save step holds one more state (params and optimizer) while the tiers read it.
-            "save_step_peak": predicted.total + predicted.checkpoint,
+            # A save step that keeps the state (or copies it on the device) holds one more
+            # params + optimizer state while the tiers read it; a copy to host holds none.
+            "save_peak_kept": predicted.save_peak_kept,
+        }
+        predicted_peak = {
+            "host_copy": predicted.total,
+            "device_copy": predicted.save_peak_kept,
+            "kept": predicted.save_peak_kept,
         }
         result: dict[str, Any] = {
             "steady": steady,
             "at_save": at_save,
-            "keep_program_load_s": keep_compile_s,
+            "keep_program_wait_s": keep_wait_s,  # compiled from the end of `setup` on
             "plan": prediction,
             "plan_capacity_bytes": capacity,
         }
@@ -256,7 +275,7 @@ def main(argv: list[str]) -> None:
         result["peak_bytes"] = peaks
         result["peak_over_plan"] = {
             "steady": peaks["steady"] / prediction["total"],
-            **{m: peaks[m] / prediction["save_step_peak"] for m in at_save},
+            **{m: peaks[m] / predicted_peak[m] for m in at_save},
         }
         return result
 
@@ -316,13 +335,15 @@ def main(argv: list[str]) -> None:
     def saves_phase() -> dict[str, Any]:
         saves = run["saves"]
         state = run["state"]
-        blocking: dict[str, list[float]] = {kind: [] for kind in SAVE_ORDER}
+        blocking: dict[str, list[float]] = {kind: [] for kind in save_order}
         round_s: list[float] = []
         for r in range(_ROUNDS.value + 1):
             if r > 1 and max(round_s) > phases.remaining() - 30:
                 break  # another round would not fit: keep the time for the restores
             start = time.perf_counter()
-            for kind in SAVE_ORDER:
+            for kind in save_order:
+                if r == 0 and kind in NO_WARM_UP:
+                    continue
                 saves.wait()
                 state = jax.block_until_ready(train_step(state))  # the save timed alone
                 elapsed = saves.save(kind, state, info(), record=r > 0)
@@ -341,9 +362,11 @@ def main(argv: list[str]) -> None:
                     "over_device_to_host": med[kind] / med["device_to_host"],
                     "over_orbax_async": med[kind] / med["orbax_async"],
                 }
-                for kind in ("local", "persistent", "local_copy")
+                for kind in TIERS
             }
         return {
+            "order": save_order,
+            "warm_up_round": [k for k in save_order if k not in NO_WARM_UP],
             "rounds": len(round_s) - 1,
             "round_s": round_s,
             "blocking_s": blocking,
@@ -358,6 +381,13 @@ def main(argv: list[str]) -> None:
         run.pop("state")  # the restored state takes its place on the device
         return {tier: [saves.restore(config, tier)] for tier in ("local", "persistent")}
 
+    def restarts_need_s() -> float:
+        """What the parent's restart runs need after this process: their process starts
+        (`--reserve_s`), one initialisation (the fresh start), one compile (the cold restart),
+        about 10 steps and 3 local saves and restores of the state (at 2 GB/s)."""
+        steps = 10 * run.get("step_s", 0.0)
+        return _RESERVE_S.value + run["init_s"] + run["compile_s"] + steps + 3 * write_s() / 2
+
     def write_s() -> float:
         """A guess at writing the state once to disk (1 GB/s), for the estimates."""
         return run["state_bytes"] / 1e9
@@ -366,7 +396,7 @@ def main(argv: list[str]) -> None:
         ("setup", lambda: 0.0, setup),
         ("memory", lambda: 0.0, memory),  # measures the step time the estimates use
         ("throughput", lambda: (2 * _STEPS.value + 4) * run["step_s"] + write_s(), throughput),
-        ("saves", lambda: len(SAVE_ORDER) * run["step_s"] + 4 * write_s(), saves_phase),
+        ("saves", lambda: len(save_order) * run["step_s"] + 4 * write_s(), saves_phase),
         ("restore", lambda: 2 * write_s(), restore),
     )
     try:
