@@ -7,7 +7,7 @@ productive (the rest is data loading and host overhead, as `goodput.accounting` 
 Checkpoints are taken by step, like the checkpointer's policies: tier k saves at every multiple of
 its interval. A save blocks the loop for `save_s`, then becomes durable `commit_s` later (an async
 write; 0 for a synchronous save). A save that finds the previous write of its tier still in flight
-waits for it, as the checkpointer does.
+is skipped, as the checkpointer does.
 
 Interruptions.
 - Failures arrive as a Poisson process in wall time with mean `Cluster.job_mtbf_s` (per-chip MTBF
@@ -327,8 +327,8 @@ def _snap(seconds: float, step_s: float) -> list[float]:
 
 def optimise(strategy: Strategy, cluster: Cluster) -> Optimum:
     """Intervals (whole steps) that maximise the analytic goodput. A tier's interval is kept at
-    or above its commit time: closer saves only queue behind the write in flight. With two tiers
-    the local one may come out switched off (`local_s` infinite) when it does not pay."""
+    or above its commit time: closer saves are skipped while the write is in flight. With two
+    tiers the local one may come out switched off (`local_s` infinite) when it does not pay."""
     best = _optimise(strategy, cluster)
     if strategy.local is not None:
         alone = _optimise(dataclasses.replace(strategy, local=None), cluster)

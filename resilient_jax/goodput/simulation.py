@@ -330,9 +330,9 @@ class _Run:
             if self.pos == 0 or not tier.every or self.pos % tier.every:
                 continue
             tier.settle(self.t)
-            # A save that finds its tier's previous write in flight waits for it.
-            wait = tier.pending[1] - self.t if tier.pending else 0.0
-            if not self._spend([("checkpoint_save", wait + tier.tier.save_s)]):
+            if tier.pending is not None:  # its previous write in flight: skipped, as in a run
+                continue
+            if not self._spend([("checkpoint_save", tier.tier.save_s)]):
                 return
             tier.settle(self.t)
             if tier.tier.commit_s > 0:
