@@ -286,6 +286,33 @@ def test_a_refused_last_save_and_a_refused_final_save_still_end_committed(
     assert_bitwise(restored.state, host[14])
 
 
+def test_the_final_step_waits_for_a_recovery_save_still_committing(
+    tmp_path, local_root, gcs, refusing, state0
+):
+    """The store refused the save of 8 (an outage); the recovery save of 12 is slow to commit
+    and still in flight when the run ends at 14: the final save waits for it, then commits."""
+    workdir = str(tmp_path / "run")
+    config = _config(local_root, gcs, **{"checkpoint.persistent_timeout_s": REFUSAL_TIMEOUT_S})
+    ctx = run_context(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.restore_latest(ctx)
+    ck.on_start(ctx, state0)
+    state, _ = step_through(ck, ctx, state0, 1, 4)
+    ck.wait_until_finished()
+    refusing.refuse_steps = {8}
+    refusing.delay_s = {12: 0.3}  # each upload of 12: its commit takes seconds
+    state, _ = step_through(ck, ctx, state, 5, 14)
+    in_flight = ck._writer is not None and ck._writer.save_in_progress()
+    ck.on_end(ctx, state, StepInfo(14, 13, data_position(14), 0.01))  # raises if 14 is not in
+    ck.close()
+
+    assert in_flight, "the save of 12 had committed before the end: the test tested nothing"
+    assert [e["step"] for e in events_of(workdir, EventType.PERSISTENT_RECOVERED)] == [12]
+    committed = [e["step"] for e in _persistent_events(workdir, EventType.SAVE_COMMITTED)]
+    assert committed == [4, 12, 14]
+    assert {e["step"] for e in _persistent_events(workdir, EventType.SAVE_FAILED)} == {8}
+
+
 # ------------------------------------------------------------------- whole runs on gs://
 
 

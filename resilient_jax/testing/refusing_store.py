@@ -6,8 +6,9 @@ a quota): HTTP 403 on the upload, with everything else served as usual. Point th
 every upload of an object under a step directory of those steps (`<step>/...`, or Orbax's
 temporary `<step>.orbax-checkpoint-tmp-*/...`) is answered 403 without reaching the emulator, and
 counted in `refused`; a step in `refuse_once` has its first upload refused only (a refusal that
-passes: the save fails, a save of the step again can commit). Everything else is forwarded as it
-is.
+passes: the save fails, a save of the step again can commit). The uploads of a step in `delay_s`
+are held that many seconds each before they are forwarded (a slow commit). Everything else is
+forwarded as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import http.server
 import json
 import re
 import threading
+import time
 import urllib.parse
 
 # Headers that belong to one hop, not to the request or answer passed on.
@@ -35,6 +37,7 @@ class RefusingStore:
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.refuse_steps: set[int] = set()
         self.refuse_once: set[int] = set()
+        self.delay_s: dict[int, float] = {}
         self.refused: list[str] = []  # the names of the objects refused, in order
         self._lock = threading.Lock()
         store = self
@@ -75,11 +78,15 @@ class RefusingStore:
         """Whether to refuse an upload of `name` (recorded in `refused` if so)."""
         with self._lock:
             for step in self.refuse_steps | self.refuse_once:
-                if re.search(rf"(^|/){step}(\.orbax-checkpoint-tmp[^/]*)?/", name):
+                if _in_step(name, step):
                     self.refuse_once.discard(step)
                     self.refused.append(name)
                     return True
         return False
+
+    def _delay_s(self, name: str) -> float:
+        with self._lock:
+            return max((s for step, s in self.delay_s.items() if _in_step(name, step)), default=0)
 
     def _forward(self, handler: http.server.BaseHTTPRequestHandler) -> None:
         length = int(handler.headers.get("Content-Length") or 0)
@@ -89,6 +96,8 @@ class RefusingStore:
             if name is not None and self._refuses(name):
                 _answer(handler, 403, b'{"error": {"code": 403, "message": "refused by test"}}')
                 return
+            if name is not None:
+                time.sleep(self._delay_s(name))
         headers = {
             k: v
             for k, v in handler.headers.items()
@@ -109,6 +118,12 @@ class RefusingStore:
             _answer(handler, 502, b"")
         finally:
             upstream.close()
+
+
+def _in_step(name: str, step: int) -> bool:
+    """Whether the object `name` is part of checkpoint step `step` (its directory, or Orbax's
+    temporary one for it)."""
+    return re.search(rf"(^|/){step}(\.orbax-checkpoint-tmp[^/]*)?/", name) is not None
 
 
 def _object_name(path: str, body: bytes) -> str | None:
