@@ -118,7 +118,11 @@ def local_storage(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def child_env(smoke: bool) -> dict[str, str]:
+    """The environment of the check's processes: the repository importable (the trainer runs as
+    `launch/train.py`, which does not put it on the path), one CPU device for the smoke run, and
+    room on a GPU for a save step's extra state."""
     env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
     if smoke:  # one CPU device, whatever the caller's simulated device count
         env[env_vars.JAX_PLATFORMS] = "cpu"
         env[env_vars.XLA_FLAGS] = "--xla_force_host_platform_device_count=1"
