@@ -124,7 +124,8 @@ def test_export_matches_transformers_and_reimports_bitwise(tmp_path, tied):
         assert got.dtype == leaf.dtype and np.array_equal(got, leaf), path
     # The derived model section is the config's (a tied export is recognised by its weights).
     section = derived_model_section(out)
-    assert section == {k: config.model[k] for k in section}
+    trained = {**config.model, "max_seq_len": config.data.seq_len}  # the context it was trained on
+    assert section == {k: trained[k] for k in section}
 
     # The tokenizer travels with the weights and encodes as ours does.
     auto = transformers.AutoTokenizer.from_pretrained(out)
@@ -219,6 +220,83 @@ def test_import_on_two_and_four_devices_gives_the_same_model(tmp_path):
         assert np.array_equal(jax.device_get(a), jax.device_get(b))
     logits_two, logits_four = our_logits(config, on_two, toks), our_logits(config, on_four, toks)
     assert max_diff(logits_two, logits_four) < 1e-5
+
+
+def _with_tokens_swapped(params, a: int, b: int):
+    """The same untied model with token ids `a` and `b` exchanged (input and output): it computes
+    what the original does, on relabelled tokens."""
+    swapped = jax.tree.map(np.array, params)
+    swapped["embed"][[a, b]] = swapped["embed"][[b, a]]
+    swapped["unembed"][:, [a, b]] = swapped["unembed"][:, [b, a]]
+    return swapped
+
+
+def test_an_export_names_its_special_tokens_and_context_alike_everywhere(tmp_path):
+    config = small_config()
+    out = str(tmp_path / "hf")
+    exporter.write(config, random_params(config), out, "float32")
+    for name in os.listdir(out):
+        assert os.stat(os.path.join(out, name)).st_mode & 0o777 == 0o644, name
+    hf = _read_json(os.path.join(out, "config.json"))
+    generation = _read_json(os.path.join(out, "generation_config.json"))
+    special = _read_json(os.path.join(out, "special_tokens_map.json"))
+    ids_of = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    assert {k: hf[k] for k in ids_of} == ids_of == {k: generation[k] for k in ids_of}
+    assert hf["max_position_embeddings"] == generation["max_length"] == config.data.seq_len
+    assert special == {k: "<|endoftext|>" for k in ("bos_token", "eos_token", "pad_token")}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 0, 0)
+    assert tokenizer.model_max_length == config.data.seq_len
+    assert set(tokenizer("The value of")) == {"input_ids", "attention_mask"}
+
+    # A bytes-tokenizer run: no tokenizer files, and end-of-text is byte 0xFF.
+    as_bytes = small_config(**{"data.tokenizer": "", "model.vocab_size": 256})
+    out = str(tmp_path / "bytes")
+    exporter.write(as_bytes, random_params(as_bytes), out, "float32")
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
+    hf = _read_json(os.path.join(out, "config.json"))
+    assert {k: hf[k] for k in ids_of} == dict.fromkeys(ids_of, 0xFF)
+
+
+def test_an_export_serves_the_usual_transformers_calls_and_stops_at_end_of_text(tmp_path):
+    torch = pytest.importorskip("torch")
+    from resilient_jax.data.tokenizer import from_config
+    from resilient_jax.decode import Decoder, Sampling
+
+    config = small_config(**{"model.tie_embeddings": False})
+    bpe = from_config(config)
+    prompt = "The value of"
+    ids = bpe.encode(prompt)  # 3 tokens
+    decoder = Decoder(ModelConfig.from_config(config.model), Sampling(0.0), 1024, 16)
+    params = random_params(config)
+    free, _ = decoder.generate(params, ids, 10, seed=0)
+    # A token of the greedy continuation, made end-of-text (id 0) by exchanging the two ids:
+    # the model then reaches end-of-text after `stop` more tokens.
+    token = next(t for t in free[2:] if t not in (0, *ids))
+    stop = free.index(token)
+    relabel = {token: 0, 0: token}
+    expected = [relabel.get(t, t) for t in free][: stop + 1]
+    params = _with_tokens_swapped(params, 0, token)
+    assert decoder.generate(params, ids, 10, seed=0, stop_id=bpe.eos_id)[0] == expected
+
+    out = str(tmp_path / "hf")
+    exporter.write(config, params, out, "float32")
+
+    # No extra arguments anywhere: what the directory says is enough.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    with torch.no_grad():
+        generated = model.generate(**inputs)
+    assert generated[0].tolist() == ids + expected  # greedy, up to and including end-of-text
+    # The pipeline samples by default (its own defaults: do_sample, temperature 0.7) within the
+    # trained context (generation_config's max_length); greedy, it stops at end-of-text too.
+    pipe = transformers.pipeline("text-generation", model=out)
+    sampled = pipe(prompt, return_tensors=True)[0]["generated_token_ids"]
+    assert sampled[:3] == ids and 3 < len(sampled) <= config.data.seq_len
+    text = pipe(prompt, do_sample=False)[0]["generated_text"]
+    assert text == prompt + bpe.decode(expected[:-1]), text
 
 
 def _edit_config(hf_dir: str, **changes) -> None:

@@ -50,14 +50,17 @@ HF_NAMES = {
 
 
 def to_hf(
-    m: ModelConfig, dtype: str, bos_token_id: int | None, eos_token_id: int | None
+    m: ModelConfig, dtype: str, context: int, special_token_ids: dict[str, int | None]
 ) -> dict[str, Any]:
-    """The LlamaConfig of an export. Always untied: see the package docstring."""
+    """The LlamaConfig of an export. Always untied: see the package docstring. `context` is the
+    sequence length trained on (`max_position_embeddings`); `special_token_ids` holds
+    `bos_token_id`, `eos_token_id` and `pad_token_id`."""
     fields = {HF_NAMES[key]: getattr(m, key) for key in HF_NAMES}
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
         **fields,
+        "max_position_embeddings": context,
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -65,8 +68,7 @@ def to_hf(
         "rope_scaling": None,
         "tie_word_embeddings": False,
         "torch_dtype": dtype,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
+        **special_token_ids,
         "initializer_range": 0.02,
         "pretraining_tp": 1,
         "use_cache": True,
