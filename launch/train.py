@@ -30,6 +30,7 @@ from ml_collections import config_flags
 from resilient_jax import config as config_lib
 from resilient_jax.config import BadInput, command_line
 from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.hf.importer import configure as configure_from_hf
 from resilient_jax.run import RunError, train
 from resilient_jax.train import memory_plan
 
@@ -65,6 +66,9 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)
     try:
+        # checkpoint.init_from_hf alone sets the model and tokenizer (explicit overrides must
+        # agree): a refused directory ends the run here, before anything starts.
+        configure_from_hf(_CONFIG.value, command_line.override_keys(sys.argv))
         if _PLAN.value:
             code = _print_plan(_CONFIG.value, _CLUSTER.value)
         else:

@@ -20,7 +20,7 @@ from resilient_jax import mesh, topology
 from resilient_jax.config import BadInput, ConfigError, validate
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.data.split import holdout
-from resilient_jax.hf import exporter, layout
+from resilient_jax.hf import exporter, hf_config, layout
 from resilient_jax.hf.__main__ import main as hf_main
 from resilient_jax.hf.importer import HFSource, derived_model_section
 from resilient_jax.model import ModelConfig
@@ -299,6 +299,70 @@ def test_an_export_serves_the_usual_transformers_calls_and_stops_at_end_of_text(
     assert text == prompt + bpe.decode(expected[:-1]), text
 
 
+SMALL_MODEL = {k: v for k, v in SMALL.items() if k.startswith("model.")}
+
+
+def test_init_from_hf_alone_sets_the_model_and_tokenizer_and_overrides_must_agree(tmp_path):
+    from resilient_jax.hf.importer import configure
+
+    exported = small_config(**{"model.tie_embeddings": False})
+    hf_dir = str(tmp_path / "hf")
+    exporter.write(exported, random_params(exported), hf_dir, "float32")
+    config = tiny_config(**{"checkpoint.init_from_hf": hf_dir, "model.d_model": 512})
+    configure(config, explicit={"checkpoint.init_from_hf"})
+    section = {k: exported.model[k] for k in hf_config.MATCHED_KEYS}
+    assert {k: config.model[k] for k in section} == section
+    assert config.model.tie_embeddings is False
+    # The directory's context (16, what it was trained on), raised to this run's sequences (32).
+    assert (exported.data.seq_len, config.model.max_seq_len) == (16, config.data.seq_len)
+    assert config.data.tokenizer == os.path.join(hf_dir, "tokenizer.json")
+    validate(config)
+
+    # An explicit value that agrees stays; one that does not ends the run, one line.
+    agreeing = tiny_config(**{"checkpoint.init_from_hf": hf_dir, "model.d_model": 32})
+    configure(agreeing, explicit={"model.d_model", "model.max_seq_len"})
+    other = tiny_config(**{"checkpoint.init_from_hf": hf_dir, "model.num_heads": 8})
+    with pytest.raises(BadInput) as refused:
+        configure(other, explicit={"model.num_heads"})
+    assert str(refused.value) == (
+        f"config.model.num_heads=8 is invalid: checkpoint.init_from_hf={hf_dir} has "
+        "num_attention_heads=4 (drop the override: the directory sets it)"
+    )
+    as_bytes = tiny_config(**{"checkpoint.init_from_hf": hf_dir, "data.tokenizer": ""})
+    with pytest.raises(BadInput, match=r"config.data.tokenizer='' is invalid: it is not the "):
+        configure(as_bytes, explicit={"data.tokenizer"})
+    same = tiny_config(**{"checkpoint.init_from_hf": hf_dir, "data.tokenizer": "bundled"})
+    configure(same, explicit={"data.tokenizer"})  # the same tokenizer by another name
+    assert same.data.tokenizer == "bundled"
+
+
+def test_a_directory_whose_weights_differ_from_its_config_is_refused_before_anything(
+    tmp_path, capsys
+):
+    config = small_config(**{"model.tie_embeddings": False})
+    hf_dir = str(tmp_path / "hf")
+    exporter.write(config, random_params(config), hf_dir, "float32")
+    _edit_config(hf_dir, hidden_size=64, head_dim=16)
+    assert hf_main(["config", f"--hf_dir={hf_dir}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "\n" not in err.strip()
+    assert f"{hf_dir} has weights unlike its config.json: " in err
+    # The training command with the one flag: exit 2 with the same line, nothing written.
+    workdir = tmp_path / "run"
+    result = run_python(
+        [
+            "launch/train.py",
+            "--config=configs/tiny_cpu.py",
+            f"--workdir={workdir}",
+            f"--config.checkpoint.init_from_hf={hf_dir}",
+        ],
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line == err.strip() and not workdir.exists()
+
+
 def _edit_config(hf_dir: str, **changes) -> None:
     path = os.path.join(hf_dir, "config.json")
     hf = _read_json(path)
@@ -408,11 +472,29 @@ def test_exported_run_continues_training_from_its_import_on_another_mesh(tmp_pat
         timeout=300,
     )
     assert result.returncode == 2, result.stderr[-3000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert "num_layers=3 here, num_hidden_layers=2 there" in last
-    assert not (refused / "config.json").exists() and not (refused / "checkpoints").exists()
+    (line,) = result.stderr.strip().splitlines()
+    assert f"config.model.num_layers=3 is invalid: checkpoint.init_from_hf={hf_dir} has " in line
+    assert "num_hidden_layers=2" in line
+    assert not refused.exists()
 
-    _train(second, 4, total_steps=30, **{"checkpoint.init_from_hf": hf_dir})
+    # The one flag alone: the model's shapes and tokenizer come from the directory.
+    result = run_python(
+        [
+            "launch/train.py",
+            "--config=configs/tiny_cpu.py",
+            f"--workdir={second}",
+            *as_flags({**TRAINING, "total_steps": 30, "log.every_steps": 1}),
+            *as_flags({"checkpoint.local_dir": "", "log.progress_bar": False}),
+            *as_flags({"log.tensorboard": False, "eval.every_steps": 0}),
+            f"--config.checkpoint.init_from_hf={hf_dir}",
+        ],
+        timeout=300,
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_config = _read_json(second / "config.json")
+    assert {f"model.{k}": run_config["model"][k] for k in SMALL_MODEL} == SMALL_MODEL
+    assert run_config["data"]["tokenizer"] == os.path.join(hf_dir, "tokenizer.json")
     resumed = _losses(second)
     # It starts where the first run ended (measured: 7.7 at its first step, 6.1 at its last),
     # not where a fresh model does...

@@ -52,6 +52,13 @@ def _flag_error(argv: list[str], error: Exception) -> str:
     return first_line(error)
 
 
+def override_keys(argv: list[str]) -> set[str]:
+    """The config keys the command line sets (`--config.KEY=VALUE` or `--config.KEY VALUE`), as
+    dotted keys without the `config.` prefix: what the user asked for explicitly, as against what
+    the config file says."""
+    return {arg[len("--config.") :].split("=", 1)[0] for arg in argv if arg.startswith("--config.")}
+
+
 def _config_path(argv: list[str]) -> str:
     for i, arg in enumerate(argv):
         if arg.startswith("--config="):

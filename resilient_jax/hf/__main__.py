@@ -3,12 +3,15 @@
     python -m resilient_jax.hf export --workdir=RUN --output=HF_DIR [--dtype=bfloat16]
     python -m resilient_jax.hf config --hf_dir=HF_DIR [--json]
 
-`export` writes the newest verified checkpoint of a run. `config` prints the overrides that make a
-run start from HF_DIR (its model section, its tokenizer if it has one, and
-`checkpoint.init_from_hf`), ready for `launch/train.py`:
+`export` writes the newest verified checkpoint of a run. A run starts from HF_DIR with one flag,
+which sets the model's shapes and tokenizer from the directory (`hf.importer.configure`):
 
     python launch/train.py --config=configs/tiny_cpu.py --workdir=RUN \
-        $(python -m resilient_jax.hf config --hf_dir=HF_DIR)
+        --config.checkpoint.init_from_hf=HF_DIR
+
+`config` shows what that flag sets (the model section, the tokenizer if the directory has one,
+and `checkpoint.init_from_hf`), once the weights are checked against config.json: a directory
+whose weights differ prints nothing and exits 2.
 
 Exit status: 0 done, 2 bad input (one line on stderr naming the problem).
 """
@@ -25,7 +28,7 @@ from resilient_jax.contracts.exit_codes import ExitCode
 
 
 def _overrides(hf_dir: str) -> dict[str, object]:
-    from resilient_jax.hf.exporter import TOKENIZER_FILE
+    from resilient_jax.hf.hf_config import TOKENIZER_FILE
     from resilient_jax.hf.importer import derived_model_section
 
     hf_dir = os.path.abspath(hf_dir)

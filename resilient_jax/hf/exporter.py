@@ -29,7 +29,6 @@ from resilient_jax.data import tokenizer as tokenizer_lib
 from resilient_jax.hf import files, hf_config, layout
 from resilient_jax.model import ModelConfig
 
-TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKENS_FILE = "special_tokens_map.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -67,7 +66,7 @@ def write(config: ml_collections.ConfigDict, params: Any, output: str, dtype: st
     os.makedirs(output, exist_ok=True)
     ids = special_token_ids(tokenizer)
     if tokenizer.path is not None:
-        shutil.copyfile(tokenizer.path, os.path.join(output, TOKENIZER_FILE))
+        shutil.copyfile(tokenizer.path, os.path.join(output, hf_config.TOKENIZER_FILE))
         _write_tokenizer_config(tokenizer, ids, context, output)
     files.write(os.path.join(output, files.WEIGHTS_FILE), layout.to_hf(params, m), dtype)
     _write_json(output, hf_config.CONFIG_FILE, hf_config.to_hf(m, dtype, context, ids))

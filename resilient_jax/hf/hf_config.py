@@ -20,6 +20,7 @@ from resilient_jax.model import ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
 CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"  # a directory's tokenizer (`tokenizers` format), if it has one
 
 # Our model keys that define the parameters' shapes and the function they compute: an import
 # needs them equal to the HF model's. (`tie_embeddings` is decided with the weights.)

@@ -1,6 +1,8 @@
 """A Hugging Face Llama directory as the initial parameters of a run, on the run's mesh.
 
-`config.checkpoint.init_from_hf` names the directory. `run.py` opens it (`HFSource.open`, which
+`config.checkpoint.init_from_hf` names the directory. The launcher first makes the run's config
+that model (`configure`: the model section and tokenizer from the directory, explicit overrides
+checked against it); `run.py` then opens it (`HFSource.open`, which
 refuses another architecture or a model that differs from `config.model`, BadInput: exit 2)
 before it writes anything, and takes its parameters (`load_params`) only when the run has no
 checkpoint of its own to resume: restarts resume from the run's checkpoints, as with `init_from`.
@@ -11,12 +13,15 @@ any mesh works.
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import jax
 import ml_collections
 
 from resilient_jax.config import BadInput
+from resilient_jax.data import tokenizer as tokenizer_lib
 from resilient_jax.hf import hf_config, layout
 from resilient_jax.model import ModelConfig
 
@@ -42,15 +47,7 @@ class HFSource:
     @classmethod
     def open(cls, hf_dir: str, model: ModelConfig) -> HFSource:
         """Checks the directory against `model` from config.json and the tensor headers."""
-        # Here, not at the top: safetensors is the `hf` extra, and run.py imports this module.
-        try:
-            from resilient_jax.hf.files import Weights
-        except ImportError as e:
-            raise BadInput(
-                f"config.checkpoint.init_from_hf needs the hf extra ({e.name} is missing): "
-                "pip install 'resilient_jax[hf]'"
-            ) from None
-
+        Weights = _weights_class()
         hf = hf_config.read(hf_dir)
         section = hf_config.model_section(hf)
         problems = hf_config.mismatches(model, section)
@@ -81,21 +78,74 @@ class HFSource:
 
 
 def derived_model_section(hf_dir: str) -> dict[str, Any]:
-    """The `config.model` keys an import of `hf_dir` needs (see `hf_config` for the mapping)."""
-    from resilient_jax.hf.files import Weights
-
+    """The `config.model` keys an import of `hf_dir` needs (see `hf_config` for the mapping),
+    once its weights are checked against its config.json (BadInput, one line, if they differ)."""
     hf = hf_config.read(hf_dir)
     section = hf_config.model_section(hf)
-    weights = Weights(hf_dir)
-    tied = bool(hf.get("tie_word_embeddings", False)) or layout.LM_HEAD not in weights
-    if not tied:
+    weights = _weights_class()(hf_dir)
+    hf_tied = bool(hf.get("tie_word_embeddings", False)) or layout.LM_HEAD not in weights
+    m = ModelConfig(**section, remat=False, compute_dtype="float32", tie_embeddings=hf_tied)
+    problems = layout.shape_problems(weights.shapes, m, hf_tied)
+    if problems:
+        unlike = f"has weights unlike its {hf_config.CONFIG_FILE}"
+        raise BadInput(_refusal(hf_dir, unlike, problems))
+    tied = hf_tied
+    if not tied and weights.shapes[layout.LM_HEAD] == weights.shapes[layout.EMBED]:
         # Our own export of a tied model: an untied lm_head that is the scaled embedding.
-        m = ModelConfig(**section, remat=False, compute_dtype="float32", tie_embeddings=True)
-        if weights.shapes[layout.LM_HEAD] == weights.shapes[layout.EMBED]:
-            embed = weights.get(layout.EMBED)
-            tied = layout.is_scaled_copy(weights.get(layout.LM_HEAD), embed, m)
+        tied = layout.is_scaled_copy(weights.get(layout.LM_HEAD), weights.get(layout.EMBED), m)
     section["tie_embeddings"] = tied
     return section
+
+
+def configure(config: ml_collections.ConfigDict, explicit: Collection[str]) -> None:
+    """Makes `config` the model of `config.checkpoint.init_from_hf` (nothing when it is empty):
+    its `model` keys from the directory (`derived_model_section`) and `data.tokenizer` its
+    tokenizer.json, if it has one. A key in `explicit` (the command line's `--config.KEY`s) must
+    agree with the directory, or the run is refused (BadInput, one line) before any work: never
+    a run from a random initialisation. Two explicit keys stay as given: `model.max_seq_len`
+    (any context at least `data.seq_len`) and `model.tie_embeddings` (`HFSource.open` checks it
+    against the weights)."""
+    hf_dir = config.checkpoint.init_from_hf
+    if not hf_dir:
+        return
+    section = derived_model_section(hf_dir)
+    # A run may train on longer sequences than the directory's model was trained on.
+    section["max_seq_len"] = max(section["max_seq_len"], config.data.seq_len)
+    for key, value in section.items():
+        if f"model.{key}" not in explicit:
+            config.model[key] = value
+        elif key not in ("max_seq_len", "tie_embeddings") and config.model[key] != value:
+            theirs = hf_config.HF_NAMES[key]
+            raise BadInput(
+                f"config.model.{key}={config.model[key]} is invalid: checkpoint.init_from_hf="
+                f"{hf_dir} has {theirs}={value} (drop the override: the directory sets it)"
+            )
+    tokenizer = os.path.join(hf_dir, hf_config.TOKENIZER_FILE)
+    if not os.path.isfile(tokenizer):
+        return
+    if "data.tokenizer" in explicit:
+        ours, theirs = tokenizer_lib.from_config(config), tokenizer_lib.load(tokenizer)
+        if ours.identity != theirs.identity:
+            raise BadInput(
+                f"config.data.tokenizer={config.data.tokenizer!r} is invalid: it is not the "
+                f"tokenizer of checkpoint.init_from_hf={hf_dir} ({ours.identity} here, "
+                f"{theirs.identity} there; drop the override: the directory sets it)"
+            )
+        return
+    config.data.tokenizer = tokenizer
+
+
+def _weights_class() -> type[Weights]:
+    """`files.Weights`, imported here, not at the top: safetensors is the `hf` extra, and run.py
+    imports this module. Without it, BadInput."""
+    try:
+        from resilient_jax.hf.files import Weights
+    except ImportError as e:
+        raise BadInput(
+            f"config.checkpoint.init_from_hf needs the hf extra ({e.name} is missing): "
+            "pip install 'resilient_jax[hf]'"
+        ) from None
+    return Weights
 
 
 def _refusal(hf_dir: str, what: str, problems: list[str]) -> str:
