@@ -255,37 +255,6 @@ def test_a_refused_save_costs_only_itself(tmp_path, local_root, gcs, refusing, s
     assert_bitwise(restored.state, host[12])
 
 
-def test_a_refused_last_save_and_a_refused_final_save_still_end_committed(
-    tmp_path, local_root, gcs, refusing, state0
-):
-    """The last scheduled save before the end (12 of 14) is refused, and so is the first try
-    of the final save (14): the run still ends with step 14 committed, as a run exiting 0."""
-    workdir = str(tmp_path / "run")
-    config = _config(local_root, gcs, **{"checkpoint.persistent_timeout_s": REFUSAL_TIMEOUT_S})
-    ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
-    ck.restore_latest(ctx)
-    ck.on_start(ctx, state0)
-    refusing.refuse_steps = {12}
-    refusing.refuse_once = {14}
-    state, host = step_through(ck, ctx, state0, 1, 14)
-    ck.on_end(ctx, state, StepInfo(14, 13, data_position(14), 0.01))  # raises if 14 is not in
-    ck.close()
-
-    assert not refusing.refuse_once  # the final save's first try was refused
-    failed = [e["step"] for e in _persistent_events(workdir, EventType.SAVE_FAILED)]
-    assert failed[0] == 12 and failed[-1] == 14
-    assert [e["step"] for e in events_of(workdir, EventType.PERSISTENT_RECOVERED)] == [14]
-    restore_config = config.copy_and_resolve_references()
-    restore_config.checkpoint.local_dir = ""  # the persistent tier alone
-    ctx = run_context(restore_config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
-    restored = ck.restore_latest(ctx)
-    ck.close()
-    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 14)
-    assert_bitwise(restored.state, host[14])
-
-
 def test_the_final_step_waits_for_a_recovery_save_still_committing(
     tmp_path, local_root, gcs, refusing, state0
 ):
@@ -316,7 +285,7 @@ def test_the_final_step_waits_for_a_recovery_save_still_committing(
 # ------------------------------------------------------------------- whole runs on gs://
 
 
-def _train(workdir, ckpt_dir: str, devices: int = 4) -> subprocess.Popen:
+def _train(workdir, ckpt_dir: str, devices: int = 4, **overrides) -> subprocess.Popen:
     flags = as_flags(
         {
             **SMALL,
@@ -324,6 +293,7 @@ def _train(workdir, ckpt_dir: str, devices: int = 4) -> subprocess.Popen:
             "checkpoint.every_steps": 10,
             "checkpoint.local_every_steps": 3,
             "checkpoint.dir": ckpt_dir,
+            **overrides,
         }
     )
     return subprocess.Popen(
@@ -373,6 +343,30 @@ def test_gs_run_killed_and_resumed_is_bitwise_equal_to_an_undisturbed_one(tmp_pa
     assert expected.keys() == got.keys()
     for key, value in expected.items():
         assert np.array_equal(value, got[key]), key
+
+
+def test_a_run_whose_last_save_and_first_final_save_are_refused_exits_0(tmp_path, gcs, refusing):
+    """launch/train.py on gs:// through the refusing proxy: the last scheduled save before the
+    end (15 of 30) is refused, and so is the first try of the final one (30). The run still
+    ends with exit 0 and step 30 committed and readable by plain Orbax."""
+    ckpt_dir = gcs.gs_url(uuid.uuid4().hex[:12])
+    refusing.refuse_steps = {15}
+    refusing.refuse_once = {30}
+    workdir = tmp_path / "run"
+    # The proxy's endpoint variables are in its environment.
+    proc = _train(workdir, ckpt_dir, **{"checkpoint.every_steps": 15})
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert not refusing.refuse_once  # the final save's first try was refused
+    persistent = {
+        kind: [e["step"] for e in events_of(str(workdir), kind) if e.get("tier") == "persistent"]
+        for kind in (EventType.SAVE_FAILED, EventType.SAVE_COMMITTED)
+    }
+    assert persistent[EventType.SAVE_FAILED] == [15, 30]
+    assert persistent[EventType.SAVE_COMMITTED] == [30]
+    recovered = events_of(str(workdir), EventType.PERSISTENT_RECOVERED)
+    assert [e["step"] for e in recovered] == [30]
+    assert _plain_state(ckpt_dir, 30)  # committed: plain Orbax reads it
 
 
 def test_local_cluster_with_a_gs_persistent_tier(tmp_path, gcs):
