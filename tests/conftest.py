@@ -24,6 +24,44 @@ from configs import small_cpu
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_configure(config) -> None:
+    """One compilation cache for the whole test session, so the programs the tests share (the
+    SMALL model's init and train step on the same meshes) compile once per session: JAX's
+    persistent cache in this process, and, through the inherited environment, the executable
+    cache (`resilient_jax.executables`) of every run the tests start, supervised workers
+    included (a cache set in the environment wins over the workdir's). A test that asserts
+    compile events or cache hits gives its runs a private cache. Removed at the session's end;
+    a directory already set in the environment is kept as it is."""
+    import tempfile
+
+    from resilient_jax.contracts import env_vars
+
+    if not os.environ.get(env_vars.JAX_COMPILATION_CACHE_DIR):
+        _SESSION_CACHE.append(tempfile.mkdtemp(prefix="rj-test-compile-"))
+        os.environ[env_vars.JAX_COMPILATION_CACHE_DIR] = _SESSION_CACHE[0]
+    # Cache every compile: the SMALL model's programs compile in well under JAX's default 1 s.
+    os.environ.setdefault(env_vars.JAX_MIN_COMPILE_TIME_S, "0")
+
+
+def pytest_unconfigure(config) -> None:
+    import shutil
+
+    for path in _SESSION_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+_SESSION_CACHE: list[str] = []  # the cache directory this session made (none when given one)
+
+
+@pytest.fixture
+def own_compile_cache(monkeypatch) -> None:
+    """The runs this test starts compile as outside the test session (a supervised job in its
+    workdir's cache, a lone run in none): for tests that assert what a first compile misses."""
+    from resilient_jax.contracts import env_vars
+
+    monkeypatch.delenv(env_vars.JAX_COMPILATION_CACHE_DIR, raising=False)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,6 +196,18 @@ def _bump():
     )
 
 
+def _wait_for_writes(hook, persistent: bool, timeout_s: float = 60.0) -> None:
+    import time
+
+    local = getattr(hook, "_local", None)
+    if local is not None:
+        local.wait_idle(timeout_s)
+    writer = getattr(hook, "_writer", None) if persistent else None
+    deadline = time.monotonic() + timeout_s
+    while writer is not None and writer.save_in_progress() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def step_through(
     hook,
     ctx,
@@ -166,13 +216,15 @@ def step_through(
     last: int,
     clock=None,
     tick_s: float = 0.0,
-    local_writes_finish: bool = True,
+    writes_finish: bool | str = True,
 ):
     """Steps `first..last` through `hook.after_step`, every leaf changing each step; returns the
     final state and host copies by step. `clock` (a FakeClock) advances `tick_s` per step.
 
-    `local_writes_finish`: each step lasts until a checkpointer's local-tier write has ended, as
-    a real step longer than a write would (else a save due while the write runs is skipped)."""
+    `writes_finish`: each step lasts until a checkpointer's writes (local tier, persistent save
+    and its commit; "local": the local tier's only, for a store that may hang) have ended, as a
+    real step longer than a write would (else a save due while its tier's write runs is
+    skipped); their outcome is left for the checkpointer to collect."""
     import jax
     import numpy as np
 
@@ -185,9 +237,8 @@ def step_through(
             clock.now += tick_s
         hook.after_step(ctx, state, StepInfo(step, step - 1, data_position(step), 0.01))
         host[step] = jax.tree.map(np.asarray, state)
-        local = getattr(hook, "_local", None)
-        if local_writes_finish and local is not None:
-            local.wait_idle(60.0)
+        if writes_finish:
+            _wait_for_writes(hook, persistent=writes_finish != "local")
     return state, host
 
 

@@ -97,7 +97,7 @@ def test_lost_host_reshapes_and_matches_the_undisturbed_loss(tmp_path, clean):
 
 
 @pytest.mark.timeout(900)
-def test_restart_from_the_compilation_cache_is_bitwise_exact(tmp_path, clean):
+def test_restart_from_the_compilation_cache_is_bitwise_exact(tmp_path, clean, own_compile_cache):
     # Early in the 30 steps: the processes agree on the step to save at a few steps after the
     # notice, and a notice too close to the end lets the run finish first (no restart to test).
     preempt = SupervisorAction("preempt", slice=1, at_step=8)

@@ -94,7 +94,7 @@ def _kill_slice_1_once_compiled_ahead(workdir, done: threading.Event) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_reshape_loads_the_step_compiled_before_the_fault(tmp_path):
+def test_a_reshape_loads_the_step_compiled_before_the_fault(tmp_path, own_compile_cache):
     workdir = tmp_path / "run"
     done = threading.Event()
     killer = threading.Thread(target=_kill_slice_1_once_compiled_ahead, args=(workdir, done))
