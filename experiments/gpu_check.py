@@ -13,14 +13,15 @@ child processes one after another, each given the GPU alone:
    prediction (`train.memory_plan`); steady tokens/s and MFU of the run's loop with all its hooks
    against a bare loop of the same compiled step; the blocking time of each checkpoint tier,
    kept and copying, against the device-to-host copy of the same state alone and plain Orbax
-   async and sync; a restore from each tier.
-2. `restart_warm`: the trainer (`launch/train.py`, the config with saves to the local tier every
-   2 steps) starts fresh, is SIGKILLed after a local save has committed and a step more, and is
-   started again at once on the same executable cache (warm): kill -> first step, and -> the
+   async and sync; a restore from each tier. It ends training the restart runs' config (the
+   local tier every 2 steps) with the run's loop and SIGKILLs itself at the first step after a
+   local save has committed.
+2. `restart_warm`: the trainer (`launch/train.py`) started at once on that workdir and on the
+   executable cache the measuring process compiled into (warm): kill -> first step, and -> the
    first step past the last one done before the kill (productive), with the restart's phases
-   (process start, restore, compile or load, first step) from its events.
-3. `restart_cold`: the same kill and restart with an empty executable cache (compile time on
-   the device). Skipped, with an estimate from the measured compile times, when it does not fit.
+   (process start, restore, compile or load) from its events. It is SIGKILLed there too.
+3. `restart_cold`: the same restart with an empty executable cache (compile time on the
+   device). Skipped, with an estimate from the measured compile time, when it does not fit.
 
 A phase that does not fit in the time left is skipped and says so in the phase table and the
 JSON; the figures of the phases done are kept. `--layers` shrinks the model's depth (recorded)
@@ -95,6 +96,7 @@ SMOKE: dict[str, Any] = {
     "per_device_batch_size": 2,
 }
 LOCAL_EVERY = 2  # the restart runs' local-tier interval (steps)
+RESTARTS = ("restart_warm", "restart_cold")
 START_S = 20.0  # a trainer process's start (Python, imports, JAX), for the estimates
 SHM = "/dev/shm"
 SHM_COPIES = 6  # states the local tiers hold at once at most: 3 tiers, a write in flight each
@@ -231,29 +233,25 @@ class RestartRuns:
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def run(self, deadline: float, result: dict[str, Any]) -> None:
-        """The fresh start, its kill and the warm restart; then, if it fits, the cold restart:
-        into `result["restart"]`, their phases into `result["phases"]`."""
+        """The warm restart after the measuring process killed itself, then, if it fits, the
+        cold restart after the warm one is killed: into `result["restart"]`, their phases into
+        `result["phases"]`."""
         phases = result["phases"]
+        killed = result.get("killed")
+        if killed is None:
+            status = "skipped: the measuring process did not kill itself after a save"
+            phases += [{"phase": p, "s": 0.0, "status": status} for p in RESTARTS]
+            return
         restart: dict[str, Any] = result.setdefault("restart", {})
         warm = self.with_cache(self.warm_cache)
+        last = killed["last_step"]
         with open(os.path.join(self.scratch, "trainer.log"), "w") as log:
             start = time.perf_counter()
             try:
-                began, killed, events = run_trainer_until(
-                    self.argv, warm, self.workdir, log, saved_and_stepped, deadline
-                )
-                last = last_step(events)
-                first_run = next(e for e in events if e["type"] == "compile")
-                restart["fresh_start"] = {
-                    "start_to_first_step_s": steps_of(events)[0]["time"] - began,
-                    "compile_s": first_run["duration_s"],
-                    "compile_cache": first_run.get("cache"),
-                    "killed_after_step": last,
-                }
-                began, killed_again, events = run_trainer_until(
+                began, killed_at, events = run_trainer_until(
                     self.argv, warm, self.workdir, log, past(last), deadline
                 )
-                restart["warm"] = restart_figures(killed, began, events, last)
+                restart["warm"] = restart_figures(killed["time"], began, events, last)
                 phases.append(_done("restart_warm", start))
             except RuntimeError as e:
                 phases.append(_failed("restart_warm", start, str(e)))
@@ -275,7 +273,7 @@ class RestartRuns:
                 began, _, events = run_trainer_until(
                     self.argv, cold, self.workdir, log, past(last), deadline
                 )
-                restart["cold"] = restart_figures(killed_again, began, events, last)
+                restart["cold"] = restart_figures(killed_at, began, events, last)
                 phases.append(_done("restart_cold", start))
             except RuntimeError as e:
                 phases.append(_failed("restart_cold", start, str(e)))
@@ -291,12 +289,6 @@ def last_step(events: list[dict[str, Any]]) -> int:
 def past(step: int) -> Callable[[list[dict[str, Any]]], bool]:
     """Whether a run's events show a step after `step`."""
     return lambda events: any(e["step"] > step for e in steps_of(events))
-
-
-def saved_and_stepped(events: list[dict[str, Any]]) -> bool:
-    """Whether a run's events show a committed save and a step after it."""
-    saved = [e["step"] for e in events if e["type"] == "save_committed"]
-    return bool(saved) and past(max(saved))(events)
 
 
 def _done(name: str, start: float) -> dict[str, Any]:
@@ -318,7 +310,7 @@ def measure(
     fd, out = tempfile.mkstemp(prefix="gpu_measure_", suffix=".json")
     os.close(fd)  # the child writes it
     # The restarts' process starts, on top of the compile the child reserves once it knows it.
-    reserve = 3 * START_S
+    reserve = 2 * START_S
     argv = [
         sys.executable,
         os.path.join(REPO, "experiments", "gpu_measure.py"),
@@ -331,6 +323,7 @@ def measure(
         f"--steps={_STEPS.value}",
         f"--rounds={_ROUNDS.value}",
         f"--local_parent={local_parent}",
+        f"--restart_workdir={restarts.workdir}",
         *([f"--scratch={_SCRATCH.value}"] if _SCRATCH.value else []),
     ]
     start = time.perf_counter()
@@ -356,8 +349,10 @@ def measure(
     os.remove(out)
     if text:  # empty: the child stopped before its first phase ended
         result = json.loads(text)
-    status = "done" if code == 0 else "stopped at its deadline" if code is None else "failed"
-    if code:
+    # It ends by SIGKILLing itself after a local save (the restarts' fault), once that is written.
+    planned_kill = code == -signal.SIGKILL and "killed" in result
+    status = "done" if planned_kill else "stopped at its deadline" if code is None else "failed"
+    if code and not planned_kill:
         with open(log_path) as f:
             tail = f.read().strip().splitlines()[-1:]
         status = f"failed (exit {code}): {tail[0] if tail else 'no output'}"

@@ -23,10 +23,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +50,9 @@ _DEADLINE = flags.DEFINE_float("deadline", 0.0, "Unix time by which this process
 _RESERVE_S = flags.DEFINE_float("reserve_s", 0.0, "Fixed seconds the parent needs after this.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Measured steps per side of the throughput phase.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Most measured rounds of each save kind.")
+_RESTART_WORKDIR = flags.DEFINE_string(
+    "restart_workdir", "", "Workdir of the run killed at the end (default: a temporary one)."
+)
 _LOCAL_PARENT = flags.DEFINE_string("local_parent", "/dev/shm", "Where the local tiers go.")
 _SCRATCH = flags.DEFINE_string("scratch", "", "Folder for the persistent saves (default: tmp).")
 
@@ -87,17 +92,26 @@ class Phases:
         """Runs `body` if `estimate_s` fits before the deadline; its dict becomes
         `result[name]`. A skipped phase is recorded with the reason."""
         if estimate_s > self.remaining():
-            why = f"skipped: needs ~{estimate_s:.0f} s, {self.remaining():.0f} s left"
-            self.result["phases"].append({"phase": name, "s": 0.0, "status": why})
-            self.write()
+            self.add(
+                name, 0.0, f"skipped: needs ~{estimate_s:.0f} s, {self.remaining():.0f} s left"
+            )
             return False
         start = time.perf_counter()
-        self.result[name] = body()
+        status = "done"
+        try:
+            self.result[name] = body()
+        except Exception as e:  # the phase's figures are lost, not the others'
+            traceback.print_exc()
+            status = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
         elapsed = time.perf_counter() - start
-        self.result["phases"].append({"phase": name, "s": round(elapsed, 2), "status": "done"})
+        self.add(name, elapsed, status)
+        print(f"[gpu_measure] {name}: {elapsed:.1f} s, {status}", flush=True)
+        return status == "done"
+
+    def add(self, name: str, elapsed: float, status: str) -> None:
+        """Records a phase and writes the result file."""
+        self.result["phases"].append({"phase": name, "s": round(elapsed, 2), "status": status})
         self.write()
-        print(f"[gpu_measure] {name}: {elapsed:.1f} s", flush=True)
-        return True
 
     def write(self) -> None:
         tmp = f"{self.path}.tmp"
@@ -136,7 +150,7 @@ def main(argv: list[str]) -> None:
     from resilient_jax.data.position import DataPosition
     from resilient_jax.events import EventLog, read_events
     from resilient_jax.health import Watchdog
-    from resilient_jax.run import build_hooks, compile_step, prepare
+    from resilient_jax.run import build_hooks, compile_step, prepare, write_config
     from resilient_jax.train import memory_plan
     from resilient_jax.train.compile import without_fault_scale
     from resilient_jax.train.hooks import Hook, StepInfo
@@ -177,7 +191,7 @@ def main(argv: list[str]) -> None:
         # Compiled for the parent's restart runs' config (`--compile_override_json`): the executable
         # cache (JAX_COMPILATION_CACHE_DIR) then holds what their trainer loads. The loop and the
         # saves here run the config's own schedule on that program, keeping through its keeper.
-        compiled_for = os.path.join(root, "compile")
+        compiled_for = _RESTART_WORKDIR.value or os.path.join(root, "killed_run")
         compile_config = load_config(
             _CONFIG.value, json.loads(_OVERRIDES.value) | json.loads(_COMPILE_OVERRIDES.value)
         )
@@ -195,6 +209,7 @@ def main(argv: list[str]) -> None:
             }
         )
         ctx.keeper = ctx_compile.keeper
+        run["ctx_compile"] = ctx_compile
         start = time.perf_counter()
         state = jax.block_until_ready(init_state(config, ctx.mesh))
         init_s = time.perf_counter() - start
@@ -378,15 +393,71 @@ def main(argv: list[str]) -> None:
     def restore() -> dict[str, Any]:
         saves = run.pop("saves")
         saves.close()
-        run.pop("state")  # the restored state takes its place on the device
         return {tier: [saves.restore(config, tier)] for tier in ("local", "persistent")}
 
+    class KillAfterSave(Hook):
+        """SIGKILLs this process at the first step after a local save has committed, once the
+        result file says when and at which step."""
+
+        def __init__(self, since: float) -> None:
+            self.since = since
+
+        def after_step(self, ctx, state, info) -> None:
+            saved = [
+                e["step"]
+                for e in read_events(ctx.workdir)
+                if e["type"] == "save_committed" and e["time"] >= self.since
+            ]
+            if not saved or info.step <= max(saved):
+                return
+            phases.result["killed"] = {
+                "time": time.time(),
+                "last_step": info.step,
+                "saved_step": max(saved),
+                "workdir": ctx.workdir,
+            }
+            phases.add("kill", time.time() - self.since, "done")  # then SIGKILLed
+            shutil.rmtree(local_root, ignore_errors=True)  # what this process alone used
+            shutil.rmtree(root, ignore_errors=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def train_then_kill() -> dict[str, Any]:
+        """The restart runs' config trained by the run's loop with every hook (local saves every
+        few steps), until `KillAfterSave` ends this process: the parent restarts the trainer on
+        its workdir. Returns only if the loop ended first (a failure)."""
+        ctx = run["ctx_compile"]
+        write_config(ctx.config, ctx.workdir)  # what the trainer checks its workdir against
+        state = run.get("state")
+        if state is None or any(x.is_deleted() for x in jax.tree.leaves(state)):
+            state = init_state(config, ctx.mesh)  # a failed phase may have donated it
+        step0 = int(jax.device_get(state.step))
+        loader = BatchLoader(
+            ctx.config,
+            ctx.mesh,
+            ctx.plan,
+            make_source(ctx.config),
+            DataPosition(next_batch=step0),
+        )
+        watchdog = Watchdog.from_config(ctx.config.health, ctx.events)
+        hooks = [
+            *build_hooks(
+                ctx, checkpointer=Checkpointer(ctx, handle_sigterm=False), watchdog=watchdog
+            ),
+            KillAfterSave(time.time()),
+        ]
+        ctx.config.total_steps = step0 + 20 * ctx.config.checkpoint.local_every_steps
+        watchdog.start()
+        loop_step = without_fault_scale(run["step_fn"])
+        Loop(ctx, loop_step, loader, hooks, lambda m: None).run(state)
+        raise RuntimeError(f"no local save committed by step {ctx.config.total_steps}")
+
     def restarts_need_s() -> float:
-        """What the parent's restart runs need after this process: their process starts
-        (`--reserve_s`), one initialisation (the fresh start), one compile (the cold restart),
-        about 10 steps and 3 local saves and restores of the state (at 2 GB/s)."""
-        steps = 10 * run.get("step_s", 0.0)
-        return _RESERVE_S.value + run["init_s"] + run["compile_s"] + steps + 3 * write_s() / 2
+        """What the end needs after the measurements: the kill phase here (a few steps and a
+        local save) and the parent's restarts (their process starts, `--reserve_s`; one compile,
+        the cold restart's; restores), about 12 steps and 4 writes or reads of the state at
+        2 GB/s in all."""
+        steps = 12 * run.get("step_s", 0.0)
+        return _RESERVE_S.value + run["compile_s"] + steps + 4 * write_s() / 2
 
     def write_s() -> float:
         """A guess at writing the state once to disk (1 GB/s), for the estimates."""
@@ -402,9 +473,13 @@ def main(argv: list[str]) -> None:
     try:
         for name, estimate, body in plan:
             if not phases.run(name, estimate(), body):
-                break  # the later phases need this one's state
+                for later, _, _ in plan[plan.index((name, estimate, body)) + 1 :]:
+                    phases.add(later, 0.0, f"skipped: {name} did not finish")
+                break
         if "saves" in run:
             run["saves"].close()
+        if "ctx_compile" in run:  # the restart runs need it whatever else was measured
+            phases.run("kill", 0.0, train_then_kill)
     finally:
         shutil.rmtree(local_root, ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)
