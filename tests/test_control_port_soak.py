@@ -11,12 +11,9 @@ and open files must stay bounded.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +22,7 @@ import pytest
 
 from resilient_jax.control import agent_protocol, protocol
 from resilient_jax.events import read_events
+from resilient_jax.testing.hostile_clients import KINDS, attack, open_fds, rss_kb
 from tests.test_coordinator_cluster import (
     REPO,
     alive,
@@ -34,7 +32,6 @@ from tests.test_coordinator_cluster import (
     write_config,
 )
 
-KINDS = ("silent", "slow", "oversized", "wrong_token", "random")
 MAX_PENDING = 32
 # Phase 1: each kind of hostile connection, fewer at once than the cap on unauthenticated ones,
 # so each is refused for what it did. Phase 2: silent ones all at once, far over the cap.
@@ -44,53 +41,6 @@ CONNECTIONS = SPREAD + BURST
 AUTH_TIMEOUT_S = 0.5
 TOTAL_STEPS = 600  # at 0.05 s a step: long enough to be attacked throughout
 RSS_GROWTH_LIMIT_KB = 50 * 1024
-
-
-def _status_kb(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} for {pid}")
-
-
-def _open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _hostile(address: tuple[str, int], kind: str, seed: int) -> tuple[bool, bytes]:
-    """One hostile connection; (closed by the server within the bound, what it answered)."""
-    rng = random.Random(seed)
-    answered = b""
-    with socket.create_connection(address, timeout=10.0) as sock:
-        try:
-            if kind == "slow":  # a byte at a time, never a newline: the auth timeout ends it
-                sock.settimeout(0.1)
-                for _ in range(100):
-                    sock.sendall(b"{")
-                    try:
-                        data = sock.recv(4096)
-                    except TimeoutError:
-                        continue
-                    answered += data
-                    if not data:
-                        return True, answered
-                return False, answered
-            if kind == "oversized":
-                sock.sendall(b"{" * (protocol.MAX_LINE_BYTES + rng.randint(1, 60000)))
-            elif kind == "wrong_token":
-                message = {"type": agent_protocol.MSG_REGISTER, "host": "intruder", "slice": 0}
-                sock.sendall(protocol.encode({**message, "token": f"guess-{seed}"}))
-            elif kind == "random":
-                sock.sendall(rng.randbytes(rng.randint(1, 2000)) + b"\n")
-            sock.settimeout(10.0)  # silent: waits here for the auth timeout
-            while data := sock.recv(4096):
-                answered += data
-        except (ConnectionResetError, BrokenPipeError):
-            pass  # closed by the server while this side was still sending
-        except TimeoutError:
-            return False, answered
-    return True, answered
 
 
 @pytest.mark.slow
@@ -131,8 +81,8 @@ def test_a_training_run_holds_against_1000_hostile_connections(tmp_path):
             assert time.monotonic() < deadline, "the run never started training"
             time.sleep(0.05)
         address = protocol.split_address(agent_protocol.read_supervisor_address(str(workdir)))
-        rss_before = _status_kb(supervisor.pid, "VmRSS")
-        fds_before = _open_fds(supervisor.pid)
+        rss_before = rss_kb(supervisor.pid)
+        fds_before = open_fds(supervisor.pid)
         attack_started = time.monotonic()
         fds_seen = [fds_before]
         outcomes = []
@@ -140,17 +90,15 @@ def test_a_training_run_holds_against_1000_hostile_connections(tmp_path):
             ([KINDS[i % len(KINDS)] for i in range(SPREAD)], SPREAD_CONCURRENCY),
             (["silent"] * BURST, BURST),
         ):
-            with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-                futures = [
-                    pool.submit(_hostile, address, kind, len(outcomes) + i)
-                    for i, kind in enumerate(kinds)
-                ]
-                while not all(f.done() for f in futures):
-                    fds_seen.append(_open_fds(supervisor.pid))
-                    time.sleep(0.05)
-                outcomes += [f.result() for f in futures]
+            outcomes += attack(
+                address,
+                kinds,
+                concurrency,
+                seed=len(outcomes),
+                while_running=lambda: fds_seen.append(open_fds(supervisor.pid)),
+            )
         attack_s = time.monotonic() - attack_started
-        rss_after = _status_kb(supervisor.pid, "VmRSS")
+        rss_after = rss_kb(supervisor.pid)
         still_training = supervisor.poll() is None and saved_step(workdir) < TOTAL_STEPS
         assert still_training, f"the run ended before the attack did ({attack_s:.1f}s)"
         exit_code = supervisor.wait(timeout=120)
@@ -173,8 +121,8 @@ def test_a_training_run_holds_against_1000_hostile_connections(tmp_path):
     starts = [e for e in events if e["type"] == "process_start"]
     assert [(e["process"], e["generation"]) for e in starts] == [(0, 0), (1, 0)]
     # Nothing hostile was answered or kept open; every connection was refused exactly once.
-    assert all(closed for closed, _ in outcomes), "a hostile connection was kept open"
-    assert not any(answered for _, answered in outcomes), "a hostile connection was answered"
+    assert all(o.closed for o in outcomes), "a hostile connection was kept open"
+    assert not any(o.answered for o in outcomes), "a hostile connection was answered"
     logged = [e for e in events if e["type"] == "connection_refused"]
     summaries = [e for e in events if e["type"] == "connection_refusals_suppressed"]
     assert len(logged) + sum(e["count"] for e in summaries) == CONNECTIONS
