@@ -5,7 +5,8 @@ that measure a recovery against a step shorter than the failure detector's bound
     python launch/train.py --config=configs/small_cpu.py --workdir=/tmp/small
 
 `MODEL` is the same shrinking as dotted overrides, for code that starts from tiny_cpu's config or
-passes `--config.KEY=VALUE` flags.
+passes `--config.KEY=VALUE` flags; `SHORT_RUN` adds what the tests' runs share (tests/conftest.py's
+`SMALL`), so that most tests train, and compile, the same programs.
 """
 
 from configs import tiny_cpu
@@ -18,6 +19,16 @@ MODEL = {
     "model.head_dim": 32,
     "model.d_ff": 128,
     "data.seq_len": 32,
+}
+
+# MODEL for 20 steps with nothing beside the steps: no progress bar, TensorBoard or evaluation
+# (the runs that check those turn them on).
+SHORT_RUN = {
+    **MODEL,
+    "total_steps": 20,
+    "log.progress_bar": False,
+    "log.tensorboard": False,
+    "eval.every_steps": 0,
 }
 
 
