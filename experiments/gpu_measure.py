@@ -1,21 +1,26 @@
 """The in-process half of `gpu_check.py`: one JAX process measuring, on the config's model,
 
-1. `setup`: the train step compiled with an empty executable cache, the state initialised;
+1. `setup`: the train step compiled with an empty executable cache (for the config of the
+   parent's restart runs, into their cache), the state initialised;
 2. `memory`: device memory (`memory_stats()`) in steady training, then at a save step copying
-   the state and at one keeping it (in that order: the peak is a high-water mark), against what
-   `train.memory_plan` (`launch/train.py --plan`) predicts for this config and device;
+   the state to host, copying it on the device and keeping it (in that order: the peak is a
+   high-water mark), against what `train.memory_plan` (`launch/train.py --plan`) predicts;
 3. `throughput`: steady steps of the run's `Loop` with the hooks `run.build_hooks` gives a run
    (metrics, health, watchdog, the checkpointer with the config's own save schedule), then the
    same compiled step in a bare loop on one batch: tokens/s and MFU of each;
 4. `saves`: the blocking time of each save kind of `checkpoint_saves` (the tiers, kept and
    copying; plain Orbax async and sync; the device copy and the device-to-host copy alone);
-5. `restore`: each tier's newest step restored through a fresh checkpointer.
+5. `restore`: each tier's newest step restored through a fresh checkpointer;
+6. `kill`: the restart runs' config trained by the run's loop in `--restart_workdir` until a
+   local save has committed and a step more; then this process SIGKILLs itself, and the parent
+   restarts the trainer there.
 
 Every phase is written to `--out` as soon as it ends, so the parent keeps what was measured if
-this process is stopped at its deadline; a phase whose estimated cost does not fit before
-`--deadline` (Unix time) is skipped and says so. `--reserve_s` is left free for the parent's
-restart runs: from the measured compile time on, the deadline moves earlier by what those runs
-will need (two process starts and one compile).
+this process is stopped; a phase that fails is recorded with its reason, and one whose estimated
+cost does not fit before the deadline is skipped and says so (with every phase after it but the
+kill). The deadline is `--deadline` (Unix time) less what the end needs: `--reserve_s` for the
+parent's process starts, and from the first measurements on the cold restart's compile, a few
+steps and the state's writes and reads.
 """
 
 from __future__ import annotations
@@ -155,6 +160,7 @@ def main(argv: list[str]) -> None:
     from resilient_jax.train.compile import without_fault_scale
     from resilient_jax.train.hooks import Hook, StepInfo
     from resilient_jax.train.loop import Loop
+    from resilient_jax.train.metrics import peak_flops_per_device
     from resilient_jax.train.state import init_state
 
     executables.supersede_jax_cache()  # as a run does: part of its programs' cache keys
@@ -195,7 +201,9 @@ def main(argv: list[str]) -> None:
         compile_config = load_config(
             _CONFIG.value, json.loads(_OVERRIDES.value) | json.loads(_COMPILE_OVERRIDES.value)
         )
-        ctx_compile = prepare(compile_config, compiled_for, EventLog(compiled_for))
+        ctx_compile = run["ctx_compile"] = prepare(
+            compile_config, compiled_for, EventLog(compiled_for)
+        )
         start = time.perf_counter()
         run["step_fn"] = compile_step(ctx_compile)
         compile_s = time.perf_counter() - start
@@ -209,7 +217,6 @@ def main(argv: list[str]) -> None:
             }
         )
         ctx.keeper = ctx_compile.keeper
-        run["ctx_compile"] = ctx_compile
         start = time.perf_counter()
         state = jax.block_until_ready(init_state(config, ctx.mesh))
         init_s = time.perf_counter() - start
@@ -231,15 +238,16 @@ def main(argv: list[str]) -> None:
 
     def memory() -> dict[str, Any]:
         state = run["state"]
+        # Before the steady steps: a compile's autotuning on a GPU allocates device memory too.
+        start = time.perf_counter()
+        run["step_fn"].load_keeping()
+        keep_wait_s = time.perf_counter() - start
         for _ in range(3):
             start = time.perf_counter()
             state = jax.block_until_ready(train_step(state))
             run["step_s"] = time.perf_counter() - start  # the last: compiled and warm
         phases.deadline = _DEADLINE.value - restarts_need_s()
         steady = {"memory_stats": memory_stats(device), "live_array_bytes": live_bytes()}
-        start = time.perf_counter()
-        run["step_fn"].load_keeping()
-        keep_wait_s = time.perf_counter() - start
         saves = run["saves"] = SaveKinds(config, root, local_root, run["ctx"].keeper)
         saves.on_start(state)
         at_save: dict[str, Any] = {}
@@ -343,6 +351,7 @@ def main(argv: list[str]) -> None:
             "framework_tokens_per_s": tokens / framework_s,
             "bare_tokens_per_s": tokens / bare_s,
             "mfu": mfu,
+            "peak_flops_per_device": peak_flops_per_device(config.log.peak_flops_per_device),
             "loop_end_s": end_s,
             "hooks": [type(h).__name__ for h in hooks],
         }
@@ -478,7 +487,7 @@ def main(argv: list[str]) -> None:
                 break
         if "saves" in run:
             run["saves"].close()
-        if "ctx_compile" in run:  # the restart runs need it whatever else was measured
+        if "step_fn" in run:  # the restart runs need it whatever else was measured
             phases.run("kill", 0.0, train_then_kill)
     finally:
         shutil.rmtree(local_root, ignore_errors=True)

@@ -93,5 +93,5 @@ def test_smoke_runs_every_phase(tmp_path):
 
     targets = result["targets"]
     assert targets["mfu >= 0.45"] == {"value": None, "met": None}
-    assert targets["kept save peak within 10% of plan"] == {"value": None, "met": None}
+    assert targets["kept peak within 10% of plan"] == {"value": None, "met": None}
     assert targets["local save <= 1.2 x device_to_host"]["value"] > 0

@@ -44,6 +44,11 @@ JAX_MIN_COMPILE_TIME_S = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 XLA_FLAGS = "XLA_FLAGS"
 JAX_PLATFORMS = "JAX_PLATFORMS"
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
+# Where Python finds the repository's packages when a program runs as a script (experiments
+# starting `launch/train.py`).
+PYTHONPATH = "PYTHONPATH"
+# The share of a GPU's memory JAX's allocator takes at its start (JAX's default: 0.75).
+XLA_PYTHON_CLIENT_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
 # Cloud TPU multislice (slices joined over the data-centre network, DCN). A TPU host agent's
 # environment sets RJ_MEGASCALE_PORT; each worker then derives the MEGASCALE_* variables libtpu
