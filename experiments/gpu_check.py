@@ -141,23 +141,22 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+class OutOfTime(Exception):
+    """The check's time ran out before a phase was done: the phase is stopped, not failed."""
+
+
 def run_trainer_until(
-    argv: list[str],
-    env: dict[str, str],
-    workdir: str,
-    log: Any,
-    until: Callable[[list[dict[str, Any]]], bool],
-    deadline: float,
+    argv: list[str], env: dict[str, str], workdir: str, log: Any, step: int, deadline: float
 ) -> tuple[float, float, list[dict[str, Any]]]:
-    """Starts the trainer and SIGKILLs it once `until(its events)` holds: (start time, kill
-    time, its events). Raises RuntimeError if it exits first or the deadline passes."""
+    """Starts the trainer and SIGKILLs it once its events show a step past `step`: (start time,
+    kill time, its events). Raises RuntimeError if it exits first, OutOfTime at the deadline."""
     started = time.time()
     proc = subprocess.Popen(
         argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         while True:
-            if until([e for e in read_events(workdir) if e["time"] >= started]):
+            if past(step)([e for e in read_events(workdir) if e["time"] >= started]):
                 stop(proc)
                 killed = time.time()
                 # What it did up to the kill, the steps after the check included.
@@ -168,7 +167,7 @@ def run_trainer_until(
                     tail = f.read().strip().splitlines()[-1:] or ["no output"]
                 raise RuntimeError(f"the trainer exited with {proc.returncode}: {tail[0][:200]}")
             if time.time() > deadline:
-                raise RuntimeError("out of time before the trainer got there")
+                raise OutOfTime(f"stopped at the deadline, step {step} not reached")
             time.sleep(0.05)
     finally:
         stop(proc)
@@ -255,12 +254,12 @@ class RestartRuns:
             start = time.perf_counter()
             try:
                 began, killed_at, events = run_trainer_until(
-                    self.argv, warm, self.workdir, log, past(last), deadline
+                    self.argv, warm, self.workdir, log, last, deadline
                 )
                 restart["warm"] = restart_figures(killed["time"], began, events, last)
                 phases.append(_done("restart_warm", start))
-            except RuntimeError as e:
-                phases.append(_failed("restart_warm", start, str(e)))
+            except (RuntimeError, OutOfTime) as e:
+                phases.append(_ended("restart_warm", start, e))
                 return
             last = last_step(events)
             compile_s = result.get("setup", {}).get("compile_s", 0.0)
@@ -277,12 +276,12 @@ class RestartRuns:
             cold = self.with_cache(os.path.join(self.scratch, "cache_cold"))
             try:
                 began, _, events = run_trainer_until(
-                    self.argv, cold, self.workdir, log, past(last), deadline
+                    self.argv, cold, self.workdir, log, last, deadline
                 )
                 restart["cold"] = restart_figures(killed_at, began, events, last)
                 phases.append(_done("restart_cold", start))
-            except RuntimeError as e:
-                phases.append(_failed("restart_cold", start, str(e)))
+            except (RuntimeError, OutOfTime) as e:
+                phases.append(_ended("restart_cold", start, e))
 
 
 def last_step(events: list[dict[str, Any]]) -> int:
@@ -301,8 +300,10 @@ def _done(name: str, start: float) -> dict[str, Any]:
     return {"phase": name, "s": round(time.perf_counter() - start, 2), "status": "done"}
 
 
-def _failed(name: str, start: float, why: str) -> dict[str, Any]:
-    return {"phase": name, "s": round(time.perf_counter() - start, 2), "status": f"failed: {why}"}
+def _ended(name: str, start: float, why: Exception) -> dict[str, Any]:
+    """A phase that did not finish: out of time (skipped) or failed."""
+    status = f"skipped: {why}" if isinstance(why, OutOfTime) else f"failed: {why}"
+    return {"phase": name, "s": round(time.perf_counter() - start, 2), "status": status}
 
 
 def measure(
@@ -315,8 +316,8 @@ def measure(
     """Phase 1 in a child process; its result file as far as it got."""
     fd, out = tempfile.mkstemp(prefix="gpu_measure_", suffix=".json")
     os.close(fd)  # the child writes it
-    # The restarts' process starts, on top of the compile the child reserves once it knows it.
-    reserve = 2 * START_S
+    # The warm restart's process start, on top of what the child reserves once it has measured.
+    reserve = START_S
     argv = [
         sys.executable,
         os.path.join(REPO, "experiments", "gpu_measure.py"),

@@ -74,8 +74,6 @@ PREFERRED_ORDER = (
     "orbax_async",
     "orbax_sync",
 )
-# Not in the warm-up round: each writes the whole state to disk and compiles nothing of ours.
-NO_WARM_UP = ("orbax_async", "orbax_sync")
 # A save step's memory, in the order of the peak each is expected to reach (the peak counter is a
 # high-water mark): copied to host (keep_state=never), copied on the device, kept on the device.
 MEMORY_MODES = (("host_copy", "local_host"), ("device_copy", "local_copy"), ("kept", "local"))
@@ -361,18 +359,17 @@ def main(argv: list[str]) -> None:
         state = run["state"]
         blocking: dict[str, list[float]] = {kind: [] for kind in save_order}
         round_s: list[float] = []
-        for r in range(_ROUNDS.value + 1):
-            if r > 1 and max(round_s) > phases.remaining() - 30:
+        # No warm-up round: the memory phase's saves (each local tier setting, the device copy)
+        # and the throughput phase's final save (the persistent tier) compiled and started what
+        # a first save needs; only plain Orbax saves here for the first time.
+        for r in range(_ROUNDS.value):
+            if r > 0 and max(round_s) > phases.remaining() - restore_s():
                 break  # another round would not fit: keep the time for the restores
             start = time.perf_counter()
             for kind in save_order:
-                if r == 0 and kind in NO_WARM_UP:
-                    continue
                 saves.wait()
                 state = jax.block_until_ready(train_step(state))  # the save timed alone
-                elapsed = saves.save(kind, state, info(), record=r > 0)
-                if r > 0:  # round 0 warms up compiles, thread pools and caches
-                    blocking[kind].append(elapsed)
+                blocking[kind].append(saves.save(kind, state, info()))
                 saves.drop_plain()
             saves.wait()
             round_s.append(time.perf_counter() - start)
@@ -390,8 +387,7 @@ def main(argv: list[str]) -> None:
             }
         return {
             "order": save_order,
-            "warm_up_round": [k for k in save_order if k not in NO_WARM_UP],
-            "rounds": len(round_s) - 1,
+            "rounds": len(round_s),
             "round_s": round_s,
             "blocking_s": blocking,
             "median_blocking_s": med,
@@ -462,11 +458,15 @@ def main(argv: list[str]) -> None:
 
     def restarts_need_s() -> float:
         """What the end needs after the measurements: the kill phase here (a few steps and a
-        local save) and the parent's restarts (their process starts, `--reserve_s`; one compile,
-        the cold restart's; restores), about 12 steps and 4 writes or reads of the state at
-        2 GB/s in all."""
+        local save) and the parent's warm restart (its process start, `--reserve_s`; a restore),
+        about 12 steps and 4 writes or reads of the state at 2 GB/s in all. The cold restart
+        runs only if time is left."""
         steps = 12 * run.get("step_s", 0.0)
-        return _RESERVE_S.value + run["compile_s"] + steps + 4 * write_s() / 2
+        return _RESERVE_S.value + steps + 4 * write_s() / 2
+
+    def restore_s() -> float:
+        """A guess at the restore phase: the state read back from each tier."""
+        return 2 * write_s()
 
     def write_s() -> float:
         """A guess at writing the state once to disk (1 GB/s), for the estimates."""
@@ -476,8 +476,8 @@ def main(argv: list[str]) -> None:
         ("setup", lambda: 0.0, setup),
         ("memory", lambda: 0.0, memory),  # measures the step time the estimates use
         ("throughput", lambda: (2 * _STEPS.value + 4) * run["step_s"] + write_s(), throughput),
-        ("saves", lambda: len(save_order) * run["step_s"] + 4 * write_s(), saves_phase),
-        ("restore", lambda: 2 * write_s(), restore),
+        ("saves", lambda: len(save_order) * run["step_s"] + 5 * write_s(), saves_phase),
+        ("restore", restore_s, restore),
     )
     try:
         for name, estimate, body in plan:
