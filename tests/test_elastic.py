@@ -2,7 +2,9 @@
 elastic supervisor. Replicas stay bitwise equal at every step; a killed slice's part is taken over
 by the survivor, and its replacement heals from the survivor (no storage) and joins at a step
 boundary while the survivor trains on, with every step's parameters, on every slice, bitwise those
-of the undisturbed run."""
+of the undisturbed run. The warm standby's takeover of a killed slice, and a restarted
+supervisor's of running slices, are tested with slices of two processes
+(tests/test_elastic_multiprocess.py), which run the same paths process by process."""
 
 from __future__ import annotations
 
@@ -11,8 +13,6 @@ import signal
 
 import pytest
 from conftest import ELASTIC_SMALL, slice_digests, slice_events, supervise_elastic
-
-from resilient_jax.events import read_events
 
 pytest.importorskip("torch")
 
@@ -123,65 +123,3 @@ def test_a_killed_slice_is_replaced_by_one_that_heals_from_the_survivor(undistur
         if e["pid"] == killed["pid"]
     }
     assert before_kill and all(reference[step] == d for step, d in before_kill.items())
-
-
-def _supervisor_events(workdir: str, kind: str) -> list[dict]:
-    return [e for e in read_events(workdir) if e["type"] == kind]
-
-
-def _alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split()[2]
-
-
-@pytest.mark.slow
-def test_a_killed_slice_is_replaced_by_the_warm_standby(undisturbed, tmp_path):
-    workdir = str(tmp_path)
-    killed = {}
-
-    def kill_slice_1_once_the_standby_waits(supervisor) -> bool:
-        ready = read_events(os.path.join(workdir, "standby"))
-        if not any(e["type"] == "elastic_standby_ready" for e in ready):
-            return False
-        step = max(slice_digests(workdir, 1), default=0)
-        if step < KILL_AT:
-            return False
-        killed.update(pid=supervisor.workers[1].pid, step=step)
-        killed["standby"] = supervisor.standby.pid
-        os.kill(killed["pid"], signal.SIGKILL)
-        return True
-
-    result = _supervise(workdir, during=kill_slice_1_once_the_standby_waits)
-    assert result.exit_code == 0, result.reason
-    assert killed and result.replacements == 1
-    assert killed["step"] < STEPS - 100, "the standby was ready too late to test anything"
-
-    # The standby became slice 1 (no new process), at once, and healed from the survivor.
-    standby = killed["standby"]
-    starts = _supervisor_events(workdir, "elastic_slice_start")
-    assert [(e["slice"], e.get("standby")) for e in starts[2:]] == [(1, True)]
-    assert starts[2]["pid"] == standby
-    heals = [e for e in slice_events(workdir, 1, "elastic_heal") if e["pid"] == standby]
-    assert len(heals) == 1 and heals[0]["role"] == "received" and heals[0]["source_slice"] == 0
-    assert heals[0]["slice"] == 1
-    # Warm: it compiled (loaded) its steps while waiting as the standby, and as slice 1 it
-    # neither compiled, restored nor initialised anything.
-    assert [e for e in read_events(os.path.join(workdir, "standby")) if e["type"] == "compile"]
-    for kind in ("compile", "init", "restore"):
-        assert not [e for e in slice_events(workdir, 1, kind) if e["pid"] == standby], kind
-    assert [e["slice"] for e in slice_events(workdir, 1, "elastic_standby_assigned")] == [1]
-
-    # Every step of every slice bitwise the undisturbed run's; the survivor trained every step.
-    reference = slice_digests(undisturbed, 0)
-    assert slice_digests(workdir, 0) == reference
-    joined_at = heals[0]["step"]
-    replacement = [e for e in slice_events(workdir, 1, "elastic_step") if e["pid"] == standby]
-    assert [e["step"] for e in replacement] == list(range(joined_at + 1, STEPS + 1))
-    assert {e["step"]: e["digest"] for e in replacement} == {
-        s: reference[s] for s in range(joined_at + 1, STEPS + 1)
-    }
-
-    # A new standby was started after the first was used, and stopped at the end by its pid.
-    standbys = [e["pid"] for e in _supervisor_events(workdir, "elastic_standby_start")]
-    assert standbys[0] == standby and len(standbys) == 2
-    assert [e["pid"] for e in _supervisor_events(workdir, "elastic_standby_exit")] == standbys[1:]
-    assert not any(_alive(pid) for pid in standbys)

@@ -145,8 +145,16 @@ def test_a_slice_that_loses_one_process_is_replaced_by_the_standby(undisturbed, 
     ]
     assert len({e["step"] for e in heals}) == 1
     joined_at = heals[0]["step"]
+    # Warm: it compiled (loaded) its steps while waiting as the standby, and as slice 1 it
+    # neither compiled, restored nor initialised anything; it became slice 1 at once.
+    standby_events = read_events(os.path.join(workdir, "standby"))
+    assert [e for e in standby_events if e["type"] == "compile"]
     for kind in ("compile", "init", "restore"):
         assert not [e for e in slice_events(workdir, 1, kind) if e["pid"] in standby], kind
+    starts = [e for e in read_events(workdir) if e["type"] == "elastic_slice_start"]
+    assert [(e["slice"], e.get("standby")) for e in starts[2:]] == [(1, True)]
+    assert sorted(starts[2]["pids"]) == sorted(standby)
+    assert [e["slice"] for e in slice_events(workdir, 1, "elastic_standby_assigned")] == [1, 1]
 
     # Every step of every process bitwise the undisturbed run's, and the final parameters too.
     for process in (0, 1):
@@ -163,6 +171,14 @@ def test_a_slice_that_loses_one_process_is_replaced_by_the_standby(undisturbed, 
         }
     for slice_id in (0, 1):
         _assert_same(_final_params(workdir, slice_id), _final_params(undisturbed, 0))
+
+    # A new standby was started after the first was used, and stopped at the end by its pids.
+    supervisor_events = list(read_events(workdir))
+    standbys = [e for e in supervisor_events if e["type"] == "elastic_standby_start"]
+    assert sorted(standbys[0]["pids"]) == sorted(standby) and len(standbys) == 2
+    exits = [e["pid"] for e in supervisor_events if e["type"] == "elastic_standby_exit"]
+    assert exits == [standbys[1]["pid"]]
+    assert not any(_alive(pid) for e in standbys for pid in e["pids"])
 
 
 @pytest.mark.slow
@@ -190,8 +206,12 @@ def test_slices_of_two_processes_are_taken_over_by_a_restarted_supervisor(undist
         time.sleep(0.05)
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=10)
+    step_at_kill = max(slice_digests(workdir, 0))
     time.sleep(3.0)
-    assert max(slice_digests(workdir, 0)) < STEPS, "the run ended before the supervisor came back"
+    step_at_return = max(slice_digests(workdir, 0))
+    assert step_at_return < STEPS, "the run ended before the supervisor came back"
+    # The slices trained on while the supervisor was away.
+    assert step_at_return > step_at_kill, (step_at_kill, step_at_return)
     second = supervisor()
     try:
         assert second.wait(timeout=400) == 0
@@ -210,6 +230,8 @@ def test_slices_of_two_processes_are_taken_over_by_a_restarted_supervisor(undist
         assert not slice_events(workdir, slice_id, "elastic_exchange_failed")
     (back,) = [e for e in events if e["type"] == "elastic_reconnected"]
     assert back["carried_over"] and back["slices"] == [0, 1], back
+    for slice_id in (0, 1):  # back in their own quorum: no group re-formed
+        assert len({e["quorum_id"] for e in slice_events(workdir, slice_id, "elastic_step")}) == 1
     # The standby's two processes were adopted too, and ended at the end.
     standbys = [e for e in events if e["type"] == "elastic_standby_start"]
     assert [e.get("adopted") for e in standbys] == [None, True]

@@ -2,7 +2,8 @@
 standby (no JAX): a lost slice's identity goes to the waiting standby, a new standby is started,
 a standby that dies is started again (bounded), a restarted supervisor adopts the standby, and the
 standby is ended by its pid when the run finishes. The real trainer's standby path is
-`test_elastic.py::test_a_killed_slice_is_replaced_by_the_warm_standby` (slow)."""
+`test_elastic_multiprocess.py::test_a_slice_that_loses_one_process_is_replaced_by_the_standby`
+(slow)."""
 
 from __future__ import annotations
 
