@@ -678,7 +678,7 @@ def test_a_local_save_due_while_the_previous_write_runs_is_skipped_not_waited_fo
     ck.on_start(ctx, state0)
     kept = []
     monkeypatch.setattr(ctx.keeper, "keep", lambda state: kept.append(state) or False)
-    state, _ = step_through(ck, ctx, state0, 1, 3, local_writes_finish=False)
+    state, _ = step_through(ck, ctx, state0, 1, 3, writes_finish=False)
     assert len(kept) == 1  # only step 1 took a snapshot
     release.set()
     ck._local.wait_idle(60.0)
@@ -695,3 +695,46 @@ def test_a_local_save_due_while_the_previous_write_runs_is_skipped_not_waited_fo
     result = accounting.compute(read_events(ctx.workdir))
     assert result.saves == {"local": {"made": 2, "skipped": 2}}
     assert "local 2 made, 2 skipped (writer busy)" in accounting.format_table(result)
+
+
+def test_a_persistent_save_due_while_the_previous_one_commits_is_skipped_not_waited_for(
+    tmp_path, state0, monkeypatch
+):
+    """A persistent commit slower than the save interval: the saves due meanwhile are skipped at
+    once (no outage), counted in the next save event; the final save waits for the one in
+    flight and commits."""
+    import threading
+
+    from resilient_jax.checkpoint.persistent import PersistentTier
+
+    held = {2: threading.Event(), 6: threading.Event()}
+    save = PersistentTier.save
+
+    def slow_save(self, step, *args, **kwargs):
+        if step in held:
+            assert held[step].wait(60.0)
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(PersistentTier, "save", slow_save)
+    config = checkpoint_config(**{"checkpoint.every_steps": 1})
+    config.total_steps = 7
+    ctx = run_context(config, str(tmp_path))
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck.on_start(ctx, state0)
+    state, _ = step_through(ck, ctx, state0, 1, 1)
+    ck.wait_until_finished()
+    state, _ = step_through(ck, ctx, state, 2, 4, writes_finish=False)  # 3, 4: 2 commits
+    held[2].set()
+    assert ck._commits.finish() is None
+    state, _ = step_through(ck, ctx, state, 5, 5)
+    assert ck._commits.finish() is None
+    state, _ = step_through(ck, ctx, state, 6, 6, writes_finish=False)  # held at the end
+    threading.Timer(0.5, held[6].set).start()
+    ck.on_end(ctx, state, StepInfo(7, 6, data_position(7), 0.01))
+    ck.close()
+    saves = [(e["step"], e.get("skipped")) for e in events_of(ctx.workdir, EventType.SAVE)]
+    assert saves == [(1, None), (2, None), (5, 2), (6, None), (7, None)]
+    assert not events_of(ctx.workdir, EventType.PERSISTENT_OUTAGE)
+    assert not events_of(ctx.workdir, EventType.SAVE_FAILED)
+    committed = [e["step"] for e in events_of(ctx.workdir, EventType.SAVE_COMMITTED)]
+    assert sorted(committed) == [1, 2, 5, 6, 7]

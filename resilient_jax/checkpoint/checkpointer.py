@@ -3,9 +3,10 @@
 
 Save order per step (`after_step`): preemption sync point -> wall-clock decision (made by process
 0, shared two steps ahead) -> policy -> one snapshot (the state the next step keeps, else a copy)
--> local save -> persistent save. A save blocks training only for that (and the tier's previous
-write, if still running); both tiers write from the snapshot in background threads (`snapshot`),
-and each commit is reported by `save_committed`.
+-> local save -> persistent save. A save blocks training only for that: one due while its tier's
+previous write still runs is skipped on every process (`local_cadence`, `persistent_commits`);
+both tiers write from the snapshot in background threads (`snapshot`), and each commit is
+reported by `save_committed`.
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.local import LocalTier, run_dir
 from resilient_jax.checkpoint.local_cadence import LocalCadence
 from resilient_jax.checkpoint.outage import (
-    PROBE_WAIT_S,
     Outage,
     StoreProbe,
     cache_run_id,
     read_cached_run_id,
 )
 from resilient_jax.checkpoint.peer_fetch import peer_fetcher
-from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier, persistent_dir
+from resilient_jax.checkpoint.persistent import PersistentTier, persistent_dir
+from resilient_jax.checkpoint.persistent_commits import PersistentCommits
 from resilient_jax.checkpoint.policy import Decision, SavePolicy, SaveReason
 from resilient_jax.checkpoint.preemption import PreemptionNotice
 from resilient_jax.checkpoint.restore import Restored, Restorer, check_persistent_dir
@@ -48,9 +49,6 @@ from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook, StepInfo, StopTraining
 from resilient_jax.train.state import TrainState
-
-# Waiting for the previous persistent save: this many times the longest commit seen so far.
-_COMMIT_WAIT_FACTOR = 4
 
 _instance_counter = itertools.count()
 
@@ -88,15 +86,17 @@ class Checkpointer(Hook):
         self._accept_other_config = _same_dir(c.init_from, self.persistent_dir)
         self._outage = Outage(self._events, self.persistent_dir)
         self._probe = StoreProbe(self.persistent_dir)
+        self._commits = PersistentCommits(
+            self._events, self._outage, self._probe, c.persistent_timeout_s
+        )
         # Both None while the persistent tier has been unreachable since the start (then restore
         # uses the local tier, and the tier is opened at the first scheduled save that reaches it).
         self._persistent: PersistentTier | None = None
-        self._writer: PersistentWriter | None = None
         self._writer_sync = ProcessSync(f"{self._sync.namespace}/writer", c.sync_timeout_s)
         unreachable = self._agreed_cause(self._probe.unreachable(c.persistent_timeout_s))
         if unreachable is None:
             self._persistent = self._open_persistent(ctx)
-            self._writer = PersistentWriter(self._persistent, self._writer_sync)
+            self._commits.writer = PersistentWriter(self._persistent, self._writer_sync)
             run_id = self._persistent.run_id(create=True) if self._sync.process_index == 0 else None
         else:
             self._outage.begin(None, unreachable)
@@ -131,14 +131,12 @@ class Checkpointer(Hook):
         self._preemption = PreemptionNotice(handle_sigterm)
         self._deferred_error: CheckpointError | None = None
         self._last_local_step: int | None = None
-        self._longest_commit_s: float | None = None  # of a persistent save, from its start
         self._last_persistent_step: int | None = None  # saved by this checkpointer (maybe pending)
         self._start_step = 0
         self._timeline = uuid.uuid4().hex[:12]
         self._closed = False
         # The state's leaf shapes and dtypes, the same at every save of this generation.
         self._specs: dict[str, dict[str, Any]] | None = None
-        self._timeout_s = c.persistent_timeout_s
         self._outage_limit_s = c.persistent_outage_limit_s
         self._restorer = Restorer(
             persistent=self._persistent,
@@ -164,7 +162,7 @@ class Checkpointer(Hook):
         step = info.step
         if self._cadence is not None:
             self._cadence.record_step(info.step_time_s)
-        self._poll_commit()
+        self._commits.poll()
         if self._preemption.reached(step):
             self._stop_for_preemption(ctx, state, info)
         decision = self._policy.decide(step, self._clock.reason(step))
@@ -179,7 +177,8 @@ class Checkpointer(Hook):
         final = Decision(persistent=True, reason=SaveReason.FINAL)
         if info is not None and info.step != self._last_persistent_step:
             self._save(ctx, state, info, final)
-        if info is not None and self._final_save_refused(info.step):
+        refused = info is not None and self._commits.final_failed(info.step)
+        if any(self._sync.all_gather("final_refused", refused)):
             self._last_persistent_step = None
             self._save(ctx, state, info, final)  # once more: a store's refusal may be passing
         self.wait_until_finished()
@@ -236,17 +235,9 @@ class Checkpointer(Hook):
             except CheckpointError as e:
                 self._report_failure(Tier.LOCAL, e)
                 errors.append(e)
-        if self._writer is not None:
-            pending = self._writer.pending
-            try:
-                # Bounded: a store that stopped answering keeps Orbax waiting for many minutes.
-                done = self._writer.finish(self._timeout_s)
-            except CheckpointError as e:
-                self._report_failure(Tier.PERSISTENT, e, pending.step if pending else None)
-                self._outage.begin(pending.step if pending else None, str(e))
-                errors.append(e)
-            else:
-                self._report_commit(done)
+        persistent_error = self._commits.finish()
+        if persistent_error is not None:
+            errors.append(persistent_error)
         if errors:
             raise errors[0]
 
@@ -372,18 +363,23 @@ class Checkpointer(Hook):
         the Orbax save), unless the store or the previous save stands in the way."""
         started = time.perf_counter()  # real cost, whatever clock the policies run on
         started_mono = time.monotonic()
+        # The final save and a preemption's wait for the save in flight; any other is skipped
+        # while it commits (on every process alike), and counted in the next save event.
+        must = d.reason in (SaveReason.FINAL, SaveReason.PREEMPTION)
+        mine = self._commits.blocker(step, wait=must)
         views = self._sync.all_gather(
             "persistent_ready",
-            [
-                self._persistent_blocker(step, final=d.reason == SaveReason.FINAL),
-                self._outage.duration_s(),
-            ],
+            [mine and mine.cause, bool(mine and mine.busy), self._outage.duration_s()],
         )
-        blocked = next((cause for cause, _ in views if cause), None)
+        causes = [(cause, busy) for cause, busy, _ in views if cause]
+        if causes and all(busy for _, busy in causes):
+            self._commits.skipped += 1
+            return
+        blocked = next((cause for cause, busy in causes if not busy), None)
         if blocked is None and self._persistent is None:
             blocked = self._reconnect(ctx)  # every process reaches this together
         if blocked is not None:
-            outage_s = max(t for _, t in views)
+            outage_s = max(t for *_, t in views)
             self._skip_persistent(ctx, snapshot, step, position, blocked, outage_s)
             return
         assert self._persistent is not None and self._writer is not None
@@ -396,7 +392,7 @@ class Checkpointer(Hook):
             return manifest.build_meta(ctx, step, digests, specs, position, d.reason, d.temporary)
 
         # A store that went away since the probe fails the save in the writer thread: reported
-        # by `_poll_commit` as an outage, like a failed commit.
+        # by `PersistentCommits.poll` as an outage, like a failed commit.
         self._writer.start(step, snapshot, position, meta_of, d.temporary, started_mono)
         blocking = snapshot_s + time.perf_counter() - started
         self._policy.record_persistent_save(blocking)
@@ -409,36 +405,9 @@ class Checkpointer(Hook):
             reason=d.reason,
             temporary=d.temporary or None,
             interval_s=interval,
+            skipped=self._commits.skipped or None,
         )
-
-    def _persistent_blocker(self, step: int, final: bool = False) -> str | None:
-        """Why this process cannot start a persistent save now (None: it can). The previous
-        save is waited for as long as a save normally takes to commit (a few times the longest
-        seen, at least 5 s: a loaded machine is slow, not an outage; never past
-        `checkpoint.persistent_timeout_s` from its start; not at all during an outage; for the
-        `final` save, `checkpoint.persistent_timeout_s` from now, outage or not: nothing is
-        left to train meanwhile), the store for at most a probe."""
-        wait_s = min(PROBE_WAIT_S, self._timeout_s)
-        if self._writer is None:
-            return self._probe.unreachable(wait_s)
-        pending = self._writer.pending
-        if pending is not None:
-            budget = self._timeout_s - (time.monotonic() - pending.started)
-            if self._longest_commit_s is not None:
-                budget = min(budget, max(_COMMIT_WAIT_FACTOR * self._longest_commit_s, 5.0))
-            if self._outage.since is not None:
-                budget = 0.0
-            if final:
-                budget = self._timeout_s
-            try:
-                self._report_commit(self._writer.finish(max(0.0, budget)))
-            except CheckpointError as e:
-                if self._writer.save_in_progress():
-                    age = time.monotonic() - pending.started
-                    return f"the save of step {pending.step} is still in flight after {age:.0f}s"
-                self._report_failure(Tier.PERSISTENT, e, pending.step)
-                self._outage.begin(step, str(e))  # a new save may still work: probe
-        return self._probe.unreachable(wait_s)
+        self._commits.skipped = 0
 
     def _skip_persistent(
         self,
@@ -508,7 +477,7 @@ class Checkpointer(Hook):
                 cause=f"newer than step {self._start_step}, resumed from the local tier",
             )
         self._persistent = self._restorer.persistent = persistent
-        self._writer = PersistentWriter(persistent, self._writer_sync)
+        self._commits.writer = PersistentWriter(persistent, self._writer_sync)
         return None
 
     def _agreed_cause(self, cause: str | None) -> str | None:
@@ -524,57 +493,6 @@ class Checkpointer(Hook):
             f"preempted: saved step {info.step}, restart to continue", ExitCode.PREEMPTED
         )
 
-    def _poll_commit(self) -> None:
-        """Reports a persistent save that finished since the last step, without waiting. A
-        failed one, or one running past `checkpoint.persistent_timeout_s`, is an outage: the
-        run goes on with the local tier and tries the next save on schedule."""
-        pending = self._writer.pending if self._writer is not None else None
-        if pending is None:
-            return
-        assert self._writer is not None
-        if self._writer.save_in_progress():
-            age = time.monotonic() - pending.started
-            if age > self._timeout_s:
-                self._outage.begin(
-                    pending.step,
-                    f"the save of step {pending.step} is not committed after "
-                    f"{age:.0f}s (checkpoint.persistent_timeout_s={self._timeout_s:g})",
-                )
-            return
-        try:
-            self._report_commit(self._writer.poll())
-        except CheckpointError as e:
-            self._report_failure(Tier.PERSISTENT, e, pending.step)
-            self._outage.begin(pending.step, str(e))
-
-    def _final_save_refused(self, step: int) -> bool:
-        """Waits (up to `checkpoint.persistent_timeout_s`) for the save of the final `step`;
-        True on every process when it failed on any (reported as a failure and an outage)."""
-        pending = self._writer.pending if self._writer is not None else None
-        failed = False
-        if pending is not None and pending.step == step:
-            assert self._writer is not None
-            try:
-                self._report_commit(self._writer.finish(self._timeout_s))
-            except CheckpointError as e:
-                if not self._writer.save_in_progress():  # still running: waited for at the end
-                    self._report_failure(Tier.PERSISTENT, e, step)
-                    self._outage.begin(step, str(e))
-                    failed = True
-        return any(self._sync.all_gather("final_refused", failed))
-
-    def _report_commit(self, pending: PendingSave | None) -> None:
-        if pending is not None:
-            commit_s = time.monotonic() - pending.started
-            self._longest_commit_s = max(self._longest_commit_s or 0.0, commit_s)
-            self._outage.end(pending.step)
-            self._events.emit(
-                EventType.SAVE_COMMITTED,
-                tier=Tier.PERSISTENT,
-                step=pending.step,
-                commit_s=commit_s,
-            )
-
     def _on_local_commit(self, step: int, commit_s: float, nbytes: int) -> None:
         if self._cadence is not None:
             self._cadence.record_commit(commit_s)
@@ -589,6 +507,10 @@ class Checkpointer(Hook):
 
     def _report_failure(self, tier: Tier, error: Exception, step: int | None = None) -> None:
         self._events.emit(EventType.SAVE_FAILED, tier=tier, step=step, cause=str(error))
+
+    @property
+    def _writer(self) -> PersistentWriter | None:
+        return self._commits.writer
 
     def _committed_persistent_steps(self) -> list[int]:
         if self._persistent is None or self._writer is None:
