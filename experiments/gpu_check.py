@@ -75,6 +75,9 @@ _LAYERS = flags.DEFINE_integer("layers", 0, "Transformer blocks (0: the config's
 _STEPS = flags.DEFINE_integer("steps", 8, "Measured steps per side of the throughput phase.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Most measured rounds of each save kind.")
 _SCRATCH = flags.DEFINE_string("scratch", "", "Folder for checkpoints on disk (default: tmp).")
+_LOG_DIR = flags.DEFINE_string(
+    "keep_logs_in", "", "Folder for the processes' logs (gpu_measure.log, trainer.log)."
+)
 
 # What every run of the check sets: no output that costs a step's time, no evaluation inside the
 # measured steps, one step kept on each tier (a step of llama_1b is 12 GB on disk and in RAM).
@@ -132,6 +135,13 @@ def child_env(smoke: bool) -> dict[str, str]:
     else:
         env.setdefault(env_vars.XLA_PYTHON_CLIENT_MEM_FRACTION, MEM_FRACTION)
     return env
+
+
+def keep_log(path: str, name: str = "") -> None:
+    """Copies a process's log into `--keep_logs_in` (as `name`, default its own), if given."""
+    if _LOG_DIR.value and os.path.exists(path):
+        os.makedirs(_LOG_DIR.value, exist_ok=True)
+        shutil.copy(path, os.path.join(_LOG_DIR.value, name or os.path.basename(path)))
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -234,6 +244,7 @@ class RestartRuns:
         return self.env | compile_cache.cache_env(coordinator, self.workdir)
 
     def close(self) -> None:
+        keep_log(os.path.join(self.scratch, "trainer.log"))
         shutil.rmtree(self.local_dir, ignore_errors=True)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
@@ -363,6 +374,7 @@ def measure(
         with open(log_path) as f:
             tail = f.read().strip().splitlines()[-1:]
         status = f"failed (exit {code}): {tail[0] if tail else 'no output'}"
+    keep_log(log_path, "gpu_measure.log")
     os.remove(log_path)
     phases = [{**p, "phase": f"measure.{p['phase']}"} for p in result.pop("phases")]
     result["phases"] = [*phases, _done("measure", start) | {"status": status}]
