@@ -119,10 +119,7 @@ class SaveKinds:
             )
         }
         self._sync_orbax = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-        # The newest step only: on a device, each is the size of the whole state.
-        self._async_orbax = ocp.CheckpointManager(
-            os.path.join(root, "orbax_async"), options=ocp.CheckpointManagerOptions(max_to_keep=1)
-        )
+        self._async_orbax = self._async_manager()
         self.async_commit_s: list[float] = []
         self.steps: dict[str, list[int]] = {kind: [] for kind in TIERS}
 
@@ -163,9 +160,21 @@ class SaveKinds:
             self.steps[kind].append(info.step)
         return elapsed
 
+    def _async_manager(self) -> ocp.CheckpointManager:
+        # The newest step only: on a device, each is the size of the whole state.
+        return ocp.CheckpointManager(
+            os.path.join(self.root, "orbax_async"),
+            options=ocp.CheckpointManagerOptions(max_to_keep=1),
+        )
+
     def drop_plain(self) -> None:
-        """Deletes the plain synchronous Orbax saves (nothing reads them back): a disk that holds
-        a few copies of a large state may not hold one per round."""
+        """Deletes the plain Orbax saves, sync and async (nothing reads them back), after waiting
+        for the async one: a disk that holds a few copies of a large state may not hold them
+        beside the tiers' steps."""
+        self._async_orbax.wait_until_finished()
+        self._async_orbax.close()
+        shutil.rmtree(os.path.join(self.root, "orbax_async"), ignore_errors=True)
+        self._async_orbax = self._async_manager()
         shutil.rmtree(os.path.join(self.root, "orbax_sync"), ignore_errors=True)
 
     def _events(self, kind: str, event: str, field: str) -> list[float]:

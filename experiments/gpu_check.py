@@ -102,7 +102,9 @@ LOCAL_EVERY = 2  # the restart runs' local-tier interval (steps)
 RESTARTS = ("restart_warm", "restart_cold")
 START_S = 20.0  # a trainer process's start (Python, imports, JAX), for the estimates
 SHM = "/dev/shm"
-SHM_COPIES = 6  # states the local tiers hold at once at most: 3 tiers, a write in flight each
+# States the local tiers hold at once at most: a step of each of the measured tier settings (3)
+# and of the loop's own, and one being written.
+SHM_COPIES = 5
 MEM_FRACTION = "0.9"  # of the GPU's memory for JAX's allocator (default 0.75): a save holds more
 
 

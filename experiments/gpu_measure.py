@@ -77,6 +77,11 @@ PREFERRED_ORDER = (
 # A save step's memory, in the order of the peak each is expected to reach (the peak counter is a
 # high-water mark): copied to host (keep_state=never), copied on the device, kept on the device.
 MEMORY_MODES = (("host_copy", "local_host"), ("device_copy", "local_copy"), ("kept", "local"))
+# The save kinds that leave a step on the scratch disk until the next save of the same kind (the
+# plain Orbax saves are deleted after each), and those of them a disk too small for all can lose,
+# in that order (`persistent` stays: the restore phase reads it).
+KEPT_ON_DISK = ("persistent", "persistent_host")
+DROPPED_FOR_DISK = ("persistent_host",)
 MEMORY_KEYS = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "bytes_reserved")
 
 
@@ -110,6 +115,12 @@ class Phases:
         self.add(name, elapsed, status)
         print(f"[gpu_measure] {name}: {elapsed:.1f} s, {status}", flush=True)
         return status == "done"
+
+    def skipped(self, name: str) -> bool:
+        """Whether the phase `name` was skipped for want of time."""
+        return any(
+            p["phase"] == name and p["status"].startswith("skipped") for p in self.result["phases"]
+        )
 
     def add(self, name: str, elapsed: float, status: str) -> None:
         """Records a phase and writes the result file."""
@@ -357,7 +368,8 @@ def main(argv: list[str]) -> None:
     def saves_phase() -> dict[str, Any]:
         saves = run["saves"]
         state = run["state"]
-        blocking: dict[str, list[float]] = {kind: [] for kind in save_order}
+        order, dropped = kinds_for_disk(save_order, shutil.disk_usage(root).free)
+        blocking: dict[str, list[float]] = {kind: [] for kind in order}
         round_s: list[float] = []
         # No warm-up round: the memory phase's saves (each local tier setting, the device copy)
         # and the throughput phase's final save (the persistent tier) compiled and started what
@@ -366,7 +378,7 @@ def main(argv: list[str]) -> None:
             if r > 0 and max(round_s) > phases.remaining() - restore_s():
                 break  # another round would not fit: keep the time for the restores
             start = time.perf_counter()
-            for kind in save_order:
+            for kind in order:
                 saves.wait()
                 state = jax.block_until_ready(train_step(state))  # the save timed alone
                 blocking[kind].append(saves.save(kind, state, info()))
@@ -386,7 +398,9 @@ def main(argv: list[str]) -> None:
                 for kind in TIERS
             }
         return {
-            "order": save_order,
+            "order": order,
+            "dropped_for_disk": dropped,
+            "disk_free_bytes": shutil.disk_usage(root).free,
             "rounds": len(round_s),
             "round_s": round_s,
             "blocking_s": blocking,
@@ -394,6 +408,20 @@ def main(argv: list[str]) -> None:
             "commit_s": saves.commit_s(),
             "ratios": ratios,
         }
+
+    def kinds_for_disk(order: list[str], free: int) -> tuple[list[str], list[str]]:
+        """`order` without the kinds a disk with `free` bytes cannot hold beside the others
+        (each kept kind's step, one step being written and one plain Orbax save, with 10% to
+        spare), and those dropped."""
+        kept = [k for k in order if k in KEPT_ON_DISK]
+        dropped = []
+        for kind in DROPPED_FOR_DISK:
+            if (len(kept) + 2) * run["state_bytes"] <= 0.9 * free:
+                break
+            if kind in kept:
+                kept.remove(kind)
+                dropped.append(kind)
+        return [k for k in order if k not in dropped], dropped
 
     def restore() -> dict[str, Any]:
         saves = run.pop("saves")
@@ -472,21 +500,34 @@ def main(argv: list[str]) -> None:
         """A guess at writing the state once to disk (1 GB/s), for the estimates."""
         return run["state_bytes"] / 1e9
 
+    # Each phase: its estimated cost, what it needs from the phases before it, its body.
     plan = (
-        ("setup", lambda: 0.0, setup),
-        ("memory", lambda: 0.0, memory),  # measures the step time the estimates use
-        ("throughput", lambda: (2 * _STEPS.value + 4) * run["step_s"] + write_s(), throughput),
-        ("saves", lambda: len(save_order) * run["step_s"] + 5 * write_s(), saves_phase),
-        ("restore", restore_s, restore),
+        ("setup", lambda: 0.0, (), setup),
+        ("memory", lambda: 0.0, ("state",), memory),  # measures the step time the estimates use
+        (
+            "throughput",
+            lambda: (2 * _STEPS.value + 4) * run["step_s"] + write_s(),
+            ("state", "step_s"),
+            throughput,
+        ),
+        (
+            "saves",
+            lambda: len(save_order) * run["step_s"] + 5 * write_s(),
+            ("state", "saves"),
+            saves_phase,
+        ),
+        ("restore", restore_s, ("saves",), restore),
     )
     try:
-        for name, estimate, body in plan:
-            if not phases.run(name, estimate(), body):
-                for later, _, _ in plan[plan.index((name, estimate, body)) + 1 :]:
-                    phases.add(later, 0.0, f"skipped: {name} did not finish")
-                break
+        for name, estimate, needs, body in plan:
+            missing = [need for need in needs if need not in run]
+            if missing:  # an earlier phase failed
+                phases.add(name, 0.0, f"skipped: no {', '.join(missing)} from an earlier phase")
+            elif not phases.run(name, estimate(), body) and phases.skipped(name):
+                break  # out of time: so are the phases after it
         if "saves" in run:
-            run["saves"].close()
+            run.pop("saves").close()
+        shutil.rmtree(local_root, ignore_errors=True)  # RAM-disk room for the kill's saves
         if "step_fn" in run:  # the restart runs need it whatever else was measured
             phases.run("kill", 0.0, train_then_kill)
     finally:
