@@ -273,6 +273,8 @@ class RestartRuns:
                 phases.append(_done("restart_warm", start))
             except (RuntimeError, OutOfTime) as e:
                 phases.append(_ended("restart_warm", start, e))
+                status = "skipped: the warm restart did not finish"
+                phases.append({"phase": "restart_cold", "s": 0.0, "status": status})
                 return
             last = last_step(events)
             compile_s = result.get("setup", {}).get("compile_s", 0.0)

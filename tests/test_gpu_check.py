@@ -86,7 +86,11 @@ def test_smoke_runs_every_phase(tmp_path):
     if source_digest() == digest_before:
         assert restart["warm"]["compile_cache"] == "hit"
     assert restart["cold"]["compile_cache"] == "miss"
-    assert result["killed"]["last_step"] > result["killed"]["saved_step"]
+    killed = result["killed"]
+    assert killed["last_step"] > killed["saved_step"]
+    # The warm restart resumes from the save the killed process committed last.
+    assert restart["warm"]["restored_step"] == killed["saved_step"]
+    assert restart["warm"]["steps_lost"] == killed["last_step"] - killed["saved_step"]
     for run in (restart["warm"], restart["cold"]):
         assert run["restore_tier"] == "local" and run["steps_lost"] >= 0
         assert run["kill_to_productive_step_s"] >= run["kill_to_first_step_s"] > 0
