@@ -48,7 +48,7 @@ def test_smoke_runs_every_phase(tmp_path):
     digest_before = source_digest()
     proc = run_python(
         ["experiments/gpu_check.py", "--smoke", f"--out={out}", f"--scratch={tmp_path}"],
-        timeout=240,
+        timeout=420,  # about 20 s on 2 idle cores; minutes when they are shared
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text(), parse_constant=_refuse)
