@@ -45,7 +45,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from importlib import metadata
 from typing import Any
@@ -225,8 +224,11 @@ class RestartRuns:
     def __init__(
         self, config_file: str, overrides: dict[str, Any], env: dict[str, str], local_parent: str
     ) -> None:
-        self.scratch = tempfile.mkdtemp(prefix="gpu_check_restart_", dir=_SCRATCH.value or None)
-        self.local_dir = os.path.join(local_parent, f"gpu_check_{uuid.uuid4().hex[:8]}")
+        # Every process of the check writes under these two, the measuring one too: removed at
+        # the end whatever ended a process (the measuring one may be stopped at the deadline).
+        self.scratch = tempfile.mkdtemp(prefix="gpu_check_", dir=_SCRATCH.value or None)
+        self.local_base = os.path.join(local_parent, os.path.basename(self.scratch) + "_local")
+        self.local_dir = os.path.join(self.local_base, "run")
         self.workdir = os.path.join(self.scratch, "run")
         self.warm_cache = os.path.join(self.scratch, "cache_warm")
         self.extra = {
@@ -247,7 +249,7 @@ class RestartRuns:
 
     def close(self) -> None:
         keep_log(os.path.join(self.scratch, "trainer.log"))
-        shutil.rmtree(self.local_dir, ignore_errors=True)
+        shutil.rmtree(self.local_base, ignore_errors=True)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
     def run(self, deadline: float, result: dict[str, Any]) -> None:
@@ -322,11 +324,7 @@ def _ended(name: str, start: float, why: Exception) -> dict[str, Any]:
 
 
 def measure(
-    config_file: str,
-    overrides: dict[str, Any],
-    restarts: RestartRuns,
-    local_parent: str,
-    deadline: float,
+    config_file: str, overrides: dict[str, Any], restarts: RestartRuns, deadline: float
 ) -> dict[str, Any]:
     """Phase 1 in a child process; its result file as far as it got."""
     fd, out = tempfile.mkstemp(prefix="gpu_measure_", suffix=".json")
@@ -344,9 +342,9 @@ def measure(
         f"--reserve_s={reserve}",
         f"--steps={_STEPS.value}",
         f"--rounds={_ROUNDS.value}",
-        f"--local_parent={local_parent}",
+        f"--local_parent={restarts.local_base}",
         f"--restart_workdir={restarts.workdir}",
-        *([f"--scratch={_SCRATCH.value}"] if _SCRATCH.value else []),
+        f"--scratch={restarts.scratch}",
     ]
     start = time.perf_counter()
     log_path = f"{out}.log"
@@ -501,10 +499,9 @@ def main(argv: list[str]) -> None:
         result["xla_python_client_mem_fraction"] = env[env_vars.XLA_PYTHON_CLIENT_MEM_FRACTION]
     storage = local_storage(load_config(_CONFIG.value, overrides))
     result["storage"] = storage
-    local_parent = storage["local_tier_parent"]
-    restarts = RestartRuns(_CONFIG.value, overrides, env, local_parent)
+    restarts = RestartRuns(_CONFIG.value, overrides, env, storage["local_tier_parent"])
     try:
-        result |= measure(_CONFIG.value, overrides, restarts, local_parent, deadline)
+        result |= measure(_CONFIG.value, overrides, restarts, deadline)
         restarts.run(deadline, result)
     finally:
         restarts.close()

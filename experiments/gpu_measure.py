@@ -174,8 +174,8 @@ def main(argv: list[str]) -> None:
 
     executables.supersede_jax_cache()  # as a run does: part of its programs' cache keys
     config = load_config(_CONFIG.value, json.loads(_OVERRIDES.value))
-    root = tempfile.mkdtemp(prefix="gpu_check_", dir=_SCRATCH.value or None)
-    local_root = os.path.join(_LOCAL_PARENT.value, f"gpu_check_{uuid.uuid4().hex[:8]}")
+    root = tempfile.mkdtemp(prefix="gpu_measure_", dir=_SCRATCH.value or None)
+    local_root = os.path.join(_LOCAL_PARENT.value, f"gpu_measure_{uuid.uuid4().hex[:8]}")
     config.checkpoint.local_dir = local_root
     phases = Phases(_OUT.value, _DEADLINE.value - _RESERVE_S.value)  # refined in `setup`
     device = jax.devices()[0]
