@@ -327,7 +327,7 @@ def measure(
     config_file: str, overrides: dict[str, Any], restarts: RestartRuns, deadline: float
 ) -> dict[str, Any]:
     """Phase 1 in a child process; its result file as far as it got."""
-    fd, out = tempfile.mkstemp(prefix="gpu_measure_", suffix=".json")
+    fd, out = tempfile.mkstemp(prefix="gpu_measure_", suffix=".json", dir=restarts.scratch)
     os.close(fd)  # the child writes it
     # The warm restart's process start, on top of what the child reserves once it has measured.
     reserve = START_S
@@ -369,13 +369,16 @@ def measure(
     os.remove(out)
     if text:  # empty: the child stopped before its first phase ended
         result = json.loads(text)
-    # It ends by SIGKILLing itself after a local save (the restarts' fault), once that is written.
-    planned_kill = code == -signal.SIGKILL and "killed" in result
-    status = "done" if planned_kill else "stopped at its deadline" if code is None else "failed"
-    if code and not planned_kill:
+    # It ends by SIGKILLing itself after a local save (the restarts' fault), once that is written;
+    # an exit 0 means it could not get there, which its phases say.
+    if code == 0 or (code == -signal.SIGKILL and "killed" in result):
+        status = "done"
+    elif code is None:
+        status = "stopped at its deadline"
+    else:
         with open(log_path) as f:
-            tail = f.read().strip().splitlines()[-1:]
-        status = f"failed (exit {code}): {tail[0] if tail else 'no output'}"
+            tail = f.read().strip().splitlines()[-1:] or ["no output"]
+        status = f"failed (exit {code}): {tail[0][:200]}"
     keep_log(log_path, "gpu_measure.log")
     os.remove(log_path)
     phases = [{**p, "phase": f"measure.{p['phase']}"} for p in result.pop("phases")]
