@@ -35,8 +35,7 @@ MOE = {"model.moe.num_experts": 4, "mesh.expert": 2, "per_device_batch_size": 2}
 
 def _moe_layer(top_k: int, capacity_factor: float, experts: int = 4) -> MoeMlp:
     moe = MoeConfig(experts, 1, top_k, capacity_factor, 16, 0.01, 0.001)
-    # A large output init keeps the expert outputs far above the comparisons' tolerance.
-    return MoeMlp(moe, 8, jnp.dtype(jnp.float32), out_init_std=1.0)
+    return MoeMlp(moe, 8, jnp.dtype(jnp.float32))
 
 
 def _apply(layer: MoeMlp, x_BLD: jax.Array):

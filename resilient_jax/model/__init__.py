@@ -25,12 +25,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from resilient_jax.model.init import (
-    INIT_STD,
-    init_normal,
-    residual_init_std,
-    untied_output_init_std,
-)
 from resilient_jax.model.moe import DENSE, MoeConfig, MoeMlp
 from resilient_jax.perf import model_size
 
@@ -107,6 +101,17 @@ class KVCache:
         return self.layers[0].keys_BTKE.shape[1]
 
 
+# Initialisation as in PaLM (Chowdhery et al. 2022, section 5): kernels N(0, 1/fan_in), the
+# embedding N(0, 1) (no norm is applied to it), and the tied output layer scaled by d_model^-1/2.
+# A fresh model's final hidden state is close to the embedding of the token it just read, so its
+# first loss is above ln(vocab_size) (tiny_cpu: 9.2 at ln V 6.9). GPT-2's N(0, 0.02^2) with
+# depth-scaled residual projections starts at ln V but, with this scaled tied output layer, sat
+# at the unigram loss (about 6.0) through step 100 of the default run where this reaches 4.2
+# (experiments/first_loss.py, experiments/README.md).
+def _dense_init(fan_in: int) -> nn.initializers.Initializer:
+    return nn.initializers.normal(stddev=fan_in**-0.5)
+
+
 def rotary(x_BLHE: jax.Array, positions_L: jax.Array, theta: float) -> jax.Array:
     half = x_BLHE.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
@@ -141,30 +146,29 @@ class Attention(nn.Module):
         """The attention output; with `cache` (decoding, `x_BLD` at positions `start..`), also
         the cache with this layer's keys and values written in."""
         c = self.cfg
-        dense = lambda name, shape, axes, std: self.param(
-            name, nn.with_logical_partitioning(init_normal(std), axes), shape
+        dense = lambda name, shape, axes, fan_in: self.param(
+            name, nn.with_logical_partitioning(_dense_init(fan_in), axes), shape
         )
-        out_std = residual_init_std(c.num_layers)
         wq = dense(
-            "wq", (c.d_model, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), INIT_STD
+            "wq", (c.d_model, c.num_heads, c.head_dim), ("embed", "heads", "head_dim"), c.d_model
         )
         wk = dense(
             "wk",
             (c.d_model, c.num_kv_heads, c.head_dim),
             ("embed", "kv_heads", "head_dim"),
-            INIT_STD,
+            c.d_model,
         )
         wv = dense(
             "wv",
             (c.d_model, c.num_kv_heads, c.head_dim),
             ("embed", "kv_heads", "head_dim"),
-            INIT_STD,
+            c.d_model,
         )
         wo = dense(
             "wo",
             (c.num_heads, c.head_dim, c.d_model),
             ("heads", "head_dim", "embed"),
-            out_std,
+            c.num_heads * c.head_dim,
         )
         dt = c.dtype
         positions = jnp.arange(x_BLD.shape[1])
@@ -195,14 +199,12 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         c = self.cfg
-        init = nn.with_logical_partitioning(init_normal(INIT_STD), ("embed", "mlp"))
+        init = nn.with_logical_partitioning(_dense_init(c.d_model), ("embed", "mlp"))
         w_gate = self.param("w_gate", init, (c.d_model, c.d_ff))
         w_up = self.param("w_up", init, (c.d_model, c.d_ff))
         w_down = self.param(
             "w_down",
-            nn.with_logical_partitioning(
-                init_normal(residual_init_std(c.num_layers)), ("mlp", "embed")
-            ),
+            nn.with_logical_partitioning(_dense_init(c.d_ff), ("mlp", "embed")),
             (c.d_ff, c.d_model),
         )
         dt = c.dtype
@@ -225,9 +227,7 @@ class Block(nn.Module):
         x_BLD = x_BLD + attn_BLD
         mlp_in_BLD = RMSNorm(c.norm_eps, c.dtype, name="mlp_norm")(x_BLD)
         if c.moe.is_moe_layer(self.layer):
-            x_BLD = x_BLD + MoeMlp(
-                c.moe, c.d_model, c.dtype, residual_init_std(c.num_layers), name="moe"
-            )(mlp_in_BLD)
+            x_BLD = x_BLD + MoeMlp(c.moe, c.d_model, c.dtype, name="moe")(mlp_in_BLD)
         else:
             x_BLD = x_BLD + Mlp(c, name="mlp")(mlp_in_BLD)
         return nn.with_logical_constraint(x_BLD, ("batch", "seq", "embed")), cache
@@ -248,7 +248,7 @@ class Transformer(nn.Module):
         c = self.cfg
         embed_VD = self.param(
             "embed",
-            nn.with_logical_partitioning(init_normal(INIT_STD), ("vocab", "embed")),
+            nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
             (c.vocab_size, c.d_model),
         )
         x_BLD = embed_VD.astype(c.dtype)[tokens_BL]
@@ -268,9 +268,7 @@ class Transformer(nn.Module):
         else:
             out_DV = self.param(
                 "unembed",
-                nn.with_logical_partitioning(
-                    init_normal(untied_output_init_std(c.d_model)), ("embed", "vocab")
-                ),
+                nn.with_logical_partitioning(_dense_init(c.d_model), ("embed", "vocab")),
                 (c.d_model, c.vocab_size),
             )
         logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, out_DV.astype(c.dtype)).astype(jnp.float32)

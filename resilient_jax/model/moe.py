@@ -35,8 +35,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from resilient_jax.model.init import INIT_STD, init_normal
-
 # Logical axes of the tokens inside the experts: [sequences, experts, slots, width].
 EXPERT_TOKENS = ("expert_batch", "expert", None, None)
 
@@ -103,7 +101,6 @@ class MoeMlp(nn.Module):
     moe: MoeConfig
     d_model: int
     dtype: jnp.dtype
-    out_init_std: float  # of `w_down`, which writes into the residual stream (`model.init`)
 
     @nn.compact
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -114,13 +111,15 @@ class MoeMlp(nn.Module):
             nn.with_logical_partitioning(nn.initializers.normal((0.1 / d) ** 0.5), ("embed", None)),
             (d, num_e),
         )
-        w_in = nn.with_logical_partitioning(init_normal(INIT_STD), ("expert", "embed", "mlp"))
+        w_in = nn.with_logical_partitioning(
+            nn.initializers.normal(d**-0.5), ("expert", "embed", "mlp")
+        )
         w_gate_EDF = self.param("w_gate", w_in, (num_e, d, f))
         w_up_EDF = self.param("w_up", w_in, (num_e, d, f))
         w_down_EFD = self.param(
             "w_down",
             nn.with_logical_partitioning(
-                init_normal(self.out_init_std), ("expert", "mlp", "embed")
+                nn.initializers.normal(f**-0.5), ("expert", "mlp", "embed")
             ),
             (num_e, f, d),
         )
