@@ -64,12 +64,12 @@ def _config(local_root: str, gcs, **overrides):
     )
 
 
-def _timed_steps(ck, ctx, state, first: int, last: int) -> tuple:
+def _timed_steps(ck, ctx, state, first: int, last: int, writes_finish="local") -> tuple:
     """`step_through` one step at a time; returns (state, host copies, seconds per step)."""
     host, blocked = {}, {}
     for step in range(first, last + 1):
         started = time.perf_counter()
-        state, copies = step_through(ck, ctx, state, step, step, writes_finish="local")
+        state, copies = step_through(ck, ctx, state, step, step, writes_finish=writes_finish)
         blocked[step] = time.perf_counter() - started
         host.update(copies)
     return state, host, blocked
@@ -84,7 +84,11 @@ def test_emulator_killed_mid_save_training_goes_on_and_the_next_save_commits(
     ck = Checkpointer(ctx, handle_sigterm=False)
     assert ck.restore_latest(ctx) is None
     ck.on_start(ctx, state0)
-    state, host, normal = _timed_steps(ck, ctx, state0, 1, 8)  # persistent saves at 4 and 8
+    # Persistent saves at 4 (committed before step 5) and 8.
+    state, host, normal = _timed_steps(ck, ctx, state0, 1, 7, writes_finish=True)
+    state, more, last = _timed_steps(ck, ctx, state, 8, 8)
+    host.update(more)
+    normal.update(last)
     gcs.kill()  # the save of step 8 is in flight: Orbax writes it in the background
     killed, killed_at = time.monotonic(), time.time()
     state, more, blocked = _timed_steps(ck, ctx, state, 9, 16)
@@ -382,7 +386,9 @@ def test_local_cluster_with_a_gs_persistent_tier(tmp_path, gcs):
         f"--workdir={workdir}",
         "--num_slices=2",
         "--devices_per_process=2",
-        "--chaos=kill:process=1,step=12",
+        # Steps slowed 20x (to about the emulator's commit time): a save due while the previous
+        # one still commits is skipped, and the restore must find step 5 or 10 committed.
+        "--chaos=kill:process=1,step=12;slow:process=0,factor=20",
         *as_flags(
             {
                 **SMALL,

@@ -207,6 +207,7 @@ class Checkpointer(Hook):
                 if not self._writer.save_in_progress():
                     self._writer.tier.close()  # Orbax's close waits for a save still retrying
                 self._writer.stop()
+            self._probe.close()
             self._preemption.close()
 
     # ------------------------------------------------------------------------------ public API
@@ -391,9 +392,6 @@ class Checkpointer(Hook):
         def meta_of(digests: dict[str, str]) -> dict[str, Any]:
             return manifest.build_meta(ctx, step, digests, specs, position, d.reason, d.temporary)
 
-        # A store that went away since the probe fails the save in the writer thread: reported
-        # by `PersistentCommits.poll` as an outage, like a failed commit.
-        self._writer.start(step, snapshot, position, meta_of, d.temporary, started_mono)
         blocking = snapshot_s + time.perf_counter() - started
         self._policy.record_persistent_save(blocking)
         interval = self._policy.auto_interval_s() if ctx.config.checkpoint.auto_interval else None
@@ -408,6 +406,12 @@ class Checkpointer(Hook):
             skipped=self._commits.skipped or None,
         )
         self._commits.skipped = 0
+        # Handed to the writer thread last (a queue put): once it runs, digests and Orbax's
+        # main-thread part compete with this thread for the interpreter for as long as the
+        # state takes, so nothing of the save is left to do here by then. A store that went
+        # away since the probe fails the save in the writer thread: reported by
+        # `PersistentCommits.poll` as an outage, like a failed commit.
+        self._writer.start(step, snapshot, position, meta_of, d.temporary, started_mono)
 
     def _skip_persistent(
         self,

@@ -25,13 +25,13 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import time
 import urllib.parse
 
 import fsspec
 from etils import epath
 
+from resilient_jax.checkpoint.background import BackgroundThread, Job
 from resilient_jax.checkpoint.persistent import RUN_ID_FILE
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.events import EventLog
@@ -48,10 +48,17 @@ def one_line(e: BaseException) -> str:
 
 
 class StoreProbe:
-    """Whether a directory answers, asked in a daemon thread and waited for a bounded time."""
+    """Whether a directory answers, asked in a daemon thread and waited for a bounded time.
+
+    The thread lives across probes: starting one per probe costs the training thread the time a
+    new thread takes to be scheduled, tens of milliseconds on a loaded host, before every
+    persistent save. A probe still stuck in a store's retries keeps its thread; the next probe
+    gets a fresh one."""
 
     def __init__(self, directory: str) -> None:
         self._directory = epath.Path(directory)
+        self._thread: BackgroundThread | None = None
+        self._last: Job | None = None
 
     def unreachable(self, wait_s: float) -> str | None:
         """None if the directory answered within `wait_s` (existing or not), else why not.
@@ -67,12 +74,20 @@ class StoreProbe:
             except Exception as e:
                 outcome.append(f"{self._directory} unreachable: {one_line(e)}")
 
-        asking = threading.Thread(target=ask, name="store-probe", daemon=True)
-        asking.start()
-        asking.join(wait_s)
+        if self._thread is None or (self._last is not None and not self._last.done()):
+            if self._thread is not None:
+                self._thread.stop()  # ends once its stuck probe returns
+            self._thread = BackgroundThread("store-probe")
+        self._last = self._thread.submit(ask)
+        self._last.wait(wait_s)
         if not outcome:
             return f"{self._directory} did not answer within {wait_s:g}s"
         return outcome[0]
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()
+            self._thread = None
 
 
 def store_endpoint(path: str) -> tuple[str, int] | None:

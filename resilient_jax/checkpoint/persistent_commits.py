@@ -46,7 +46,8 @@ class PersistentCommits:
     def blocker(self, step: int, wait: bool = False) -> Blocked | None:
         """Why this process cannot start the persistent save of `step` now (None: it can). The
         save in flight is not waited for, unless `wait` (the final save, a preemption's), up to
-        `checkpoint.persistent_timeout_s`; the store is probed for at most `PROBE_WAIT_S`."""
+        `checkpoint.persistent_timeout_s`; the store is probed for at most `PROBE_WAIT_S`, also
+        while a save is in flight (a store gone away is an outage at once)."""
         probe_s = min(PROBE_WAIT_S, self._timeout_s)
         if self.writer is None:
             cause = self._probe.unreachable(probe_s)
@@ -59,7 +60,12 @@ class PersistentCommits:
                 if self.writer.save_in_progress():
                     age = time.monotonic() - pending.started
                     cause = f"the save of step {pending.step} is still in flight after {age:.1f}s"
-                    return Blocked(cause, busy=not wait and self._outage.since is None)
+                    if wait or self._outage.since is not None:
+                        return Blocked(cause)
+                    # Busy, unless the store has gone away meanwhile: that is an outage now,
+                    # not once the save in flight times out.
+                    unreachable = self._probe.unreachable(probe_s)
+                    return Blocked(unreachable) if unreachable else Blocked(cause, busy=True)
                 self.report_failure(e, pending.step)
                 self._outage.begin(step, str(e))  # a new save may still work: probe
         cause = self._probe.unreachable(probe_s)
