@@ -9,7 +9,8 @@ ln(V). One process, the model's parameters initialised from the config's seed as
 (`train.state`'s init, on one device), one forward pass in the config's compute dtype over the
 first `--rows` sequences of its training data cut to `--seq_len` tokens (the llama_1b shapes,
 0.97B parameters, fit a CPU at a short batch; the loss at initialisation does not depend on the
-batch size). `--label` names the row written (e.g. the initialisation measured).
+batch size). `--label` names the rows written (the initialisation measured); rows of other labels
+and other keys of the result file are kept.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ _CONFIGS = flags.DEFINE_list(
 )
 _ROWS = flags.DEFINE_integer("rows", 4, "Sequences of the first batch used.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per sequence (at most the config's).")
-_LABEL = flags.DEFINE_string("label", "current", "Name of the initialisation measured.")
+_LABEL = flags.DEFINE_string("label", "palm", "Name of the initialisation measured.")
 _OUT = flags.DEFINE_string(
     "out", "experiments/results/first_loss.json", "Result file (rows of other labels are kept)."
 )
@@ -82,10 +83,11 @@ def main(argv: list[str]) -> None:
     import json
 
     rows = [_first_loss(path) for path in _CONFIGS.value]
-    kept = []
+    previous: dict = {}
     if os.path.exists(_OUT.value):
         with open(_OUT.value) as f:
-            kept = [r for r in json.load(f)["rows"] if r["label"] != _LABEL.value]
+            previous = json.load(f)
+    kept = [r for r in previous.get("rows", []) if r["label"] != _LABEL.value]
     print(f"{'config':28} {'init':12} {'V':>6} {'ln V':>7} {'loss':>8} {'excess':>8}")
     for r in rows:
         print(
@@ -94,7 +96,8 @@ def main(argv: list[str]) -> None:
         )
     report.write_json(
         _OUT.value,
-        {
+        previous
+        | {
             "machine": report.host_line(),
             "rows_per_batch": _ROWS.value,
             "seq_len": _SEQ_LEN.value,
