@@ -108,6 +108,24 @@ def test_nothing_is_kept_before_the_twin_is_loaded_nor_a_state_the_step_is_not_g
     assert donated(state)
 
 
+def _save_step_2_of_5(ctx, step, batches, held_saves):
+    """Five steps from a fresh state with a checkpointer saving step 2, whose writes are held
+    until the fifth step has run; returns the state the save was given."""
+    checkpointer = Checkpointer(ctx, handle_sigterm=False)
+    state = init_state(ctx.config, ctx.mesh)
+    checkpointer.on_start(ctx, state)
+    for i in range(5):
+        state, _ = step(state, batches[i], np.float32(1.0))
+        if i == 1:
+            checkpointer.after_step(ctx, state, StepInfo(2, 1, data_position(2), 0.01))
+            saved = state
+    jax.block_until_ready(state)
+    held_saves.set()
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    return saved
+
+
 def test_a_save_reads_the_kept_state_after_later_steps_donated_theirs(
     tmp_path, local_root, held_saves
 ):
@@ -134,17 +152,7 @@ def test_a_save_reads_the_kept_state_after_later_steps_donated_theirs(
         state, _ = step(state, batches[i], one)
 
     # Both tiers' writes of step 2 wait until steps 3-5 have run; the save must not copy.
-    checkpointer = Checkpointer(ctx, handle_sigterm=False)
-    state = init_state(config, ctx.mesh)
-    checkpointer.on_start(ctx, state)
-    for i in range(5):
-        state, _ = step(state, batches[i], one)
-        if i == 1:
-            checkpointer.after_step(ctx, state, StepInfo(2, 1, data_position(2), 0.01))
-    jax.block_until_ready(state)
-    held_saves.set()
-    checkpointer.wait_until_finished()
-    checkpointer.close()
+    _save_step_2_of_5(ctx, step, batches, held_saves)
     committed = [e for e in read_events(ctx.workdir) if e["type"] == EventType.SAVE_COMMITTED]
     assert sorted(e["tier"] for e in committed if e["step"] == 2) == ["local", "persistent"]
     # The persistent copy too: its digests were computed from the kept state.
@@ -191,19 +199,8 @@ def test_a_save_whose_kept_state_would_not_fit_copies_it_to_host_and_keeps_nothi
     assert {leaf.sharding.memory_kind for leaf in jax.tree.leaves(copy)} == {"pinned_host"}
     assert host_bytes(copy) == expected
 
-    checkpointer = Checkpointer(ctx, handle_sigterm=False)
-    state = init_state(config, ctx.mesh)
-    checkpointer.on_start(ctx, state)
-    for i in range(5):
-        state, _ = step(state, batches[i], one)
-        if i == 1:
-            checkpointer.after_step(ctx, state, StepInfo(2, 1, data_position(2), 0.01))
-            saved = state
-    jax.block_until_ready(state)
+    saved = _save_step_2_of_5(ctx, step, batches, held_saves)
     assert donated(saved) and not asked  # the next step donated it: nothing was kept
-    held_saves.set()
-    checkpointer.wait_until_finished()
-    checkpointer.close()
     (method,) = [e for e in read_events(ctx.workdir) if e["type"] == EventType.SAVE_METHOD]
     assert method["method"] == "copy_to_host" and "exceeds" in method["why"]
     assert method["steady_bytes"] < memory_plan.HEADROOM * method["device_bytes"]
