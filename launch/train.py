@@ -30,6 +30,7 @@ from ml_collections import config_flags
 from resilient_jax import config as config_lib
 from resilient_jax.config import BadInput, command_line
 from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.contracts.generation_file import Fenced
 from resilient_jax.hf.importer import configure as configure_from_hf
 from resilient_jax.run import RunError, train
 from resilient_jax.train import memory_plan
@@ -83,6 +84,9 @@ def main(argv: list[str]) -> None:
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         code = e.exit_code
+    except Fenced as e:  # the supervisor gave this generation up: it writes nothing more
+        print(f"error: {e}", file=sys.stderr)
+        code = ExitCode.FAILED
     except Exception as e:  # unexpected: the traceback for the log, then one line saying what
         traceback.print_exc()
         print(f"error: {type(e).__name__}: {command_line.first_line(e)}", file=sys.stderr)

@@ -217,3 +217,76 @@ def test_worker_of_a_frozen_agent_fences_itself_after_the_eviction(tmp_path):
     assert (restart["generation"], restart["slices"]) == (1, [1])
     state = json.loads((workdir / "sim_state.json").read_text())
     assert state["step"] == CONFIG["total_steps"]
+
+
+# A persistent save in flight when its generation is given up: Orbax commits it in its own thread,
+# later; the tier's fence check right before the commit must keep the step from ever appearing.
+
+
+def _held_orbax_commit(monkeypatch) -> threading.Event:
+    """Holds Orbax's background commit thread (the write of the items, then the commit) until
+    the returned event is set: a save in flight on a slow store."""
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+
+    release = threading.Event()
+    commit = async_checkpointer._background_wait_for_commit_futures
+
+    def held(*args, **kwargs):
+        assert release.wait(30.0), "the test never released the save"
+        return commit(*args, **kwargs)
+
+    monkeypatch.setattr(async_checkpointer, "_background_wait_for_commit_futures", held)
+    return release
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("superseded", [True, False])
+def test_persistent_save_in_flight_commits_only_while_its_generation_is_current(
+    tmp_path, persistent_base, monkeypatch, superseded
+):
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from resilient_jax.checkpoint.errors import CheckpointError
+    from resilient_jax.checkpoint.persistent import PersistentTier
+
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    generation_file.advance(workdir, 0)
+    directory = f"{persistent_base}/checkpoints"
+    tier = PersistentTier(directory, keep=3, keep_period=0, fence=GenerationFence(workdir, 0))
+    state = {"w": jnp.arange(16.0), "b": jnp.ones((4,), jnp.int32)}
+    try:
+        tier.save(1, state, {"next_index": 8}, {"step": 1}, temporary=False)
+        assert tier.finish() is not None and tier.steps() == [1]
+        release = _held_orbax_commit(monkeypatch)
+        tier.save(2, state, {"next_index": 16}, {"step": 2}, temporary=False)
+        assert tier.save_in_progress()
+        if superseded:  # the supervisor gives generation 0 up while its save is in flight
+            generation_file.advance(workdir, 1)
+        release.set()
+        if superseded:
+            with pytest.raises(CheckpointError) as failed:
+                tier.finish(timeout_s=20.0)
+            reason = str(failed.value)
+            assert reason.splitlines() == [reason]
+            assert reason.startswith(f"persistent save of step 2 to {directory} failed: Fenced: ")
+            assert reason.endswith("generation 0 was superseded by generation 1: stopping (fenced)")
+            assert tier.last_committed == 1 and tier.steps() == [1]
+            assert not ocp.utils.is_checkpoint_finalized(tier.step_dir(2))
+            # Nothing more starts either, and the step before stays.
+            with pytest.raises(CheckpointError, match="step 3 not started: generation 0 was"):
+                tier.save(3, state, {"next_index": 24}, {"step": 3}, temporary=False)
+        else:
+            assert tier.finish(timeout_s=20.0) is not None and tier.last_committed == 2
+    finally:
+        tier.close()
+    # What plain Orbax (and the next generation) sees in the directory.
+    with ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(read_only=True)
+    ) as plain:
+        assert plain.all_steps() == ([1] if superseded else [1, 2])
+    reopened = PersistentTier(directory, keep=3, keep_period=0, read_only=True)
+    assert reopened.steps() == ([1] if superseded else [1, 2])
+    assert reopened.read_data_position(1) == {"next_index": 8}
+    reopened.close()

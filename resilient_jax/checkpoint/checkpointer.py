@@ -46,6 +46,7 @@ from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.contracts.generation_file import Fenced
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook, StepInfo, StopTraining
 from resilient_jax.train.state import TrainState
@@ -198,8 +199,10 @@ class Checkpointer(Hook):
         self._closed = True
         try:
             self.wait_until_finished()
-        except CheckpointError:
-            pass  # already reported as a save_failed event; close() must not mask the cause
+        except (CheckpointError, Fenced):
+            # Already reported as a save_failed event, or this generation was given up (its
+            # event log takes nothing more): close() must not mask the cause.
+            pass
         finally:
             if self._local is not None:
                 self._local.close()
@@ -443,7 +446,10 @@ class Checkpointer(Hook):
 
     def _open_persistent(self, ctx: RunContext) -> PersistentTier:
         c = ctx.config.checkpoint
-        persistent = PersistentTier(self.persistent_dir, c.keep, c.keep_period)
+        # A superseded generation's save in flight fails at its commit instead of committing.
+        persistent = PersistentTier(
+            self.persistent_dir, c.keep, c.keep_period, fence=ctx.events.fence
+        )
         check_persistent_dir(
             persistent,
             self._fingerprint,

@@ -5,6 +5,12 @@ Orbax), `data` (the JSON data position) and `meta` (see `manifest`). Saves are a
 caller blocks only while arrays are copied off the devices; Orbax writes and commits (temp dir,
 then rename or `commit_success.txt`) in the background.
 
+Fencing: a tier given the worker's `GenerationFence` checks it right before Orbax makes a step
+visible (Orbax's `post_finalization_callback`, called in its commit thread after every item is
+written and before the temp dir's rename or the `commit_success.txt` marker): a save started by a
+generation the supervisor has given up since then fails with the `Fenced` reason instead of
+committing, however long ago it started. The directory stays a plain Orbax one.
+
 Restore reads items with Orbax's handlers directly instead of `CheckpointManager.restore`, whose
 closing barrier would leave healthy processes waiting when one process fails to read its shards;
 the checkpointer agrees on success across processes itself, with a timeout.
@@ -25,6 +31,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
+from resilient_jax.contracts.generation_file import Fenced, GenerationFence
 
 ITEMS = ("state", "data", "meta")
 QUARANTINE_DIR = "quarantine"
@@ -106,9 +113,15 @@ class _KeepPolicy:
 
 class PersistentTier:
     def __init__(
-        self, directory: str, keep: int, keep_period: int, read_only: bool = False
+        self,
+        directory: str,
+        keep: int,
+        keep_period: int,
+        read_only: bool = False,
+        fence: GenerationFence | None = None,  # checked before each save and at its commit
     ) -> None:
         self.directory = epath.Path(directory)
+        self._fence = fence
         self._temporary: set[int] = set()
         self._last_committed: int | None = None
         self.pending: PendingSave | None = None
@@ -123,7 +136,10 @@ class PersistentTier:
             create=False,  # made below: Orbax refuses to create it when processes are named
             # Orbax's asynchronous directory creation leaves a thread waiting 300 s for a signal
             # when creation fails, which would hold a failed run at exit; mkdir is cheap.
-            async_options=ocp.AsyncOptions(create_directories_asynchronously=False),
+            async_options=ocp.AsyncOptions(
+                create_directories_asynchronously=False,
+                post_finalization_callback=self._check_fence if fence is not None else None,
+            ),
             enable_async_checkpointing=True,
             # Naming the processes makes Orbax use the coordination service's barriers, which
             # time out, instead of a device collective that waits forever for a dead peer.
@@ -222,6 +238,10 @@ class PersistentTier:
         """
         if step in self._manager.all_steps():
             return None  # committed before (the same step replayed after a restore)
+        try:
+            self._check_fence()
+        except Fenced as e:
+            raise CheckpointError(f"persistent save of step {step} not started: {e}") from e
         if temporary:
             self._temporary.add(step)
         started = time.monotonic()
@@ -242,6 +262,14 @@ class PersistentTier:
             ) from e
         self.pending = PendingSave(step, started, time.monotonic() - started)
         return self.pending
+
+    def _check_fence(self) -> None:
+        """Raises `Fenced` once a newer generation started. Also Orbax's last call before a step
+        becomes visible (on the process that commits it), in its commit thread: raising there
+        leaves the step uncommitted (a temp dir, or no `commit_success.txt`, which Orbax lists
+        as no step and cleans up) and fails the save with this reason at `finish()`."""
+        if self._fence is not None:
+            self._fence.check()
 
     def _disarm_reported_error(self) -> None:
         """Orbax 0.12 keeps a failed save's error in its finalize thread and re-raises it once
