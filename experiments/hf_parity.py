@@ -4,8 +4,9 @@
     python experiments/hf_parity.py [--steps=200] [--variants=...] [--out=...]
     -> experiments/results/hf_parity.json and hf_parity.png (both loss curves, relative difference)
 
-A small model (the bundled 1024-token BPE, d_model 128, 2 layers, 4 query and 2 key/value heads, in-band health check off) is
-initialised here (`train.state.init_state`), exported with `hf.exporter.write` and loaded by
+A small model (the bundled 1024-token BPE, d_model 128, 2 layers, 4 query and 2 key/value heads;
+the in-band health check off, as the reference has none) is initialised here
+(`train.state.init_state`), exported with `hf.exporter.write` and loaded by
 `LlamaForCausalLM.from_pretrained`. Both then train `--steps` steps on the same batches (batch k =
 examples k*B..(k+1)*B-1 of the config's example stream, what `BatchLoader` feeds step k) with the
 config's learning-rate schedule, clipping and weight-decay rules, and the loss of every step (before
