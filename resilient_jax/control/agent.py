@@ -39,7 +39,9 @@ from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import processes, protocol, worker_env
+from resilient_jax.control.line_server import ConnectionLimits
 from resilient_jax.control.probe import probe_host
+from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.tier_service import TierServer
 from resilient_jax.events import EventLog
 
@@ -116,7 +118,16 @@ class HostAgent:
         self._terminated = False
         # This host's local tier, read-only to peers (what it serves comes with the `welcome`):
         # it outlives the workers, so a replaced host restores from it.
-        self._tier = TierServer(address or "0.0.0.0", 0, token)
+        # Held to the control port's limits against clients that are not the run's: its
+        # defaults until the `welcome` names the run's (`coordinator.*`).
+        refusals = RefusalReports(self._events, self._say)
+        self._tier = TierServer(
+            address or "0.0.0.0",
+            0,
+            token,
+            on_refused=refusals.refused,
+            on_suppressed=refusals.suppressed,
+        )
 
     def request_stop(self) -> None:
         """SIGTERM to the agent (a scheduler ending the host): workers save and stop, the agent
@@ -228,6 +239,9 @@ class HostAgent:
         if kind == ap.CMD_WELCOME:
             self._settings.update(command.get("settings", {}))
             self._tier.serve(str(self._settings.get("serve_local_dir", "")))
+            limits = self._settings.get("connection_limits")
+            if isinstance(limits, dict):
+                self._tier.set_limits(ConnectionLimits(**limits))
             if command.get("probe_now"):
                 threading.Thread(
                     target=self._probe, args=(command.get("probe", {}),), daemon=True

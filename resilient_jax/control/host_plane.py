@@ -9,6 +9,7 @@ supervisor, which listens there again so running workers' heartbeats reach it) f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import time
@@ -202,6 +203,8 @@ class HostPlane:
                 "save_grace_s": float(self._c.save_grace_s),
                 # The local tier the agent serves to peers' restores ("": none).
                 "serve_local_dir": str(ckpt.local_dir) if ckpt.peer_fetch else "",
+                # What the agent's local-tier port allows clients that are not the run's.
+                "connection_limits": dataclasses.asdict(ConnectionLimits.from_config(self._c)),
             },
             "probe": {
                 "jax": bool(self._c.probe_jax),

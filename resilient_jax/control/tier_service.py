@@ -12,8 +12,16 @@ connection, a JSON line carrying the run's token:
 
 or `{"ok": false, "error": "..."}`. KEY is the run's directory under the tier's root, ID a committed
 step directory (`proc-.../step_...`); nothing else under the root can be named. Every wait on both
-sides is bounded: the server gives a silent client `_CLIENT_TIMEOUT_S`, a client gives a whole
-request `timeout_s` and raises `PeerError` past it.
+sides is bounded: a client gives a whole request `timeout_s` and raises `PeerError` past it.
+
+The port is reachable by anyone on the network, so it holds like the supervisor's control port
+(`line_server.ConnectionLimits`, the `coordinator.*` keys the supervisor's `welcome` passes on):
+a connection must send its whole request, with the run token, within `auth_timeout_s` of its
+accept (a trickling client gains nothing), at most `max_pending` connections are open without
+having done so (one beyond is closed at once), and every connection refused (silent, too slow,
+an over-long or malformed request, a wrong token) is reported once, at a bounded rate per peer
+(`refusals.RefusalLimiter`). An accepted request's answer is sent with `_CLIENT_TIMEOUT_S` per
+send: a reader that stops taking bytes is dropped.
 """
 
 from __future__ import annotations
@@ -36,10 +44,12 @@ from resilient_jax.contracts.local_tier import (
     RUN_KEY,
     STEP_PREFIX,
 )
+from resilient_jax.control.line_server import SEND_TIMEOUT_S, ConnectionLimits
+from resilient_jax.control.refusals import OnRefused, OnSuppressed, RefusalLimiter
 
 LIST, READ = "list", "read"
 MAX_REQUEST_BYTES = 8 << 20  # a read names each piece of one copy: thousands of ranges at most
-_CLIENT_TIMEOUT_S = 30.0  # the server drops a client silent for this long
+_CLIENT_TIMEOUT_S = 30.0  # the server drops an accepted client that takes no bytes this long
 _CHUNK = 1 << 20
 
 
@@ -47,27 +57,53 @@ class PeerError(OSError):
     """A peer that did not answer in time, refused, or sent something malformed."""
 
 
+class _Refused(Exception):
+    """A connection the server closes for what it sent (or did not send in time)."""
+
+
 # ------------------------------------------------------------------------------------ server
 
 
 class TierServer:
     """Serves the committed local-tier steps under `root` (set by `serve`) on `host:port` (port 0:
-    any free port), from construction until `close()`; requests without `token` are refused."""
+    any free port), from construction until `close()`; requests without `token` are refused, and
+    clients that are not the run's are held to `limits` (`set_limits` changes them)."""
 
-    def __init__(self, host: str, port: int, token: str) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        limits: ConnectionLimits | None = None,
+        on_refused: OnRefused | None = None,
+        on_suppressed: OnSuppressed | None = None,
+    ) -> None:
         self._token = token
         self._root: str | None = None  # None: the local tier is not served (yet)
+        self._limits = limits or ConnectionLimits()
+        self._on_refused, self._on_suppressed = on_refused, on_suppressed
+        # Connection threads and the accepting thread share these; the lock guards both.
+        self._lock = threading.Lock()
+        self._refusals = RefusalLimiter(
+            self._limits.refusals_logged, self._limits.refusal_window_s, on_refused, on_suppressed
+        )
+        self._pending = 0  # connections accepted whose request has not been accepted yet
         outer = self
 
-        class Handler(socketserver.StreamRequestHandler):
-            timeout = _CLIENT_TIMEOUT_S
-
+        class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                outer._handle(self.rfile, self.connection)
+                outer._handle(self.request, _peer(self.client_address))
 
         class Server(socketserver.ThreadingTCPServer):
             allow_reuse_address = True
             daemon_threads = True  # a slow client never delays the agent's exit
+
+            def verify_request(self, request: Any, client_address: Any) -> bool:
+                return outer._admit(_peer(client_address))
+
+            def service_actions(self) -> None:  # every poll_interval: windows that ended
+                with outer._lock:
+                    outer._refusals.flush(time.monotonic())
 
         self._server = Server((host, port), Handler)
         self._thread = threading.Thread(
@@ -79,35 +115,92 @@ class TierServer:
     def port(self) -> int:
         return int(self._server.server_address[1])
 
+    @property
+    def refused_total(self) -> int:
+        """Connections refused since the start (reported one by one or counted)."""
+        with self._lock:
+            return self._refusals.total
+
     def serve(self, root: str | None) -> None:
         """Serves the local tier rooted at `root` (`checkpoint.local_dir`); None or "": nothing."""
         self._root = os.path.abspath(root) if root else None
+
+    def set_limits(self, limits: ConnectionLimits) -> None:
+        """Holds connections accepted from now on to `limits` (the run's, once it names them)."""
+        with self._lock:
+            if limits == self._limits:
+                return
+            self._refusals.flush(None)  # what the old windows counted is reported, not lost
+            self._limits = limits
+            self._refusals = RefusalLimiter(
+                limits.refusals_logged,
+                limits.refusal_window_s,
+                self._on_refused,
+                self._on_suppressed,
+            )
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=1.0)
+        with self._lock:
+            self._refusals.flush(None)
 
-    def _handle(self, rfile: Any, conn: socket.socket) -> None:
+    def _admit(self, peer: str) -> bool:
+        """Whether a new connection is served (the accepting thread; a refused one is closed)."""
+        with self._lock:
+            if self._pending < self._limits.max_pending:
+                self._pending += 1
+                return True
+        self._refuse(
+            peer,
+            f"{self._limits.max_pending} unauthenticated connections open already "
+            "(coordinator.max_pending_connections)",
+        )
+        return False
+
+    def _refuse(self, peer: str, why: str) -> None:
+        with self._lock:
+            self._refusals.refused(peer, why, time.monotonic())
+
+    def _handle(self, conn: socket.socket, peer: str) -> None:
+        with self._lock:
+            auth_timeout_s = self._limits.auth_timeout_s
+        pending = True
         try:
-            line = rfile.readline(MAX_REQUEST_BYTES + 1)
-            request = json.loads(line)
-            if not isinstance(request, dict):
-                raise ValueError("not a request")
-        except (OSError, ValueError):
-            return  # nothing sensible to answer
-        try:
-            header, data = self._answer(request)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            header, data = {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
-        with contextlib.suppress(OSError):
-            conn.sendall(_line(header))
-            if data is not None:
-                _send_ranges(conn, *data)
+            try:
+                request = _read_request(conn, time.monotonic() + auth_timeout_s, auth_timeout_s)
+            except _Refused as e:
+                self._refuse(peer, str(e))
+                return
+            if request is None:
+                return  # the peer closed on its own
+            if not hmac.compare_digest(str(request.get("token", "")), self._token):
+                self._refuse(peer, "no or wrong run token")
+                header: dict[str, Any] = {"ok": False, "error": "no or wrong run token"}
+                with contextlib.suppress(OSError):
+                    conn.settimeout(SEND_TIMEOUT_S)
+                    conn.sendall(_line(header))
+                return
+            with self._lock:
+                self._pending -= 1
+            pending = False
+            try:
+                header, data = self._answer(request)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                header, data = {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
+            with contextlib.suppress(OSError):
+                conn.settimeout(_CLIENT_TIMEOUT_S)
+                conn.sendall(_line(header))
+                if data is not None:
+                    _send_ranges(conn, *data)
+        finally:
+            if pending:
+                with self._lock:
+                    self._pending -= 1
 
     def _answer(self, request: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-        if not hmac.compare_digest(str(request.get("token", "")), self._token):
-            return {"ok": False, "error": "no or wrong run token"}, None
+        """The answer to a request that carries the run token."""
         root = self._root
         if root is None:
             return {"ok": False, "error": "this host serves no local tier"}, None
@@ -127,6 +220,47 @@ class TierServer:
                 return {"ok": False, "error": f"a range outside {copy}'s {size} bytes"}, None
             return {"ok": True, "nbytes": sum(n for _, n in ranges)}, (path, ranges)
         return {"ok": False, "error": f"unknown request type {request.get('type')!r}"}, None
+
+
+def _read_request(
+    conn: socket.socket, deadline: float, auth_timeout_s: float
+) -> dict[str, Any] | None:
+    """The request line of a new connection, whole by `deadline`; None if the peer closed first.
+    Raises `_Refused` for a request late, over-long or malformed."""
+    buffer = bytearray()
+    while b"\n" not in buffer:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _Refused(
+                f"no request with the run token within {auth_timeout_s:g}s "
+                "(coordinator.auth_timeout_s)"
+            )
+        try:
+            conn.settimeout(left)
+            data = conn.recv(_CHUNK)
+        except TimeoutError:
+            continue  # the deadline says
+        except OSError:
+            return None
+        if not data:
+            return None
+        buffer += data
+        if len(buffer) > MAX_REQUEST_BYTES and b"\n" not in buffer[:MAX_REQUEST_BYTES]:
+            raise _Refused(f"a request longer than {MAX_REQUEST_BYTES} bytes")
+    line = bytes(buffer).partition(b"\n")[0]
+    if len(line) > MAX_REQUEST_BYTES:
+        raise _Refused(f"a request longer than {MAX_REQUEST_BYTES} bytes")
+    try:
+        request = json.loads(line)
+    except ValueError:
+        raise _Refused("not a JSON request") from None
+    if not isinstance(request, dict):
+        raise _Refused("not a JSON request")
+    return request
+
+
+def _peer(address: Any) -> str:
+    return f"{address[0]}:{address[1]}" if isinstance(address, tuple) else "?"
 
 
 def _committed_copies(run_root: str) -> list[dict[str, Any]]:
