@@ -94,8 +94,7 @@ def test_tiny_training_run_loss_falls_and_writes_run_files(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = strict_json_lines(tmp_path / "metrics.jsonl")
     assert rows[-1]["step"] == 60 and all("loss" in r for r in rows)
-    # From ln V at the published initialisation (measured: 6.93 at step 1, 6.22 at step 60).
-    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5, [r["loss"] for r in rows]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, [r["loss"] for r in rows]
     # The first step has no step time (nothing before it to measure from): null, not NaN.
     assert rows[0]["step"] == 1 and rows[0]["step_time_s"] is None
     assert rows[1]["step_time_s"] > 0
