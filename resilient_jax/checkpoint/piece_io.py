@@ -40,7 +40,9 @@ def aligned_empty(shape: Iterable[int], dtype: Any) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = np.empty(nbytes + ALIGN, np.uint8)
     start = (-raw.ctypes.data) % ALIGN
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
+    # Placed by offset, not by slicing: numpy keeps an empty slice's data pointer at its base's
+    # start, so a zero-size piece sliced out would be aligned only when the allocation was.
+    return np.ndarray(shape, dtype, buffer=raw, offset=start)
 
 
 def as_bytes(array: np.ndarray) -> memoryview:
