@@ -10,6 +10,8 @@ the process at exit (the checkpointer has already given up on it and said so).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -35,8 +37,11 @@ class BackgroundThread:
     Calls must handle their own errors (a writer records them for its `finish`); anything they
     let through is dropped here so the thread keeps serving."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, nice: int = 0) -> None:
+        """`nice`: added to the thread's own nice value (Linux schedules threads one by one), so
+        that its work takes the CPU the training thread and XLA's leave idle."""
         self._queue: queue.SimpleQueue[tuple[Callable[[], None], Job] | None] = queue.SimpleQueue()
+        self._nice = nice
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -54,6 +59,12 @@ class BackgroundThread:
         self._thread.join(wait_s)
 
     def _serve(self) -> None:
+        if self._nice:
+            # Best effort: a platform without per-thread priorities runs the thread as it is.
+            with contextlib.suppress(OSError, AttributeError):
+                tid = threading.get_native_id()
+                niceness = os.getpriority(os.PRIO_PROCESS, tid) + self._nice
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
         while (item := self._queue.get()) is not None:
             call, job = item
             try:
