@@ -10,6 +10,7 @@ Sizes are tiny_cpu's model widened and deepened (the train state is float32 para
 AdamW's two moments: 12 bytes a parameter):
 
     44MB   configs/tiny_cpu.py as it is (d_model 256, 4 layers; 128 tokens x 16 rows)
+    0.4GB  d_model 512, 8 layers, d_ff 2048, 8 heads; 64 tokens x 8 rows (0.41 GB)
     1GB    d_model 768, 8 layers, d_ff 3072, 12 heads; 64 tokens x 8 rows (0.92 GB)
     2.4GB  d_model 1024, 12 layers, d_ff 4096, 16 heads; 64 tokens x 8 rows
 
@@ -55,6 +56,16 @@ RESULTS = os.path.join(HERE, "results")
 
 SIZES: dict[str, dict[str, Any]] = {
     "44MB": {},
+    "0.4GB": {
+        "model.d_model": 512,
+        "model.num_layers": 8,
+        "model.d_ff": 2048,
+        "model.num_heads": 8,
+        "model.num_kv_heads": 8,
+        "model.head_dim": 64,
+        "data.seq_len": 64,
+        "global_batch_size": 8,
+    },
     "1GB": {
         "model.d_model": 768,
         "model.num_layers": 8,
@@ -89,10 +100,7 @@ TINY = {
     "global_batch_size": 16,
 }
 STAGES = ("checkpoint", "peer", "recovery", "elastic")
-# glibc's allocator keeps freed blocks of a size it saw freed before in per-thread arenas (its
-# mmap threshold rises up to 32 MB): the writer threads' state-sized buffers then stay resident
-# after use, and a 1 GB state's benchmark outgrew 24 GB. A fixed threshold returns them.
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+
 
 _SIZES = flags.DEFINE_list("sizes", list(SIZES), f"State sizes to run, of {list(SIZES)}.")
 _STAGES = flags.DEFINE_list("stages", list(STAGES), f"Benchmarks to run, of {list(STAGES)}.")
@@ -105,7 +113,7 @@ _TIMEOUT_S = flags.DEFINE_integer("timeout_s", 3600, "Bound on one benchmark run
 
 
 def state_gb(size: str) -> float:
-    return {"44MB": 0.044, "1GB": 0.92, "2.4GB": 2.43}[size]
+    return {"44MB": 0.044, "0.4GB": 0.41, "1GB": 0.92, "2.4GB": 2.43}[size]
 
 
 def result_path(stage: str, size: str) -> str:
@@ -174,7 +182,6 @@ def run_stage(stage: str, size: str) -> dict[str, Any]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, **MALLOC_ENV},
         )
         try:
             code = proc.wait(timeout=_TIMEOUT_S.value)
@@ -217,7 +224,11 @@ def _checkpoint(r: dict[str, Any]) -> dict[str, float]:
 
 
 def _peer(r: dict[str, Any]) -> dict[str, float]:
+    gb = r["state_mb"] / 1e3
     return {
+        "restore local, one process s": _med(r["restore_s"]["local"]),
+        "restore persistent, one process s": _med(r["restore_s"]["persistent"]),
+        "local restore (peer bench) GB/s": gb / _med(r["restore_s"]["local"]),
         "peer restore s": _med(r["restore_s"]["peer"]),
         "peer / local restore": r["peer_over_local"],
         "peer fetch MB/s": r["fetch_mb_per_s"],
@@ -311,8 +322,8 @@ def plot(summary: dict[str, Any], path: str) -> None:
         "blocking orbax_sync s",
         "commit local s",
         "commit persistent s",
-        "restore local -> same mesh s",
-        "restore persistent -> same mesh s",
+        "restore local, one process s",
+        "restore persistent, one process s",
         "peer restore s",
         "fault -> first step s",
         "elastic stall s",
