@@ -19,23 +19,52 @@ pytest.importorskip("torch")
 MOE = {"model.moe.num_experts": 4, "mesh.expert": 2, "per_device_batch_size": 2}
 
 
-@pytest.mark.parametrize("model", [{}, MOE], ids=["dense", "moe"])
-def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_path, model):
-    """Loss, parameters and (for a mixture of experts) the router's metrics match the
+def _assert_like_the_single_runtime_step(config, ctx, params, metrics, steps: int) -> None:
+    """`params` and the last `metrics` of `steps` elastic steps from a fresh state match the
     single-runtime step's to float tolerance, not bitwise: the elastic step sums each part's
     microbatches and then the parts, the single-runtime step all microbatches in one scan, so
-    the float additions run in another order."""
-    from resilient_jax.control.quorum import QuorumServer
+    the float additions run in another order. A mixture of experts' router metrics too."""
     from resilient_jax.data import BatchLoader, make_source
     from resilient_jax.data.position import DataPosition
-    from resilient_jax.elastic.data import StepIndex
-    from resilient_jax.elastic.trainer import ElasticStep
     from resilient_jax.train.compile import compile_step, without_fault_scale
     from resilient_jax.train.state import init_state
 
-    config = tiny_config(**{"elastic.enabled": True, "elastic.slices": 2, **model})
+    reference = init_state(config, ctx.mesh)
+    batches = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config), DataPosition())
+    train_step = without_fault_scale(compile_step(ctx))
+    for _ in range(steps):
+        reference, ref_metrics = train_step(reference, batches.next()[1])
+    batches.close()
+    ref_metrics = jax.device_get(ref_metrics)
+    assert sorted(metrics) == sorted(ref_metrics)  # the same metrics.jsonl keys
+    moe = config.model.moe.num_experts > 0
+    assert ("moe_expert_load" in ref_metrics) == moe
+    for key in ("loss", "grad_norm", "lm_loss", "moe_balance_loss", "moe_z_loss"):
+        if key in ref_metrics:
+            assert float(metrics[key]) == pytest.approx(float(ref_metrics[key]), rel=1e-5)
+    for key in ("moe_dropped_fraction", "moe_expert_load"):  # counts: exact in float32
+        if key in ref_metrics:
+            np.testing.assert_array_equal(metrics[key], ref_metrics[key])
+    close = jax.tree.map(
+        lambda a, b: np.allclose(a, b, rtol=1e-4, atol=1e-6),
+        params,
+        jax.device_get(reference.params),
+    )
+    assert all(jax.tree.leaves(close))
+
+
+def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_path):
+    """A dense model here; a mixture of experts (its router's metrics) in the slow
+    test_moe_parts_split_across_two_slices_give_a_lone_slices_bits."""
+    from resilient_jax.control.quorum import QuorumServer
+    from resilient_jax.data import make_source
+    from resilient_jax.data.position import DataPosition
+    from resilient_jax.elastic.data import StepIndex
+    from resilient_jax.elastic.trainer import ElasticStep
+    from resilient_jax.train.state import init_state
+
+    config = tiny_config(**{"elastic.enabled": True, "elastic.slices": 2})
     ctx = run_context(config, str(tmp_path), devices=2)
-    assert ctx.plan.expert == (2 if model else 1)
     source = make_source(config)
     server = QuorumServer("t", join_timeout_s=0.5, expected=1, settle_s=0.0)
     trained = {}
@@ -53,29 +82,8 @@ def test_a_lone_slice_trains_the_global_batch_like_the_single_runtime_step(tmp_p
         run_slices(server.address, [0], lone_slice, exchange_timeout_s=5.0)
     finally:
         server.close()
-    elastic_params, elastic_metrics = trained["params"], trained["metrics"]
-    reference = init_state(config, ctx.mesh)
-    batches = BatchLoader(config, ctx.mesh, ctx.plan, source, DataPosition())
-    train_step = without_fault_scale(compile_step(ctx))
-    for _ in range(3):
-        reference, ref_metrics = train_step(reference, batches.next()[1])
-    batches.close()
     assert trained["step"] == 3
-    ref_metrics = jax.device_get(ref_metrics)
-    assert sorted(elastic_metrics) == sorted(ref_metrics)  # the same metrics.jsonl keys
-    assert ("moe_expert_load" in ref_metrics) == bool(model)
-    for key in ("loss", "grad_norm", "lm_loss", "moe_balance_loss", "moe_z_loss"):
-        if key in ref_metrics:
-            assert float(elastic_metrics[key]) == pytest.approx(float(ref_metrics[key]), rel=1e-5)
-    for key in ("moe_dropped_fraction", "moe_expert_load"):  # counts: exact in float32
-        if key in ref_metrics:
-            np.testing.assert_array_equal(elastic_metrics[key], ref_metrics[key])
-    close = jax.tree.map(
-        lambda a, b: np.allclose(a, b, rtol=1e-4, atol=1e-6),
-        elastic_params,
-        jax.device_get(reference.params),
-    )
-    assert all(jax.tree.leaves(close))
+    _assert_like_the_single_runtime_step(config, ctx, trained["params"], trained["metrics"], 3)
     # One quorum of one slice, which computed both parts of every step.
     steps = events_of(str(tmp_path), "elastic_step")
     assert [(e["step"], e["owned"], e["slices"]) for e in steps] == [
@@ -275,7 +283,7 @@ def test_a_joining_slice_is_handed_the_state_over_a_step_the_survivor_computes_a
     assert not events_of(str(tmp_path / "s0"), "elastic_exchange_failed")
 
 
-@pytest.mark.slow  # two runs of a mixture of experts, one of two slices: about 25 s on 2 cores
+@pytest.mark.slow  # a mixture of experts: one slice, two slices, the single-runtime step
 def test_moe_parts_split_across_two_slices_give_a_lone_slices_bits(tmp_path, shared_programs):
     """A mixture of experts trained by two slices over a real quorum server and gloo, each
     computing its own part: parameters and every metric (the router's sums included) are
@@ -310,6 +318,10 @@ def test_moe_parts_split_across_two_slices_give_a_lone_slices_bits(tmp_path, sha
         return results
 
     lone = train(1, str(tmp_path / "lone"))[0]
+    # The lone slice, computing both parts, makes the single-runtime step's update.
+    lone_ctx = run_context(config, str(tmp_path / "reference"), devices=2)
+    assert lone_ctx.plan.expert == 2
+    _assert_like_the_single_runtime_step(config, lone_ctx, *lone, steps=2)
     pair = train(2, str(tmp_path / "pair"))
     owned = [e["owned"] for e in events_of(str(tmp_path / "pair" / "1"), "elastic_step")]
     assert owned == [[1], [1]]
