@@ -38,7 +38,9 @@ def test_a_job_stopped_mid_round_resumes_to_the_undisturbed_bits(tmp_path):
             "elastic.sync_every_steps": EVERY,
             "elastic.timeout_s": 10.0,
             "elastic.quorum_timeout_s": 60.0,
-            "checkpoint.every_steps": 3,
+            # The only save before the stop is STOP_AT's: with an earlier one (say at step 3)
+            # still committing when STOP_AT's is due, STOP_AT's would be skipped.
+            "checkpoint.every_steps": STOP_AT,
             "checkpoint.sync_timeout_s": 30.0,
         },
     )
