@@ -25,9 +25,10 @@ OVERRIDES = {
     "checkpoint.local_dir": "",
     "log.progress_bar": False,
     "log.tensorboard": False,
-    "coordinator.heartbeat_timeout_s": 2.0,
+    # The workers' heartbeat timeouts are the defaults: a kill is seen at its exit and a lost
+    # host by its agent's silence, and a compile on a loaded 2-core host can hold a worker's
+    # heartbeats for over 2 s (a slice was taken for lost in its first compile at load 44).
     "coordinator.agent_timeout_s": 2.0,
-    "coordinator.jax_heartbeat_timeout_s": 5,
     "coordinator.startup_timeout_s": 120.0,
     "coordinator.kill_grace_s": 0.5,
     "coordinator.readmit_after_s": -1.0,
