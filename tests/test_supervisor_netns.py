@@ -202,7 +202,9 @@ def test_worker_behind_a_cut_link_fences_itself(netns_testbed, tmp_path):
         events = run.events()
         failure = next(e for e in events if e["type"] == "failure_detected")
         evict = next(e for e in events if e["type"] == "evict")
-        assert (failure["cause"], evict["slice"]) == ("host_lost", 0)
+        # The cut silences the agent and the worker at once, both with 1.5 s timeouts: whichever
+        # silence the supervisor judges first names the failure (both seen in runs here).
+        assert failure["cause"] in ("host_lost", "heartbeat") and evict["slice"] == 0
         assert exited_at - evict["time"] <= HEARTBEAT_TIMEOUT_S + 1.0
         assert [e for e in events if e.get("pid") == worker and e["time"] > failure["time"]] == []
         assert saved_step(run.workdir) == total
