@@ -88,9 +88,10 @@ def test_smoke_runs_every_phase(tmp_path):
     assert restart["cold"]["compile_cache"] == "miss"
     killed = result["killed"]
     assert killed["last_step"] > killed["saved_step"]
-    # The warm restart resumes from the save the killed process committed last.
-    assert restart["warm"]["restored_step"] == killed["saved_step"]
-    assert restart["warm"]["steps_lost"] == killed["last_step"] - killed["saved_step"]
+    # The warm restart resumes from the save the killed process had committed last, or from one
+    # it started at its last step whose write ended before the kill landed.
+    assert killed["saved_step"] <= restart["warm"]["restored_step"] <= killed["last_step"]
+    assert restart["warm"]["steps_lost"] == killed["last_step"] - restart["warm"]["restored_step"]
     for run in (restart["warm"], restart["cold"]):
         assert run["restore_tier"] == "local" and run["steps_lost"] >= 0
         assert run["kill_to_productive_step_s"] >= run["kill_to_first_step_s"] > 0
