@@ -208,8 +208,10 @@ class LineServer:
         connection = self._connections.get(conn)
         if connection is None:
             return  # closed already
-        self._drop(conn)
+        # Reported before the close: a peer that sees its connection end finds the refusal
+        # already logged (the other order let a reader of the event log race the report).
         self._refusals.refused(connection.peer, why, self._clock())
+        self._drop(conn)
 
     def _drop(self, conn: socket.socket) -> None:
         if conn not in self._connections:
