@@ -227,7 +227,9 @@ def _persistent_events(workdir: str, kind: str) -> list[dict]:
     return [e for e in events_of(workdir, kind) if e.get("tier", "persistent") == "persistent"]
 
 
-def test_a_refused_save_costs_only_itself(tmp_path, local_root, gcs, refusing, state0):
+def _refusal_run(tmp_path, local_root, gcs, refusing, state0) -> tuple:
+    """A run on gs:// through the refusing proxy that committed step 4, the proxy set to refuse
+    the uploads of step 8: (config, workdir, ctx, checkpointer, state, host copies by step)."""
     workdir = str(tmp_path / "run")
     config = _config(local_root, gcs, **{"checkpoint.persistent_timeout_s": REFUSAL_TIMEOUT_S})
     ctx = run_context(config, workdir)
@@ -237,6 +239,13 @@ def test_a_refused_save_costs_only_itself(tmp_path, local_root, gcs, refusing, s
     state, host = step_through(ck, ctx, state0, 1, 4)
     ck.wait_until_finished()
     refusing.refuse_steps = {8}
+    return config, workdir, ctx, ck, state, host
+
+
+def test_a_refused_save_costs_only_itself(tmp_path, local_root, gcs, refusing, state0):
+    config, workdir, ctx, ck, state, host = _refusal_run(
+        tmp_path, local_root, gcs, refusing, state0
+    )
     state, more = step_through(ck, ctx, state, 5, 12)  # 8 refused; 12 started after it
     host.update(more)
     ck.wait_until_finished()  # raises if the save of 12 failed too
@@ -264,15 +273,7 @@ def test_the_final_step_waits_for_a_recovery_save_still_committing(
 ):
     """The store refused the save of 8 (an outage); the recovery save of 12 is slow to commit
     and still in flight when the run ends at 14: the final save waits for it, then commits."""
-    workdir = str(tmp_path / "run")
-    config = _config(local_root, gcs, **{"checkpoint.persistent_timeout_s": REFUSAL_TIMEOUT_S})
-    ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
-    ck.restore_latest(ctx)
-    ck.on_start(ctx, state0)
-    state, _ = step_through(ck, ctx, state0, 1, 4)
-    ck.wait_until_finished()
-    refusing.refuse_steps = {8}
+    _, workdir, ctx, ck, state, _ = _refusal_run(tmp_path, local_root, gcs, refusing, state0)
     refusing.delay_s = {12: 0.3}  # each upload of 12: its commit takes seconds
     state, _ = step_through(ck, ctx, state, 5, 11)
     state, _ = step_through(ck, ctx, state, 12, 14, writes_finish="local")
