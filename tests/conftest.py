@@ -96,6 +96,28 @@ def run_python(
 SMALL = small_cpu.SHORT_RUN
 
 
+# The supervisor's settings for short supervised runs of sim or tiny workers: fast heartbeats
+# and restarts, no re-admission, the plain reshape path, the hosts' probe without JAX.
+FAST_SUPERVISION = {
+    "coordinator.heartbeat_interval_s": 0.2,
+    "coordinator.heartbeat_timeout_s": 1.5,
+    "coordinator.hang_floor_s": 3.0,
+    "coordinator.startup_timeout_s": 30.0,
+    "coordinator.kill_grace_s": 0.5,
+    "coordinator.save_grace_s": 10.0,
+    "coordinator.backoff_s": 0.1,
+    "coordinator.readmit_after_s": -1.0,
+    # Slices here step no faster than one: re-admission would never pay, and is what is tested.
+    "coordinator.scale_up_when_faster": False,
+    # The reshape path is what these runs test: the cost-aware planner would wait for a
+    # slice back within seconds instead.
+    "coordinator.reconfiguration": "reshape",
+    # The hosts' health probe without its JAX start (tests of the probe run it).
+    "coordinator.probe_jax": False,
+    "coordinator.agent_timeout_s": 1.5,
+}
+
+
 def as_flags(overrides: dict) -> list[str]:
     """`--config.KEY=VALUE` flags for the launcher."""
     return [

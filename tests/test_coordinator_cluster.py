@@ -19,6 +19,7 @@ import sys
 import time
 
 import pytest
+from conftest import FAST_SUPERVISION
 
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction
@@ -32,23 +33,8 @@ BASE = {
     "total_steps": TOTAL_STEPS,
     "global_batch_size": BATCH,
     "checkpoint.every_steps": 5,
-    "coordinator.heartbeat_interval_s": 0.2,
-    "coordinator.heartbeat_timeout_s": 1.5,
+    **FAST_SUPERVISION,
     "coordinator.jax_heartbeat_timeout_s": 4,
-    "coordinator.hang_floor_s": 3.0,
-    "coordinator.startup_timeout_s": 30.0,
-    "coordinator.kill_grace_s": 0.5,
-    "coordinator.save_grace_s": 10.0,
-    "coordinator.backoff_s": 0.1,
-    "coordinator.readmit_after_s": -1.0,
-    # Slices here step no faster than one: re-admission would never pay, and is what is tested.
-    "coordinator.scale_up_when_faster": False,
-    # The reshape path is what these runs test: the cost-aware planner would wait for a
-    # slice back within seconds instead.
-    "coordinator.reconfiguration": "reshape",
-    # The hosts' health probe without its JAX start (tests of the probe run it).
-    "coordinator.probe_jax": False,
-    "coordinator.agent_timeout_s": 1.5,
 }
 
 

@@ -17,6 +17,7 @@ import threading
 import time
 
 import pytest
+from conftest import FAST_SUPERVISION
 
 from resilient_jax.contracts import generation_file
 from resilient_jax.contracts.generation_file import Fenced, GenerationFence
@@ -124,20 +125,9 @@ CONFIG = {
     "total_steps": 60,
     "global_batch_size": 8,
     "checkpoint.every_steps": 5,
-    "coordinator.heartbeat_interval_s": 0.2,
-    "coordinator.heartbeat_timeout_s": 1.5,
+    **FAST_SUPERVISION,
     # JAX's own heartbeat would end the stale process 0 later anyway: the fence must be first.
     "coordinator.jax_heartbeat_timeout_s": 60,
-    "coordinator.hang_floor_s": 3.0,
-    "coordinator.startup_timeout_s": 30.0,
-    "coordinator.kill_grace_s": 0.5,
-    "coordinator.save_grace_s": 10.0,
-    "coordinator.backoff_s": 0.1,
-    "coordinator.readmit_after_s": -1.0,
-    "coordinator.scale_up_when_faster": False,
-    "coordinator.reconfiguration": "reshape",
-    "coordinator.probe_jax": False,
-    "coordinator.agent_timeout_s": 1.5,
 }
 
 
