@@ -460,6 +460,37 @@ def test_restart_policy_crash_loop_and_backoff():
     assert "crash loop: 3 failures in a row without getting past step 70" in policy.stop_reason()
 
 
+class _Exited:
+    """A worker as `generation.blame` sees it: its process index and its exit code."""
+
+    def __init__(self, process: int, code: int | None) -> None:
+        self.process, self._code = process, code
+
+    def poll(self) -> int | None:
+        return self._code
+
+
+def test_a_peer_that_stops_the_run_on_purpose_outranks_an_error_then_a_death():
+    from resilient_jax.control.generation import Outcome, Watched, blame
+
+    error = detector.Failure(detector.FailureCause.EXIT, 0, "exit 1", since=0.0, exit_code=1)
+    seen = Watched(Outcome.FAILURE, error)
+    # Process 0 failed first (a collective with its peer); its peer stopped the run with exit 3.
+    fatal = blame([_Exited(0, 1), _Exited(1, 3)], seen, 0.01)
+    assert (fatal.outcome, fatal.failure.process, fatal.failure.exit_code) == (Outcome.FATAL, 1, 3)
+    both = blame([_Exited(0, 1), _Exited(1, -9), _Exited(2, 3)], seen, 0.01)
+    assert (both.outcome, both.failure.process) == (Outcome.FATAL, 2)
+    killed = blame([_Exited(0, 1), _Exited(1, -9)], seen, 0.01)
+    assert (killed.outcome, killed.failure.process, killed.failure.exit_code) == (
+        Outcome.FAILURE,
+        1,
+        -9,
+    )
+    assert blame([_Exited(0, 1), _Exited(1, None)], seen, 0.01) is seen  # no cause found
+    stopped = Watched(Outcome.FATAL, dataclasses.replace(error, exit_code=3))
+    assert blame([_Exited(0, 3), _Exited(1, -9)], stopped, 0.01) is stopped
+
+
 def test_straggler_eviction_pays_only_when_the_rest_is_faster():
     assert straggler_eviction_pays(1.5, 2, 2) == (True, "a spare slice replaces it")
     assert straggler_eviction_pays(2.1, 2, 1)[0]  # one slice alone is 2x slower, the straggler 2.1x

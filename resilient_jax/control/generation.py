@@ -116,13 +116,38 @@ def _alive(code: int | None) -> bool:
 def blame(workers: Sequence[RemoteWorker], watched: Watched, poll_s: float) -> Watched:
     """The failure to act on. A peer's death reaches the supervisor through its host's agent, and
     the survivors' errors in a collective with it (an error report, an exit code) may arrive a
-    moment earlier: before blaming such a software error, wait `SETTLE_S` for a death by a signal,
-    which is the cause."""
+    moment earlier: before blaming such a software error, wait `SETTLE_S` for what caused it. A
+    peer that stopped the run on purpose (a fatal exit code) outranks everything, then a death by
+    a signal; a fatal exit is never replaced."""
     failure = watched.failure
-    if failure is None or not (
-        failure.cause == detector.FailureCause.ERROR or (failure.exit_code or 0) > 0
+    if (
+        failure is None
+        or watched.outcome == Outcome.FATAL
+        or not (failure.cause == detector.FailureCause.ERROR or (failure.exit_code or 0) > 0)
     ):
         return watched
+    deadline = time.monotonic() + SETTLE_S
+    died: detector.Failure | None = None
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        for worker in workers:
+            code = worker.poll()
+            if code is None or worker.process == failure.process:
+                continue
+            if code in exit_codes.FATAL or not _alive(code):
+                cause = detector.Failure(
+                    detector.FailureCause.EXIT,
+                    worker.process,
+                    f"process {worker.process} {describe_exit(code)}",
+                    failure.since,
+                    code,
+                )
+                if code in exit_codes.FATAL:
+                    return Watched(Outcome.FATAL, cause)
+                died = died or cause
+        if died is not None:
+            return Watched(Outcome.FAILURE, died)
+    return watched
     deadline = time.monotonic() + SETTLE_S
     while time.monotonic() < deadline:
         time.sleep(poll_s)
