@@ -322,6 +322,7 @@ def supervise_tiny_cpu(
 
     config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
     config.update_from_flattened_dict(overrides)
+    log = io.StringIO()
     argv = [
         sys.executable,
         "launch/train.py",
@@ -335,11 +336,14 @@ def supervise_tiny_cpu(
         argv,
         str(workdir),
         actions=actions,
-        out=out if out is not None else io.StringIO(),
+        out=out if out is not None else log,
         cwd=REPO,
     )
     result = supervisor.run(time_limit_s=time_limit_s)
     events = list(read_events(str(workdir)))
+    if result.exit_code != 0 and out is None:
+        # Shown by pytest with a failing test: the supervisor's own account of the run.
+        print(f"supervisor exited {result.exit_code}; its output:\n{log.getvalue()[-6000:]}")
     for pid in [e["pid"] for e in events if e["type"] == "process_start" and "source" in e]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
