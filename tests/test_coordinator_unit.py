@@ -487,8 +487,33 @@ def test_a_peer_that_stops_the_run_on_purpose_outranks_an_error_then_a_death():
         -9,
     )
     assert blame([_Exited(0, 1), _Exited(1, None)], seen, 0.01) is seen  # no cause found
+    # A preempted peer: the generation was preempted, not failed (no failure counted).
+    for preempted in (42, -15):
+        assert blame([_Exited(0, 1), _Exited(1, preempted)], seen, 0.01).outcome == (
+            Outcome.PREEMPTED
+        )
+    assert blame([_Exited(0, 1), _Exited(1, 42), _Exited(2, -9)], seen, 0.01).outcome == (
+        Outcome.FAILURE
+    )
     stopped = Watched(Outcome.FATAL, dataclasses.replace(error, exit_code=3))
     assert blame([_Exited(0, 3), _Exited(1, -9)], stopped, 0.01) is stopped
+
+
+def test_one_look_at_the_exits_blames_the_cause_not_the_peers_error():
+    from resilient_jax.control.generation import Outcome, poll_exits
+
+    for codes, outcome, process in (
+        ([1, 3], Outcome.FATAL, 1),  # a health verdict, and the peer's error in a collective
+        ([1, -9], Outcome.FAILURE, 1),  # a kill, and the peer's error
+        ([1, 42], Outcome.PREEMPTED, None),  # a preemption, and the peer's error
+        ([42, -9], Outcome.FAILURE, 1),  # a kill outranks a preemption
+    ):
+        workers = [_Exited(i, code) for i, code in enumerate(codes)]
+        for worker in workers:
+            worker.started_at = 0.0
+        _, _, watched = poll_exits(workers, 1.0, 0.1)
+        assert watched.outcome == outcome, codes
+        assert (watched.failure.process if watched.failure else None) == process, codes
 
 
 def test_straggler_eviction_pays_only_when_the_rest_is_faster():

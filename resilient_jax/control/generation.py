@@ -85,9 +85,9 @@ def poll_exits(
     # dies between two looks must not pass for the first to fail.
     codes = [(worker, worker.poll()) for worker in workers]
     # A worker that stops the run on purpose outranks its peers, which may fail a moment later in
-    # a collective with it: look at fatal exits first, then deaths by a signal (the peers' errors
-    # follow from them).
-    order = sorted(codes, key=lambda wc: (wc[1] not in exit_codes.FATAL, _alive(wc[1])))
+    # a collective with it: look at fatal exits first, then deaths by a signal, then preemptions
+    # (the peers' errors follow from any of them).
+    order = sorted(codes, key=lambda wc: _rank(wc[1]))
     for worker, code in order:
         if code is None:
             running[worker.process] = worker.started_at
@@ -108,6 +108,16 @@ def poll_exits(
     return running, finished, None
 
 
+def _rank(code: int | None) -> int:
+    """Which exit explains the others: a fatal code, a death by a signal, a preemption, then
+    the rest (errors, the finished and the running)."""
+    if code in exit_codes.FATAL:
+        return 0
+    if not _alive(code):
+        return 1
+    return 2 if code in exit_codes.PREEMPTED_STATUSES else 3
+
+
 def _alive(code: int | None) -> bool:
     """False for a worker killed by a signal (not a preemption's SIGTERM)."""
     return code is None or code >= 0 or code in exit_codes.PREEMPTED_STATUSES
@@ -116,9 +126,10 @@ def _alive(code: int | None) -> bool:
 def blame(workers: Sequence[RemoteWorker], watched: Watched, poll_s: float) -> Watched:
     """The failure to act on. A peer's death reaches the supervisor through its host's agent, and
     the survivors' errors in a collective with it (an error report, an exit code) may arrive a
-    moment earlier: before blaming such a software error, wait `SETTLE_S` for what caused it. A
-    peer that stopped the run on purpose (a fatal exit code) outranks everything, then a death by
-    a signal; a fatal exit is never replaced."""
+    moment earlier: before blaming such a software error, wait `SETTLE_S` for what caused it: a
+    peer that stopped the run on purpose (a fatal exit code), else one killed by a signal, else a
+    preempted one (then the generation was preempted, not failed). A fatal exit is never
+    replaced."""
     failure = watched.failure
     if (
         failure is None
@@ -127,37 +138,20 @@ def blame(workers: Sequence[RemoteWorker], watched: Watched, poll_s: float) -> W
     ):
         return watched
     deadline = time.monotonic() + SETTLE_S
-    died: detector.Failure | None = None
     while time.monotonic() < deadline:
         time.sleep(poll_s)
-        for worker in workers:
-            code = worker.poll()
-            if code is None or worker.process == failure.process:
-                continue
-            if code in exit_codes.FATAL or not _alive(code):
-                cause = detector.Failure(
-                    detector.FailureCause.EXIT,
-                    worker.process,
-                    f"process {worker.process} {describe_exit(code)}",
-                    failure.since,
-                    code,
-                )
-                if code in exit_codes.FATAL:
-                    return Watched(Outcome.FATAL, cause)
-                died = died or cause
-        if died is not None:
-            return Watched(Outcome.FAILURE, died)
-    return watched
-    deadline = time.monotonic() + SETTLE_S
-    while time.monotonic() < deadline:
-        time.sleep(poll_s)
-        for worker in workers:
-            code = worker.poll()
-            if not _alive(code):
-                assert code is not None
-                detail = f"process {worker.process} {describe_exit(code)}"
-                died = detector.Failure(
-                    detector.FailureCause.EXIT, worker.process, detail, failure.since, code
-                )
-                return Watched(Outcome.FAILURE, died)
+        peers = [(w, w.poll()) for w in workers if w.process != failure.process]
+        peers = sorted([(w, c) for w, c in peers if c is not None], key=lambda wc: _rank(wc[1]))
+        if peers and _rank(peers[0][1]) < 3:
+            worker, code = peers[0]
+            if code in exit_codes.PREEMPTED_STATUSES:
+                return Watched(Outcome.PREEMPTED)
+            cause = detector.Failure(
+                detector.FailureCause.EXIT,
+                worker.process,
+                f"process {worker.process} {describe_exit(code)}",
+                failure.since,
+                code,
+            )
+            return Watched(Outcome.FATAL if code in exit_codes.FATAL else Outcome.FAILURE, cause)
     return watched
