@@ -229,6 +229,40 @@ def test_corrupt_persistent_step_falls_back_and_quarantines(tmp_path, state0, ca
     assert not os.path.exists(os.path.join(workdir, "checkpoints", "4"))
 
 
+def test_a_read_of_a_persistent_step_that_fails_once_is_read_again_not_passed_by(
+    tmp_path, state0, monkeypatch
+):
+    """A store's passing error (a dropped connection) must not cost a committed step: taken for
+    invalid, it would be passed by and quarantined, and the run resume from an older one."""
+    from resilient_jax.checkpoint import restore as restore_module
+    from resilient_jax.checkpoint.errors import InvalidCheckpoint
+    from resilient_jax.checkpoint.persistent import PersistentTier
+
+    workdir = str(tmp_path)
+    config, _, host = _saved_run(workdir, "", state0)
+    monkeypatch.setattr(restore_module, "READ_RETRY_DELAYS_S", (0.01, 0.01))
+    failures = {"restore_state": 1, "read_meta": 1}
+    for name in failures:
+        real = getattr(PersistentTier, name)
+
+        def failing_once(self, *args, _real=real, _name=name, **kwargs):
+            if failures[_name]:
+                failures[_name] -= 1
+                raise InvalidCheckpoint("state unreadable: connection reset by peer")
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(PersistentTier, name, failing_once)
+    ctx = run_context(config, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False)
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert failures == {"restore_state": 0, "read_meta": 0}  # each failed once
+    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 4)
+    assert_bitwise(restored.state, host[4])
+    assert events_of(workdir, EventType.CHECKPOINT_INVALID) == []
+    assert not os.path.exists(os.path.join(workdir, "checkpoints", "quarantine"))
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_corrupt_local_piece_falls_back_to_older_step(tmp_path, local_root, state0, damage, capsys):
     workdir = str(tmp_path)

@@ -264,7 +264,8 @@ def test_a_refused_save_costs_only_itself(tmp_path, local_root, gcs, refusing, s
     ck = Checkpointer(ctx, handle_sigterm=False)
     restored = ck.restore_latest(ctx)
     ck.close()
-    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 12)
+    invalid = events_of(workdir, EventType.CHECKPOINT_INVALID)
+    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 12), invalid
     assert_bitwise(restored.state, host[12])
 
 

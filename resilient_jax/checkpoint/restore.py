@@ -22,6 +22,7 @@ process's in-flight saves):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +65,22 @@ class _Candidate:
 
 def _local_key(step: int, timeline: str) -> str:
     return f"{step}@{timeline}"
+
+
+# Waits before reading a persistent step again: a read that fails may be the store's passing
+# error (a dropped connection, a slow answer), and a committed step taken for invalid is passed by
+# and quarantined, so the run would resume from an older one. A damaged step fails every time.
+READ_RETRY_DELAYS_S = (0.5, 1.0)
+
+
+def _read_retrying(read: Callable[[], Any], step: int) -> Any:
+    for delay in READ_RETRY_DELAYS_S:
+        try:
+            return read()
+        except InvalidCheckpoint as e:
+            logging.warning("persistent step %d: %s; reading it again in %.1fs", step, e, delay)
+            time.sleep(delay)
+    return read()
 
 
 def _persistent_key(step: int) -> str:
@@ -270,7 +287,8 @@ class Restorer:
 
     def _load_persistent(self, ctx: RunContext, step: int, wanted: LeafSpecs) -> _Loaded:
         assert self.persistent is not None
-        meta = self.persistent.read_meta(step)
+        persistent = self.persistent
+        meta = _read_retrying(lambda: persistent.read_meta(step), step)
         manifest.check_compatible(
             meta,
             self.fingerprint,
@@ -278,8 +296,10 @@ class Restorer:
             f"{self.persistent_dir} (step {step})",
             self.accept_other_config,
         )
-        state = self.persistent.restore_state(step, ctx.abstract_state)
-        position = DataPosition.from_json(self.persistent.read_data_position(step))
+        state = _read_retrying(lambda: persistent.restore_state(step, ctx.abstract_state), step)
+        position = DataPosition.from_json(
+            _read_retrying(lambda: persistent.read_data_position(step), step)
+        )
         return Restored(state, position, step, Tier.PERSISTENT), meta.get("checksums", {})
 
     def _restore_init_from(self, ctx: RunContext, started: float) -> Restored | None:
