@@ -29,7 +29,7 @@ _CONFIGS = flags.DEFINE_list(
 )
 _ROWS = flags.DEFINE_integer("rows", 4, "Sequences of the first batch used.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 128, "Tokens per sequence (at most the config's).")
-_LABEL = flags.DEFINE_string("label", "palm", "Name of the initialisation measured.")
+_LABEL = flags.DEFINE_string("label", "zero_readout", "Name of the initialisation measured.")
 _OUT = flags.DEFINE_string(
     "out", "experiments/results/first_loss.json", "Result file (rows of other labels are kept)."
 )

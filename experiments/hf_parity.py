@@ -35,9 +35,10 @@ Conventions, and how the reference is made to follow them (where the two differ)
   peak at `total_steps` (`optax.warmup_cosine_decay_schedule`), evaluated at the number of updates
   already applied: the first update has rate 0 (its moments still count). The reference uses
   `LambdaLR` with the same formula written out.
-- Clipping: by global norm before Adam. torch divides by (norm + 1e-6), optax by the norm: when a
-  step is clipped the reference's gradient is smaller by a relative ~1e-6 / norm, which Adam's
-  normalised update all but ignores.
+- Clipping: by global norm before Adam, (g / norm) * max_norm when the norm reaches max_norm, as
+  `optax.clip_by_global_norm` does; the reference applies that rule itself instead of
+  `torch.nn.utils.clip_grad_norm_`, which divides by (norm + 1e-6) (a relative 1e-6 apart in every
+  clipped step, which float32 chaos then grows).
 - Adam: bias-corrected moments and eps outside the square root in both (optax `eps_root` 0).
 """
 
@@ -76,8 +77,15 @@ _VARIANTS = flags.DEFINE_list(
 )
 _OUT = flags.DEFINE_string("out", "experiments/results/hf_parity.json", "Result file.")
 _PLOT = flags.DEFINE_bool("plot", True, "Also write the PNG next to the result file.")
+_TIED = flags.DEFINE_bool(
+    "tied",
+    False,
+    "The tied output layer (model.tie_embeddings=True) instead of the default untied one.",
+)
 
-FLOAT32_TOLERANCE = 1e-4  # max relative loss difference over the run, float32
+_FLOAT32_TOLERANCE = flags.DEFINE_float(
+    "float32_tolerance", 1e-4, "Max relative loss difference over the run, float32 (the target)."
+)
 # bfloat16: ours may differ from the bfloat16 reference by this multiple of the reference's own
 # bfloat16-vs-float32 spread (the two round in different places: transformers under autocast
 # keeps a float32 residual stream, ours computes it in bfloat16).
@@ -110,6 +118,7 @@ def make_config(steps: int, compute_dtype: str = "float32", **overrides: Any):
     config = _tiny_cpu()
     in_process.quiet(config, steps)
     config.update_from_flattened_dict({**MODEL, "model.compute_dtype": compute_dtype, **overrides})
+    config.model.tie_embeddings = _TIED.value
     return config
 
 
@@ -217,12 +226,23 @@ def reference(config, hf_dir: str, data: np.ndarray, bfloat16: bool) -> list[flo
             loss = model(input_ids=tokens, labels=tokens).loss
         loss.backward()
         if o.grad_clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(list(params.values()), o.grad_clip_norm)
+            _clip_like_optax(list(params.values()), o.grad_clip_norm)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     return losses
+
+
+def _clip_like_optax(params: list[Any], max_norm: float) -> None:
+    """`optax.clip_by_global_norm`'s rule, (g / norm) * max_norm when norm >= max_norm, in
+    place of `torch.nn.utils.clip_grad_norm_`'s g * max_norm / (norm + 1e-6): a difference of a
+    relative 1e-6 in every clipped update would start the two runs apart for no reason."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    if norm >= max_norm:
+        for g in grads:
+            g.div_(norm).mul_(max_norm)
 
 
 def _same_tree(a: Any, b: Any) -> bool:
@@ -272,7 +292,7 @@ def compare(steps: int, variants: list[str]) -> dict[str, Any]:
     for name, run in runs.items():
         dtype = name.split("_", 1)[0]
         diff = relative(run["losses"], references[dtype])
-        limit = FLOAT32_TOLERANCE if dtype == "float32" else BFLOAT16_BAND_FACTOR * band
+        limit = _FLOAT32_TOLERANCE.value if dtype == "float32" else BFLOAT16_BAND_FACTOR * band
         run.update(
             relative_difference=diff.tolist(),
             max_relative_difference=float(diff.max()),
@@ -282,11 +302,11 @@ def compare(steps: int, variants: list[str]) -> dict[str, Any]:
         )
     return {
         "steps": steps,
-        "model": MODEL,
+        "model": {**MODEL, "model.tie_embeddings": _TIED.value},
         "optimizer": base.optimizer.to_dict(),
         "bfloat16_band": band,
         "bfloat16_band_factor": BFLOAT16_BAND_FACTOR,
-        "float32_tolerance": FLOAT32_TOLERANCE,
+        "float32_tolerance": _FLOAT32_TOLERANCE.value,
         "reference": references,
         "runs": runs,
     }

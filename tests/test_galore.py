@@ -133,8 +133,10 @@ def _opt_state_bytes(state) -> int:
 
 
 def test_state_is_sharded_like_its_weights_and_at_most_half_of_adamw(tmp_path):
-    # Vocabulary 256: the weight matrices dominate, as the bar (rank d_model / 4) asks.
-    ctx = run_context(tiny_config(**GALORE, **{"model.vocab_size": 256}), str(tmp_path))
+    # Vocabulary 256 and the tied output layer: the weight matrices dominate, as the bar (rank
+    # d_model / 4) asks (the embedding and an untied output layer keep full Adam).
+    small_vocab = {"model.vocab_size": 256, "model.tie_embeddings": True}
+    ctx = run_context(tiny_config(**GALORE, **small_vocab), str(tmp_path))
     galore_state = ctx.abstract_state.opt_state[1][0]
     assert "embed" not in galore_state.projections  # embeddings keep full Adam
     specs = {k: tuple(v.sharding.spec) for k, v in galore_state.projections.items()}
@@ -144,7 +146,7 @@ def test_state_is_sharded_like_its_weights_and_at_most_half_of_adamw(tmp_path):
     mu = galore_state.inner.mu["layer_0"]["mlp"]
     assert (mu["w_gate"].shape, tuple(mu["w_gate"].sharding.spec)) == ((16, 128), (None, "tensor"))
     assert (mu["w_down"].shape, tuple(mu["w_down"].sharding.spec)) == ((128, 16), ("tensor", None))
-    adamw = run_context(tiny_config(**{"model.vocab_size": 256}), str(tmp_path)).abstract_state
+    adamw = run_context(tiny_config(**small_vocab), str(tmp_path)).abstract_state
     assert _opt_state_bytes(ctx.abstract_state) <= _opt_state_bytes(adamw) / 2
 
 

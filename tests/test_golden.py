@@ -4,11 +4,12 @@ must give the losses in `golden/tiny_cpu.json` at steps 10, 50 and 100, so any c
 
 The golden losses were first made before the layout redesign (which reproduced them bit for bit),
 then made again when the default run moved to the bundled 1024-token BPE with a held-out
-evaluation split (losses per subword token), and again when the token stream began ending every
-document with end-of-text (the same initialisation as before). The comparison allows a relative
-1e-4: far below what any change in what is computed moves a loss (1e-2 and more by step 10), and
-above the float32 reduction-order noise another CPU's vectorisation or another XLA version may add
-over 100 steps."""
+evaluation split (losses per subword token), again when the token stream began ending every
+document with end-of-text (the same initialisation as before), and again when the default model
+got an untied output layer initialised to zero (a first loss of ln V). The comparison allows a
+relative 1e-4: far below what any change in what is computed moves a loss (1e-2 and more by step
+10), and above the float32 reduction-order noise another CPU's vectorisation or another XLA
+version may add over 100 steps."""
 
 from __future__ import annotations
 

@@ -63,14 +63,16 @@ def tokens(config, batch: int = 2) -> np.ndarray:
 
 
 def random_params(config, seed: int = 0):
-    """Our model's initialisation with every norm scale perturbed (ones would hide a swap)."""
+    """Our model's initialisation with every norm scale perturbed (ones would hide a swap) and
+    a random output layer (the initialisation's zeros would hide a transposition)."""
     model = make_model(config)
     params = nn.unbox(model.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32))["params"])
     rng = np.random.default_rng(seed)
+    noise = {"scale": 0.1, "unembed": config.model.d_model**-0.5}
     return jax.tree_util.tree_map_with_path(
         lambda path, x: (
-            np.asarray(x) + (0.1 * rng.standard_normal(x.shape)).astype(np.float32)
-            if path[-1].key == "scale"
+            np.asarray(x) + (noise[path[-1].key] * rng.standard_normal(x.shape)).astype(np.float32)
+            if path[-1].key in noise
             else np.asarray(x)
         ),
         params,

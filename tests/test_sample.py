@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,11 +30,15 @@ TRAINED_STEPS = 10
 
 def random_model(**overrides) -> tuple[ModelConfig, dict]:
     """The SMALL model with grouped-query attention and its own output projection (a random
-    tied one mostly repeats the last token), randomly initialised."""
+    tied one mostly repeats the last token), randomly initialised: the output layer too, which
+    the model's own initialisation sets to zero (every token equally likely)."""
     config = tiny_config(**{"model.num_kv_heads": 1, "model.tie_embeddings": False, **overrides})
     cfg = ModelConfig.from_config(config.model)
     tokens = jnp.zeros((1, config.data.seq_len), jnp.int32)
-    return cfg, Transformer(cfg).init(jax.random.key(7), tokens)["params"]
+    params = dict(nn.unbox(Transformer(cfg).init(jax.random.key(7), tokens)["params"]))
+    shape = params["unembed"].shape
+    params["unembed"] = jax.random.normal(jax.random.key(8), shape) * shape[0] ** -0.5
+    return cfg, params
 
 
 def test_cached_greedy_decoding_gives_the_tokens_and_logits_of_full_recomputation():

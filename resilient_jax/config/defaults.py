@@ -34,7 +34,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-6  # RMSNorm epsilon
     c.model.remat = False  # recompute each block in the backward pass: less memory, more compute
     c.model.compute_dtype = "float32"  # activations' dtype; parameters stay float32
-    c.model.tie_embeddings = True  # the output projection reuses the input embedding
+    # False: an output layer of its own, zero at initialisation (a first loss of exactly ln V);
+    # True: the output projection reuses the input embedding (fewer parameters, a first loss
+    # above ln V: resilient_jax/model/__init__.py).
+    c.model.tie_embeddings = False
     c.model.moe = ml_collections.ConfigDict()  # mixture of experts (resilient_jax.model.moe)
     c.model.moe.num_experts = 0  # experts per MoE layer; 0 = dense
     c.model.moe.every = 1  # layers every-1, 2*every-1, ... are MoE layers

@@ -101,13 +101,16 @@ class KVCache:
         return self.layers[0].keys_BTKE.shape[1]
 
 
-# Initialisation as in PaLM (Chowdhery et al. 2022, section 5): kernels N(0, 1/fan_in), the
-# embedding N(0, 1) (no norm is applied to it), and the tied output layer scaled by d_model^-1/2.
-# A fresh model's final hidden state is close to the embedding of the token it just read, so its
-# first loss is above ln(vocab_size) (tiny_cpu: 9.2 at ln V 6.9). GPT-2's N(0, 0.02^2) with
-# depth-scaled residual projections starts at ln V but, with this scaled tied output layer, sat
-# at the unigram loss (about 6.0) through step 100 of the default run where this reaches 4.2
-# (experiments/first_loss.py, experiments/README.md).
+# Initialisation: PaLM's (Chowdhery et al. 2022, section 5) for the body, kernels N(0, 1/fan_in)
+# and the embedding N(0, 1) (no norm is applied to it), and the untied output layer zero, as
+# muP's readout (Yang et al. 2022, "Tensor Programs V"). Every logit of a fresh model
+# is 0, so its first loss is exactly ln(vocab_size) at any width, and the output layer's first
+# updates move the logits at Adam's full rate. With a tied output layer (the embedding scaled by
+# d_model^-1/2) a fresh model predicts the token it just read, since the final hidden state is
+# close to that token's embedding: the first loss is above ln V (tiny_cpu: 9.2 at ln V 6.9) and
+# grows with d_model. Measured alternatives (GPT-2's N(0, 0.02^2), smaller embeddings, a small
+# final-norm gain) start at ln V with the tied layer but learn far slower: experiments/README.md,
+# "Initialisation and the first loss".
 def _dense_init(fan_in: int) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev=fan_in**-0.5)
 
@@ -268,7 +271,7 @@ class Transformer(nn.Module):
         else:
             out_DV = self.param(
                 "unembed",
-                nn.with_logical_partitioning(_dense_init(c.d_model), ("embed", "vocab")),
+                nn.with_logical_partitioning(nn.initializers.zeros, ("embed", "vocab")),
                 (c.d_model, c.vocab_size),
             )
         logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, out_DV.astype(c.dtype)).astype(jnp.float32)
