@@ -172,6 +172,7 @@ def test_expert_weights_get_a_basis_per_expert_sharded_like_them(tmp_path):
     )
 
 
+@pytest.mark.slow  # compiles the MoE + GaLore step on 4 devices: 25-40 s on 2 cores
 def test_moe_galore_checkpoint_restores_and_resumes_bitwise_on_the_same_mesh(tmp_path):
     config = checkpoint_config(**MOE_GALORE, **{"checkpoint.every_steps": 2})
     ctx = run_context(config, str(tmp_path), devices=4)

@@ -37,6 +37,7 @@ def test_bad_profile_steps_exit_2_with_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # two 6-step runs, one under the profiler: 15-30 s on 2 cores
 def test_a_profiled_run_writes_a_trace_and_trains_the_same(tmp_path):
     from resilient_jax.run import train
 
