@@ -65,6 +65,15 @@ _LEAN = flags.DEFINE_bool(
     "Leave out the device-copy save (local_copy, snapshot) and the non-donating step block: each "
     "holds one more state, which a large state on a small host cannot spare.",
 )
+_PARTS = flags.DEFINE_list(
+    "parts",
+    ["saves", "steps", "restores"],
+    "Parts run (1 saves, 2 steps, 3 restores); a state too large for one process to hold every "
+    "part's copies is measured part by part (experiments/growth.py does).",
+)
+_KINDS = flags.DEFINE_list(
+    "kinds", [], "Save kinds of part 1 (default: every kind, less the device copies with --lean)."
+)
 _BACKENDS_OUT = flags.DEFINE_string(
     "backends_out", "experiments/results/bench_checkpoint_gcs.json", "Result file of --backends."
 )
@@ -142,9 +151,16 @@ def main(argv: list[str]) -> None:
         ]
         if _LEAN.value:
             kinds = [k for k in kinds if k not in ("local_copy", "snapshot")]
+        if _KINDS.value:
+            unknown = set(_KINDS.value) - set(kinds)
+            if unknown:
+                raise app.UsageError(f"--kinds: {sorted(unknown)} not among {kinds}")
+            kinds = list(_KINDS.value)
+        if "saves" not in _PARTS.value:
+            kinds = []
         hook_s: dict[str, list[float]] = {kind: [] for kind in kinds}
         digest_s: list[float] = []
-        for r in range(_ROUNDS.value + 1):
+        for r in range(_ROUNDS.value + 1 if kinds else 0):
             for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
                 saves.wait()
                 state = jax.block_until_ready(train_step(state))  # time the save alone
@@ -158,8 +174,9 @@ def main(argv: list[str]) -> None:
                 checksum.combine_sums([checksum.process_partial_sums(state)])
                 digest_s.append(time.perf_counter() - start)
         saves.wait()
-        commit_s = saves.commit_s()
-        event_s = saves.event_s()
+        saves.drop_plain()
+        commit_s = {k: v for k, v in saves.commit_s().items() if k in kinds}
+        event_s = {k: v for k, v in saves.event_s().items() if k in kinds}
         tiers = saves.tiers
 
         # 2. Step time: no saves, non-donating steps, a local save every step (kept, copied).
@@ -181,8 +198,10 @@ def main(argv: list[str]) -> None:
         modes = ["no_saves", "non_donating", "local", "local_copy", "local_host"]
         if _LEAN.value:
             modes = ["no_saves", "local", "local_host"]
+        if "steps" not in _PARTS.value:
+            modes = []
         block_s: dict[str, list[float]] = {mode: [] for mode in modes}
-        for b in range(_BLOCKS.value + 1):
+        for b in range(_BLOCKS.value + 1 if modes else 0):
             for mode in modes[b % len(modes) :] + modes[: b % len(modes)]:
                 state, t = block(state, mode)
                 if b > 0:  # block 0 warms up
@@ -195,6 +214,16 @@ def main(argv: list[str]) -> None:
         targets = {"same mesh": None}
         if len(devices) >= 2:
             targets[f"{len(devices) // 2} devices"] = devices[: len(devices) // 2]
+        if "restores" not in _PARTS.value:
+            targets = {}
+        elif not {"local", "persistent"} <= set(kinds):  # each tier needs a step to restore
+            saves = SaveKinds(base, root, local_root, ctx_compile.keeper)
+            saves.on_start(state)
+            for kind in ("local", "persistent"):
+                state = jax.block_until_ready(train_step(state))
+                saves.save(kind, state, info(), record=False)
+                saves.wait()
+            saves.close()
         for target, subset in targets.items():
             for tier in ("local", "persistent"):
                 for _ in range(3):
@@ -205,54 +234,62 @@ def main(argv: list[str]) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     med = statistics.median
-    persistent_cost = med(hook_s["persistent"])
     result = {
         **report.state_header(base, state_bytes, _ROUNDS.value),
+        "parts": _PARTS.value,
         "save_hook_s": hook_s,
         "save_event_duration_s": event_s,
         "save_commit_s": commit_s,
         "digest_s": digest_s,
         "compile_keep": compile_keep,  # the non-donating step, loaded beside the run
         "step_s": block_s,
-        "step_s_no_saves": block_s["no_saves"],
-        "step_s_local_save_every_step": block_s["local"],
-        "step_overhead": {
-            mode: med(times) / med(block_s["no_saves"]) - 1.0
-            for mode, times in block_s.items()
-            if mode != "no_saves"
-        },
-        "blocking_vs_sync": {k: med(v) / med(hook_s["orbax_sync"]) for k, v in hook_s.items()},
         "restore_s": restore_s,
-        "young_daly_interval_s_at_mtbf_1h": young_daly_interval_s(persistent_cost, 3600.0),
         # The process's host memory high-water mark (the state, its kept, copied and written
         # forms, Orbax's buffers, the restores): what limits the state size on a small host.
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
         "lean": _LEAN.value,
     }
+    if "orbax_sync" in hook_s:
+        sync = med(hook_s["orbax_sync"])
+        result["blocking_vs_sync"] = {k: med(v) / sync for k, v in hook_s.items()}
+    if "persistent" in hook_s:
+        cost = med(hook_s["persistent"])
+        result["young_daly_interval_s_at_mtbf_1h"] = young_daly_interval_s(cost, 3600.0)
+    if block_s:
+        result["step_s_no_saves"] = block_s["no_saves"]
+        result["step_s_local_save_every_step"] = block_s["local"]
+        result["step_overhead"] = {
+            mode: med(times) / med(block_s["no_saves"]) - 1.0
+            for mode, times in block_s.items()
+            if mode != "no_saves"
+        }
     print(f"state {state_bytes / 1e6:.1f} MB on {jax.device_count()} x {result['device']}")
-    title = f"save (median of {_ROUNDS.value})"
-    print(f"{title:34}{'blocks loop s':>14}{'commit s':>10}")
-    for kind in kinds:
-        commit = med(commit_s[kind]) if kind in commit_s else med(hook_s[kind])
-        print(f"{kind:34}{med(hook_s[kind]):>14.4f}{commit:>10.4f}")
-    print(f"{'per-array digests (writer thread)':34}{med(digest_s):>14.4f}")
-    for kind, ratio in result["blocking_vs_sync"].items():
+    if kinds:
+        title = f"save (median of {_ROUNDS.value})"
+        print(f"{title:34}{'blocks loop s':>14}{'commit s':>10}")
+        for kind in kinds:
+            commit = med(commit_s[kind]) if commit_s.get(kind) else med(hook_s[kind])
+            print(f"{kind:34}{med(hook_s[kind]):>14.4f}{commit:>10.4f}")
+        print(f"{'per-array digests (writer thread)':34}{med(digest_s):>14.4f}")
+    for kind, ratio in result.get("blocking_vs_sync", {}).items():
         print(f"{kind} blocking / synchronous save: {ratio:.3f}")
-    print(f"step s (median of {_BLOCKS.value} blocks of {_STEPS.value})")
-    for mode, times in block_s.items():
-        overhead = result["step_overhead"].get(mode)
-        extra = f" ({100 * overhead:+.1f}%)" if overhead is not None else ""
-        print(f"  {mode:32}{med(times):>10.4f}{extra}")
+    if block_s:
+        print(f"step s (median of {_BLOCKS.value} blocks of {_STEPS.value})")
+        for mode, times in block_s.items():
+            overhead = result["step_overhead"].get(mode)
+            extra = f" ({100 * overhead:+.1f}%)" if overhead is not None else ""
+            print(f"  {mode:32}{med(times):>10.4f}{extra}")
     print(
         f"non-donating step loaded beside the run in {compile_keep['duration_s']:.2f} s "
         f"(executable cache: {compile_keep['cache']})"
     )
     for name, times in restore_s.items():
         print(f"restore {name:28}{med(times):>10.4f} s")
-    print(
-        f"Young/Daly interval at MTBF 1 h with this persistent cost: "
-        f"{result['young_daly_interval_s_at_mtbf_1h']:.1f} s"
-    )
+    if "young_daly_interval_s_at_mtbf_1h" in result:
+        print(
+            f"Young/Daly interval at MTBF 1 h with this persistent cost: "
+            f"{result['young_daly_interval_s_at_mtbf_1h']:.1f} s"
+        )
     report.write_json(_OUT.value, result)
 
 

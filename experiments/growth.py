@@ -12,6 +12,7 @@ AdamW's two moments: 12 bytes a parameter):
     44MB   configs/tiny_cpu.py as it is (d_model 256, 4 layers; 128 tokens x 16 rows)
     0.4GB  d_model 512, 8 layers, d_ff 2048, 8 heads; 64 tokens x 8 rows (0.41 GB)
     1GB    d_model 768, 8 layers, d_ff 3072, 12 heads; 64 tokens x 8 rows (0.92 GB)
+    1.6GB  d_model 1024, 8 layers, d_ff 4096, 16 heads; 64 tokens x 8 rows (1.64 GB)
     2.4GB  d_model 1024, 12 layers, d_ff 4096, 16 heads; 64 tokens x 8 rows
 
 Stages, each a benchmark of its own run as a subprocess with the size's overrides:
@@ -25,6 +26,10 @@ Stages, each a benchmark of its own run as a subprocess with the size's override
   2-slice local cluster, by phase.
 - `elastic` (`elastic_stall.py`): elastic mode's heal transfer and the survivor's stall at a
   slice kill.
+
+Above `--split_over_gb` (1.5) the checkpoint stage runs as one process per piece (the tiers' kept
+saves, their host-copy saves, plain Orbax, the step blocks, the restores), merged into one result:
+one process holding every part's copies needs about 14 x the state in host memory.
 
 The exponent of a figure between two sizes is log(figure ratio) / log(state ratio): 1 grows like
 the state, below 1 slower (a fixed part dominates), above 1 faster. A stage that cannot run at a
@@ -76,6 +81,16 @@ SIZES: dict[str, dict[str, Any]] = {
         "data.seq_len": 64,
         "global_batch_size": 8,
     },
+    "1.6GB": {
+        "model.d_model": 1024,
+        "model.num_layers": 8,
+        "model.d_ff": 4096,
+        "model.num_heads": 16,
+        "model.num_kv_heads": 16,
+        "model.head_dim": 64,
+        "data.seq_len": 64,
+        "global_batch_size": 8,
+    },
     "2.4GB": {
         "model.d_model": 1024,
         "model.num_layers": 12,
@@ -108,12 +123,17 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "Measured rounds of the one-process 
 _MAX_CLUSTER_GB = flags.DEFINE_float(
     "max_cluster_gb", 1.0, "Largest state the 2-slice cluster stages run (memory)."
 )
+_SPLIT_OVER_GB = flags.DEFINE_float(
+    "split_over_gb",
+    1.5,
+    "States larger than this run the checkpoint stage as one process per part (memory).",
+)
 _SUMMARIZE = flags.DEFINE_bool("summarize", False, "Only summarise the results already written.")
 _TIMEOUT_S = flags.DEFINE_integer("timeout_s", 3600, "Bound on one benchmark run.")
 
 
 def state_gb(size: str) -> float:
-    return {"44MB": 0.044, "0.4GB": 0.41, "1GB": 0.92, "2.4GB": 2.43}[size]
+    return {"44MB": 0.044, "0.4GB": 0.41, "1GB": 0.92, "1.6GB": 1.64, "2.4GB": 2.43}[size]
 
 
 def result_path(stage: str, size: str) -> str:
@@ -162,24 +182,77 @@ def command(stage: str, size: str) -> list[str]:
     ]
 
 
+# The checkpoint stage of a large state, one process per piece: one process holding the kept
+# state, both tiers' copies, Orbax's buffers and the restores needs about 14 x the state
+# (13.2 GB of host memory at 0.92 GB), which a 24 GiB host does not have at 2.4 GB.
+PIECES = {
+    "tiers": ["--parts=saves", "--kinds=local,persistent,device_to_host"],
+    "host": ["--parts=saves", "--kinds=local_host,persistent_host"],
+    "orbax": ["--parts=saves", "--kinds=orbax_async,orbax_sync"],
+    "steps": ["--parts=steps"],
+    "restores": ["--parts=restores"],
+}
+
+
+def merge_pieces(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """One checkpoint result from the pieces' results: each figure from the piece that measured
+    it, the memory high-water mark the largest of theirs."""
+    merged: dict[str, Any] = {}
+    for piece in pieces:
+        for key, value in piece.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = {**merged[key], **value}
+            elif key not in merged or value:
+                merged[key] = value
+    merged["peak_rss_gb"] = max(p["peak_rss_gb"] for p in pieces)
+    merged["parts"] = sorted({part for p in pieces for part in p["parts"]})
+    merged["pieces"] = list(PIECES)
+    sync = statistics.median(merged["save_hook_s"]["orbax_sync"])
+    merged["blocking_vs_sync"] = {
+        k: statistics.median(v) / sync for k, v in merged["save_hook_s"].items()
+    }
+    return merged
+
+
 def run_stage(stage: str, size: str) -> dict[str, Any]:
-    """Runs one benchmark; what happened (its result file is read by `summarize`)."""
+    """Runs one benchmark (the checkpoint stage of a large state piece by piece)."""
+    if stage != "checkpoint" or state_gb(size) <= _SPLIT_OVER_GB.value:
+        return _run(stage, size, command(stage, size), result_path(stage, size))
+    runs, results = {}, []
+    for piece, extra in PIECES.items():
+        out = result_path(stage, size).replace(".json", f".{piece}.json")
+        argv = [a for a in command(stage, size) if not a.startswith("--out=")]
+        runs[piece] = _run(stage, f"{size}.{piece}", [*argv, *extra, f"--out={out}"], out)
+        if runs[piece]["exit_code"] != 0:
+            return runs[piece] | {"pieces": runs}
+        with open(out) as f:
+            results.append(json.load(f))
+    report.write_json(result_path(stage, size), merge_pieces(results))
+    return {
+        "exit_code": 0,
+        "wall_s": round(sum(r["wall_s"] for r in runs.values()), 1),
+        "load_avg": os.getloadavg(),
+        "pieces": runs,
+    }
+
+
+def _run(stage: str, size: str, argv: list[str], out: str) -> dict[str, Any]:
+    """Runs one benchmark process writing `out`; what happened."""
     if stage in ("recovery", "elastic") and state_gb(size) > _MAX_CLUSTER_GB.value:
         return {
             "skipped": f"a 2-slice cluster of a {size} state (two processes, each with the state, "
             f"its kept copy and gradients, plus each slice's RAM-disk copies) does not fit this "
             f"machine's memory (--max_cluster_gb={_MAX_CLUSTER_GB.value:g})"
         }
-    argv = command(stage, size)
-    log = os.path.join(RESULTS, "growth", f"{stage}_{size}.log")
+    log = out.replace(".json", ".log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
     print(f"[{time.strftime('%H:%M:%S')}] {stage} at {size}: {' '.join(argv[1:3])} ...", flush=True)
     start = time.perf_counter()
-    with open(log, "w") as out:
+    with open(log, "w") as f:
         proc = subprocess.Popen(
             argv,
             cwd=REPO,
-            stdout=out,
+            stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
