@@ -343,7 +343,11 @@ def supervise_tiny_cpu(
     events = list(read_events(str(workdir)))
     if result.exit_code != 0 and out is None:
         # Shown by pytest with a failing test: the supervisor's own account of the run.
-        print(f"supervisor exited {result.exit_code}; its output:\n{log.getvalue()[-6000:]}")
+        # The supervisor's own lines first (the workers' tracebacks can fill any tail), then the
+        # end of everything.
+        said = "\n".join(line for line in log.getvalue().splitlines() if line.startswith("[supe"))
+        print(f"supervisor exited {result.exit_code}; its lines:\n{said[-8000:]}")
+        print(f"the end of all output:\n{log.getvalue()[-6000:]}")
     for pid in [e["pid"] for e in events if e["type"] == "process_start" and "source" in e]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
