@@ -93,19 +93,23 @@ def poll_exits(
             running[worker.process] = worker.started_at
         elif code == ExitCode.FINISHED:
             finished = True
-        elif code in exit_codes.PREEMPTED_STATUSES:
-            return running, finished, Watched(Outcome.PREEMPTED)
-        else:
-            failure = detector.Failure(
-                detector.FailureCause.EXIT,
-                worker.process,
-                f"process {worker.process} {describe_exit(code)}",
-                since=now - poll_s,  # it exited since the last poll
-                exit_code=code,
-            )
-            outcome = Outcome.FATAL if code in exit_codes.FATAL else Outcome.FAILURE
-            return running, finished, Watched(outcome, failure)
+        else:  # it exited since the last poll
+            return running, finished, _exit_outcome(worker.process, code, now - poll_s)
     return running, finished, None
+
+
+def _exit_outcome(process: int, code: int, since: float) -> Watched:
+    """What the exit of `process` with `code` (not 0) calls for."""
+    if code in exit_codes.PREEMPTED_STATUSES:
+        return Watched(Outcome.PREEMPTED)
+    failure = detector.Failure(
+        detector.FailureCause.EXIT,
+        process,
+        f"process {process} {describe_exit(code)}",
+        since=since,
+        exit_code=code,
+    )
+    return Watched(Outcome.FATAL if code in exit_codes.FATAL else Outcome.FAILURE, failure)
 
 
 def _rank(code: int | None) -> int:
@@ -144,14 +148,5 @@ def blame(workers: Sequence[RemoteWorker], watched: Watched, poll_s: float) -> W
         peers = sorted([(w, c) for w, c in peers if c is not None], key=lambda wc: _rank(wc[1]))
         if peers and _rank(peers[0][1]) < 3:
             worker, code = peers[0]
-            if code in exit_codes.PREEMPTED_STATUSES:
-                return Watched(Outcome.PREEMPTED)
-            cause = detector.Failure(
-                detector.FailureCause.EXIT,
-                worker.process,
-                f"process {worker.process} {describe_exit(code)}",
-                failure.since,
-                code,
-            )
-            return Watched(Outcome.FATAL if code in exit_codes.FATAL else Outcome.FAILURE, cause)
+            return _exit_outcome(worker.process, code, failure.since)
     return watched
