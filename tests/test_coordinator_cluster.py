@@ -218,6 +218,32 @@ def test_fault_aimed_at_an_evicted_slice_hits_a_running_one(cluster_dir):
 
 
 @pytest.mark.timeout(120)
+def test_fault_that_waits_for_its_slice_hits_it_once_readmitted(cluster_dir):
+    # The loss falls due while slice 1 is out after the kill; it waits for slice 1 to be
+    # re-admitted instead of hitting slice 0.
+    first = SupervisorAction("kill", slice=1, at_step=5)
+    again = SupervisorAction("lose_slice", slice=1, at_step=8, duration_s=600, wait_for_slice=True)
+    result, events, _, state = run(
+        cluster_dir,
+        ClusterSpec(2, 1, 1),
+        actions=[first, again],
+        total_steps=80,
+        **{"coordinator.readmit_after_s": 0.5, "coordinator.scale_up_when_faster": False},
+    )
+    assert result.exit_code == 0, result.reason
+    faults = of_type(events, "fault_injected")
+    assert [(f["slice"], f.get("aimed_at")) for f in faults] == [(1, None), (1, None)]
+    restarts = of_type(events, "restart")
+    assert [(r["reason"], r["slices"]) for r in restarts] == [
+        ("failure", [0]),
+        ("scale_up", [0, 1]),
+        ("failure", [0]),
+    ]
+    assert faults[1]["generation"] == restarts[1]["generation"]
+    assert state["value"] == pytest.approx(expected_value(80), rel=1e-12)
+
+
+@pytest.mark.timeout(120)
 def test_without_a_healthy_slice_a_cooling_one_is_readmitted_at_once(cluster_dir):
     first = SupervisorAction("kill", slice=1, at_step=5)
     second = SupervisorAction("kill", slice=0, at_step=15)  # the last healthy slice

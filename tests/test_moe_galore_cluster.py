@@ -17,7 +17,9 @@ from conftest import SMALL, supervise_tiny_cpu
 from resilient_jax.control import SupervisorAction
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOTAL_STEPS = 40
+# Long enough that the killed slice is back (a save-and-stop and a restart, seconds) well before
+# the one-slice generation could finish: a step takes ~0.02 s there once compiled.
+TOTAL_STEPS = 120
 
 OVERRIDES = {
     **SMALL,  # the small model; the keys below override its steps
@@ -47,7 +49,8 @@ VARIANTS = {
 }
 FAULTS = [
     SupervisorAction("kill", slice=1, process=0, at_step=12),  # restores step 10
-    SupervisorAction("lose_slice", slice=1, at_step=28, duration_s=3600.0),
+    # Slice 1 itself, once re-admitted (the step falls due while it is still out).
+    SupervisorAction("lose_slice", slice=1, at_step=28, duration_s=3600.0, wait_for_slice=True),
 ]
 
 pytestmark = pytest.mark.slow

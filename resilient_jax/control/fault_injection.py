@@ -46,7 +46,9 @@ class SupervisorAction:
     inside the slice (None: every process of it). It fires once, when any worker has reported
     `at_step` or `at_s` seconds after the supervisor started, whichever is set. Faults hit
     hardware that runs: aimed at a slice that is out (evicted, lost), it hits the running slice at
-    that position modulo the number running; with none running, it waits.
+    that position modulo the number running, or with `wait_for_slice` waits until its own slice
+    runs again (a scenario that must hit a re-admitted slice, however fast the steps go); with none
+    running, it waits.
     """
 
     kind: ActionKind
@@ -55,6 +57,7 @@ class SupervisorAction:
     at_step: int | None = None
     at_s: float | None = None
     duration_s: float | None = None
+    wait_for_slice: bool = False
 
     def __post_init__(self) -> None:
         kind = _KIND_BY_NAME.get(str(self.kind))
@@ -129,10 +132,12 @@ class FaultInjector:
         for planned in due:
             if not running:
                 break  # between generations: faults wait for hardware that runs
-            self._pending.remove(planned)
             hit = planned.slice
             if hit not in running:
+                if planned.wait_for_slice:
+                    continue
                 hit = running[planned.slice % len(running)]
+            self._pending.remove(planned)
             action = dataclasses.replace(planned, slice=hit)
             targets = action_targets(workers, action, self._processes_per_slice)
             if action.kind == FaultKind.LOSE_SLICE:

@@ -192,7 +192,9 @@ class Supervisor:
             watched = self._watch(deadline)
             outcome = watched.outcome
             if outcome == Outcome.COMPLETE:
-                return self._finish(ExitCode.FINISHED, f"completed at step {self._gen.max_step}")
+                # A generation that restored the last step reports none of its own.
+                step = self._gen.max_step or self._max_step
+                return self._finish(ExitCode.FINISHED, f"completed at step {step}")
             if outcome in (Outcome.INTERRUPTED, Outcome.TIME_LIMIT):
                 self._stop_workers(float(self._c.save_grace_s))
                 if outcome == Outcome.TIME_LIMIT:
