@@ -130,6 +130,8 @@ def main(argv: list[str]) -> None:
             restored = fresh.restore([fetched], ctx.abstract_state, wanted)
             jax.block_until_ready(restored)
             elapsed = time.perf_counter() - start
+            fresh.keep_fetched(fetched)  # written in the background after the restore
+            fresh.finish()
             fresh.close()
             _check_equal(restored, state)
             return elapsed, fetch_s

@@ -11,7 +11,8 @@ order, a fresh checkpointer restores the step three ways, each timed from `resto
 state on the devices:
 
 - "peer": an empty local tier (a replaced host's RAM disk) with the peer listed: the manifests
-  are listed, every piece is fetched, CRC-checked and written to the RAM disk, then read back;
+  are listed, every piece is fetched into memory and CRC-checked, then placed (the fetched copy is
+  written to the RAM disk after the restore, in the background: not timed);
 - "local": the full local copy on this host's RAM disk (a surviving host);
 - "persistent": no local tier, Orbax restore from the persistent directory (plus digests).
 

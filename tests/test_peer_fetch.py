@@ -129,6 +129,24 @@ def test_an_empty_ram_disk_restores_the_newest_local_step_from_a_peer(
     assert [c.step for c in local.list_committed(local.run_dir(empty_root, workdir))] == [LAST]
 
 
+def test_fetched_pieces_that_cannot_be_kept_still_restore(
+    saved, peer_root, servers, empty_root, monkeypatch, caplog
+):
+    # The fetched copy is written after the restore has read it from memory: a RAM disk that
+    # refuses it (a file where its directory goes) costs the copy, logged, not the restore.
+    workdir, _, host = saved
+    run_root = local.run_dir(empty_root, workdir)
+    os.makedirs(run_root)
+    monkeypatch.setattr(uuid, "uuid4", lambda: uuid.UUID(int=0xABCD))  # the copy's token
+    blocker = os.path.join(run_root, f"{local.PROC_PREFIX}00000-fetched{uuid.uuid4().hex[:8]}")
+    open(blocker, "w").close()
+    restored = restore_with_peers(workdir, empty_root, [servers(peer_root)], monkeypatch)
+    assert (restored.tier, restored.step) == (Tier.LOCAL, LAST)
+    assert_bitwise(restored.state, host[LAST])
+    assert "pieces fetched from peers not kept" in caplog.text
+    assert not [c for c in local.list_committed(run_root) if "fetched" in c.dir]
+
+
 def test_a_corrupt_piece_is_rejected_and_taken_from_another_peer(
     saved, peer_root, servers, empty_root, monkeypatch, tmp_path
 ):

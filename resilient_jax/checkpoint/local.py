@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import threading
@@ -229,6 +230,38 @@ class LocalTier:
         except BaseException as e:
             self._error, self._error_step = e, step
             shutil.rmtree(tmp, ignore_errors=True)
+
+    def keep_fetched(self, files: StepFiles) -> None:
+        """Writes a copy held in memory (`files.data`: pieces fetched from peers, which a restore
+        has read) to `files.dir` on this host, in the background, so that this host serves those
+        pieces in turn. The next save waits for it, or is skipped while it runs, like after a save.
+        A write that fails costs only the copy (this host's next save is a full one): logged."""
+        if self._writer is None or files.data is None:
+            return  # read-only: nothing is created under `root`
+        self._job = self._writer.submit(lambda: self._write_fetched(files))
+        self._job_step = files.step
+
+    def _write_fetched(self, files: StepFiles) -> None:
+        assert files.data is not None
+        tmp = os.path.join(os.path.dirname(files.dir), f"{TMP_PREFIX}{os.path.basename(files.dir)}")
+        try:
+            _makedirs(tmp)
+            fd = os.open(os.path.join(tmp, DATA_FILE), os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                piece_io.write_at(fd, files.data, 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            with open(os.path.join(tmp, MANIFEST), "w") as f:
+                json.dump(files.manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if self._fence is not None:
+                self._fence.check()
+            os.rename(tmp, files.dir)
+        except Exception as e:  # a full RAM disk, a fence, a clean-up that took the temp dir
+            logging.warning("pieces fetched from peers not kept in %s: %s", files.dir, e)
+            shutil.rmtree(os.path.dirname(files.dir), ignore_errors=True)
 
     def _take_spare(self, tmp: str) -> None:
         """Makes `tmp`, the directory of the write starting: the spare one if there is one."""

@@ -10,23 +10,25 @@ a candidate is chosen are the missing pieces fetched: CRC-32 checked on arrival,
 or a peer that does not answer in time is replaced by another copy of the same piece, and when no
 copy is left the candidate fails like a bad local copy (`InvalidCheckpoint`: the next candidate).
 
-Fetched pieces are written to this host's RAM disk as a copy of their own (a `proc-` directory
-with a fresh token: the tier's clean-up treats it as another instance's copy), so the restore
-reads and verifies them like any local piece, and this host can serve them in turn.
+Fetched pieces arrive in memory, each request received in place, and the restore reads them
+from there (no second CRC pass, no file): a replaced host pays the transfer and one copy into the
+restored arrays. After the restore, the local tier's writer thread writes them to this host's RAM
+disk as a copy of their own (a `proc-` directory with a fresh token: the tier's clean-up treats
+it as another instance's copy), so this host can serve them in turn.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import os
-import shutil
 import threading
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from resilient_jax.checkpoint import piece_io
 from resilient_jax.checkpoint.assembly import (
@@ -43,9 +45,7 @@ from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.local_tier import (
     DATA_FILE,
-    MANIFEST,
     PROC_PREFIX,
-    TMP_PREFIX,
     step_name,
 )
 from resilient_jax.control.tier_service import PeerError, list_copies, read_ranges
@@ -137,43 +137,33 @@ class PeerFetcher:
         wanted: dict[str, dict[str, Any]],
     ) -> StepFiles:
         """Fetches the pieces this process needs that `local_copies` lack from `remote` copies of
-        the same step, and writes them as a copy on this host. Raises `InvalidCheckpoint` when
-        some piece has no copy left that arrives intact in time."""
+        the same step, into memory: a copy whose `data` the restore reads, and which
+        `LocalTier.keep_fetched` then writes to its `dir` on this host (a process instance of its
+        own) in the background. Raises `InvalidCheckpoint` when some piece has no copy left that
+        arrives intact in time."""
         started = time.perf_counter()
         step = remote[0].files.step
-        needed = _missing(local_copies, remote, abstract_state, wanted)
         by_path = {copy.data_path: copy for copy in remote}
-        tmp, final = self._paths(step)
+        needed = _missing(local_copies, remote, abstract_state, wanted)
+        # Grouped by the copy each piece is first asked from (stable: in order within it): one
+        # request's pieces then lie back to back in `data` and arrive in place.
+        needed.sort(
+            key=lambda item: (by_path[item[1][0].path].address, by_path[item[1][0].path].copy)
+        )
+        slots: dict[tuple[str, Any], int] = {}  # (leaf, box) -> offset in `data`
+        end = 0
+        for leaf, pieces in needed:
+            slots[(leaf, pieces[0].box)] = end
+            end += pieces[0].nbytes
+        data = piece_io.as_bytes(piece_io.aligned_empty([end], np.uint8))
         entries: list[dict[str, Any]] = []
-        try:
-            os.makedirs(tmp)
-            out = os.open(os.path.join(tmp, DATA_FILE), os.O_WRONLY | os.O_CREAT, 0o644)
-            try:
-                sources = self._fetch_into(out, needed, by_path, entries)
-                os.fsync(out)
-            finally:
-                os.close(out)
-            manifest = {
-                **{
-                    k: v
-                    for k, v in remote[0].files.manifest.items()
-                    if k not in ("pieces", "bytes")
-                },
-                "pieces": entries,
-                "bytes": sum(e["nbytes"] for e in entries),
-                "fetched_from": sorted(sources),
-            }
-            with open(os.path.join(tmp, MANIFEST), "w") as f:
-                json.dump(manifest, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            os.rename(tmp, final)
-        except OSError as e:
-            raise InvalidCheckpoint(f"writing fetched pieces to {tmp}: {e}") from e
-        finally:
-            if os.path.exists(tmp):
-                shutil.rmtree(os.path.dirname(tmp), ignore_errors=True)
+        sources = self._fetch_into(data, needed, slots, by_path, entries)
+        manifest = {
+            **{k: v for k, v in remote[0].files.manifest.items() if k not in ("pieces", "bytes")},
+            "pieces": entries,
+            "bytes": sum(e["nbytes"] for e in entries),
+            "fetched_from": sorted(sources),
+        }
         self._events.emit(
             EventType.LOCAL_FETCH,
             step=step,
@@ -182,40 +172,33 @@ class PeerFetcher:
             peers=sorted(sources),
             duration_s=time.perf_counter() - started,
         )
-        return StepFiles(final, manifest)
+        return StepFiles(self._copy_dir(step), manifest, data)
 
-    def _paths(self, step: int) -> tuple[str, str]:
-        """The temp and final directories of a fetched copy: a process instance of its own."""
+    def _copy_dir(self, step: int) -> str:
+        """Where a fetched copy of `step` is kept: a process instance of its own."""
         token = uuid.uuid4().hex[:8]
-        proc = os.path.join(
-            self._local.root, f"{PROC_PREFIX}{self._local.process_index:05d}-fetched{token}"
-        )
-        return os.path.join(proc, f"{TMP_PREFIX}{step_name(step)}"), os.path.join(
-            proc, step_name(step)
-        )
+        proc = f"{PROC_PREFIX}{self._local.process_index:05d}-fetched{token}"
+        return os.path.join(self._local.root, proc, step_name(step))
 
     def _fetch_into(
         self,
-        out: int,
+        data: memoryview,
         needed: list[tuple[str, list[Piece]]],
+        slots: dict[tuple[str, Any], int],
         by_path: dict[str, PeerCopy],
         entries: list[dict[str, Any]],
     ) -> set[str]:
-        """Writes each needed piece into the file `out` at an offset of its own (appending its
-        manifest entry to `entries`), from the first of its copies whose peer answers and whose
-        bytes pass their CRC; returns the peers that served any.
+        """Places each needed piece in `data` at its slot (appending its manifest entry to
+        `entries`), from the first of its copies whose peer answers and whose bytes pass their
+        CRC; returns the peers that served any.
 
-        Requests run on `_STREAMS` connections at once, each into a buffer of its own (one TCP
-        stream on loopback moved about 300 MB/s of a RAM disk's 1-2 GB/s)."""
+        Requests run on `_STREAMS` connections at once (one TCP stream on loopback moved about
+        300 MB/s of a RAM disk's 1-2 GB/s), each received straight into `data` where its pieces'
+        slots lie back to back, else into a buffer of its own."""
         dead: set[str] = set()  # peers that failed a request: not asked again
         bad: set[Piece] = set()  # pieces that arrived corrupt
         problems: list[str] = []
         sources: set[str] = set()
-        slots: dict[tuple[str, Any], int] = {}  # (leaf, box) -> offset in `out`
-        end = 0
-        for leaf, pieces in needed:
-            slots[(leaf, pieces[0].box)] = end
-            end += pieces[0].nbytes
         # A copy whose manifest gives its piece another size would overrun its neighbour's slot.
         fits = {(leaf, p) for leaf, ps in needed for p in ps if p.nbytes == ps[0].nbytes}
         buffers = threading.local()
@@ -225,22 +208,33 @@ class PeerFetcher:
             address, copy_id, batch = job
             ranges = [(piece.offset, piece.nbytes) for _, piece, _ in batch]
             size = sum(n for _, n in ranges)
-            if len(getattr(buffers, "data", b"")) < size:
-                buffers.data = memoryview(bytearray(max(size, _BATCH_BYTES)))
+            first = slots[(batch[0][0], batch[0][1].box)]
+            in_place = all(
+                slots[(leaf, piece.box)] == first + sum(n for _, n in ranges[:i])
+                for i, (leaf, piece, _) in enumerate(batch)
+            )
+            if in_place:
+                into = data[first : first + size]
+            else:
+                if len(getattr(buffers, "data", b"")) < size:
+                    buffers.data = memoryview(bytearray(max(size, _BATCH_BYTES)))
+                into = buffers.data
             try:
-                data = read_ranges(
-                    address, self._token, self._run, copy_id, ranges, self._timeout_s, buffers.data
+                received = read_ranges(
+                    address, self._token, self._run, copy_id, ranges, self._timeout_s, into
                 )
             except PeerError as e:
                 return batch, str(e)
             failed, offset = [], 0
             for leaf, piece, alternatives in batch:
-                raw = data[offset : offset + piece.nbytes]
+                raw = received[offset : offset + piece.nbytes]
                 offset += piece.nbytes
                 if crc32(raw) != piece.crc32:
                     failed.append((leaf, piece, alternatives))
                     continue
-                piece_io.write_at(out, raw, slots[(leaf, piece.box)])
+                if not in_place:
+                    slot = slots[(leaf, piece.box)]
+                    data[slot : slot + piece.nbytes] = raw
             return failed, None
 
         pending = needed

@@ -134,6 +134,8 @@ class Restorer:
     peers: PeerFetcher | None = None  # None: this host's own pieces only
     # Candidate key -> the peers' copies of its step, for the candidates that need them.
     _remote: dict[str, list[PeerCopy]] = dataclasses.field(init=False, default_factory=dict)
+    # The copy the candidate being loaded fetched from peers (held in memory until kept).
+    _fetched: StepFiles | None = dataclasses.field(init=False, default=None)
 
     def restore(
         self, ctx: RunContext, started: float, max_step: int | None, exact: bool
@@ -169,6 +171,10 @@ class Restorer:
             restored = self._try_candidate(candidate, load)
             if restored is not None:
                 self._retire_after(candidate.step)
+                if self._fetched is not None and self.local is not None:
+                    # Written only now: retiring clears the tier's temp dirs.
+                    self.local.keep_fetched(self._fetched)
+                    self._fetched = None
                 self.events.emit(
                     EventType.RESTORE,
                     tier=candidate.tier,
@@ -277,9 +283,11 @@ class Restorer:
         remote: list[PeerCopy] | None,
     ) -> _Loaded:
         assert self.local is not None
+        self._fetched = None
         if remote:  # the pieces this host lacks, from the peers (InvalidCheckpoint: none intact)
             assert self.peers is not None
-            copies = [*copies, self.peers.fetch(copies, remote, ctx.abstract_state, wanted)]
+            self._fetched = self.peers.fetch(copies, remote, ctx.abstract_state, wanted)
+            copies = [*copies, self._fetched]
         state = self.local.restore(copies, ctx.abstract_state, wanted)
         first = copies[0].manifest
         position = DataPosition.from_json(first.get("data_position"))
