@@ -52,6 +52,14 @@ def pytest_unconfigure(config) -> None:
 
 _SESSION_CACHE: list[str] = []  # the cache directory this session made (none when given one)
 
+# Workers `-n auto` starts: one per core, at most this many (each runs XLA with 8 simulated
+# devices and compiles of its own; more rarely pays on a laptop and costs memory).
+MAX_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0))))
+
 
 @pytest.fixture
 def own_compile_cache(monkeypatch) -> None:
