@@ -26,6 +26,10 @@ Stages, each a benchmark of its own run as a subprocess with the size's override
   2-slice local cluster, by phase.
 - `elastic` (`elastic_stall.py`): elastic mode's heal transfer and the survivor's stall at a
   slice kill.
+- `steps` (`bench_checkpoint.py --parts=steps`): the step-time overhead of a local save every
+  step (state kept, and copied to host) against no saves, over `--step_blocks` blocks of 3 steps
+  per mode in rotating order (the checkpoint stage times one block: within a busy 2-core
+  host's noise); each block's overhead against the no-save block of its round, median and range.
 
 Above `--split_over_gb` (1.5) the checkpoint stage runs as one process per piece (the tiers' kept
 saves, their host-copy saves, plain Orbax, the step blocks, the restores), merged into one result:
@@ -114,12 +118,13 @@ TINY = {
     "data.seq_len": 128,
     "global_batch_size": 16,
 }
-STAGES = ("checkpoint", "peer", "recovery", "elastic")
+STAGES = ("checkpoint", "peer", "recovery", "elastic", "steps")
 
 
 _SIZES = flags.DEFINE_list("sizes", list(SIZES), f"State sizes to run, of {list(SIZES)}.")
 _STAGES = flags.DEFINE_list("stages", list(STAGES), f"Benchmarks to run, of {list(STAGES)}.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Measured rounds of the one-process benchmarks.")
+_STEP_BLOCKS = flags.DEFINE_integer("step_blocks", 5, "Blocks per mode of the steps stage.")
 _MAX_CLUSTER_GB = flags.DEFINE_float(
     "max_cluster_gb", 1.0, "Largest state the 2-slice cluster stages run (memory)."
 )
@@ -145,6 +150,19 @@ def command(stage: str, size: str) -> list[str]:
     overrides = SIZES[size]
     out = f"--out={result_path(stage, size)}"
     py = [sys.executable]
+    if stage == "steps":
+        flat = {"checkpoint.local_keep": 1, **overrides}
+        return [
+            *py,
+            os.path.join(HERE, "bench_checkpoint.py"),
+            "--config=configs/tiny_cpu.py",
+            *(f"--config.{k}={v}" for k, v in flat.items()),
+            "--parts=steps",
+            "--lean",  # no saves, a kept local save, a host-copy local save: one state more
+            f"--blocks={_STEP_BLOCKS.value}",
+            "--steps=3",
+            out,
+        ]
     if stage in ("checkpoint", "peer"):
         script = "bench_checkpoint.py" if stage == "checkpoint" else "bench_peer_fetch.py"
         flat = {"checkpoint.local_keep": 1, **overrides}  # RAM-disk room for the large states
@@ -325,11 +343,26 @@ def _elastic(r: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def _steps(r: dict[str, Any]) -> dict[str, float]:
+    blocks = r["step_s"]
+    out = {"step s (no saves, blocks)": _med(blocks["no_saves"])}
+    for mode, times in blocks.items():
+        if mode == "no_saves":
+            continue
+        # Paired by round: a block against the no-save block run beside it.
+        paired = [t / n - 1.0 for t, n in zip(times, blocks["no_saves"], strict=True)]
+        out[f"step overhead {mode}, median of blocks"] = _med(paired)
+        out[f"step overhead {mode}, lowest block"] = min(paired)
+        out[f"step overhead {mode}, highest block"] = max(paired)
+    return out
+
+
 FIGURES: dict[str, Callable[[dict[str, Any]], dict[str, float]]] = {
     "checkpoint": _checkpoint,
     "peer": _peer,
     "recovery": _recovery,
     "elastic": _elastic,
+    "steps": _steps,
 }
 
 
