@@ -2,7 +2,7 @@
 benchmarks run at several state sizes, and the growth exponent of every figure between them.
 
     python experiments/growth.py [--sizes=44MB,1GB,2.4GB]
-        [--stages=checkpoint,peer,recovery,elastic]
+        [--stages=checkpoint,peer,recovery,elastic,steps]
     -> experiments/results/growth.json, growth.png (log-log); each run's own result under
        experiments/results/growth/<stage>_<size>.json
 
