@@ -212,10 +212,7 @@ class LocalTier:
                 os.close(fd)
             manifest = {**manifest, "pieces": entries, "bytes": offset}
             # The manifest is the commit marker inside the directory; the rename commits it.
-            with open(os.path.join(tmp, MANIFEST), "w") as f:
-                json.dump(manifest, f)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_manifest(tmp, manifest)
             final = os.path.join(self.own_dir, step_name(step))
             if self._fence is not None:
                 self._fence.check()  # raises Fenced: the step stays uncommitted, tmp removed
@@ -252,10 +249,7 @@ class LocalTier:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            with open(os.path.join(tmp, MANIFEST), "w") as f:
-                json.dump(files.manifest, f)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_manifest(tmp, files.manifest)
             if self._fence is not None:
                 self._fence.check()
             os.rename(tmp, files.dir)
@@ -481,6 +475,14 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+def _write_manifest(directory: str, manifest: dict[str, Any]) -> None:
+    """The manifest, durable: inside a copy's directory it is the commit marker."""
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _makedirs(path: str, attempts: int = 3) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import os
 import threading
 import time
@@ -147,9 +148,7 @@ class PeerFetcher:
         needed = _missing(local_copies, remote, abstract_state, wanted)
         # Grouped by the copy each piece is first asked from (stable: in order within it): one
         # request's pieces then lie back to back in `data` and arrive in place.
-        needed.sort(
-            key=lambda item: (by_path[item[1][0].path].address, by_path[item[1][0].path].copy)
-        )
+        needed.sort(key=lambda item: item[1][0].path)  # a piece's path names its copy
         slots: dict[tuple[str, Any], int] = {}  # (leaf, box) -> offset in `data`
         end = 0
         for leaf, pieces in needed:
@@ -209,9 +208,10 @@ class PeerFetcher:
             ranges = [(piece.offset, piece.nbytes) for _, piece, _ in batch]
             size = sum(n for _, n in ranges)
             first = slots[(batch[0][0], batch[0][1].box)]
+            back_to_back = itertools.accumulate((n for _, n in ranges), initial=first)
             in_place = all(
-                slots[(leaf, piece.box)] == first + sum(n for _, n in ranges[:i])
-                for i, (leaf, piece, _) in enumerate(batch)
+                slots[(leaf, piece.box)] == at
+                for (leaf, piece, _), at in zip(batch, back_to_back, strict=False)
             )
             if in_place:
                 into = data[first : first + size]
