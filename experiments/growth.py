@@ -63,48 +63,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 
+
+def _widened(d_model: int, num_layers: int, d_ff: int, num_heads: int) -> dict[str, Any]:
+    """tiny_cpu's model at these shapes (64-wide heads, no grouped KV), 64 tokens x 8 rows."""
+    return {
+        "model.d_model": d_model,
+        "model.num_layers": num_layers,
+        "model.d_ff": d_ff,
+        "model.num_heads": num_heads,
+        "model.num_kv_heads": num_heads,
+        "model.head_dim": 64,
+        "data.seq_len": 64,
+        "global_batch_size": 8,
+    }
+
+
 SIZES: dict[str, dict[str, Any]] = {
     "44MB": {},
-    "0.4GB": {
-        "model.d_model": 512,
-        "model.num_layers": 8,
-        "model.d_ff": 2048,
-        "model.num_heads": 8,
-        "model.num_kv_heads": 8,
-        "model.head_dim": 64,
-        "data.seq_len": 64,
-        "global_batch_size": 8,
-    },
-    "1GB": {
-        "model.d_model": 768,
-        "model.num_layers": 8,
-        "model.d_ff": 3072,
-        "model.num_heads": 12,
-        "model.num_kv_heads": 12,
-        "model.head_dim": 64,
-        "data.seq_len": 64,
-        "global_batch_size": 8,
-    },
-    "1.6GB": {
-        "model.d_model": 1024,
-        "model.num_layers": 8,
-        "model.d_ff": 4096,
-        "model.num_heads": 16,
-        "model.num_kv_heads": 16,
-        "model.head_dim": 64,
-        "data.seq_len": 64,
-        "global_batch_size": 8,
-    },
-    "2.4GB": {
-        "model.d_model": 1024,
-        "model.num_layers": 12,
-        "model.d_ff": 4096,
-        "model.num_heads": 16,
-        "model.num_kv_heads": 16,
-        "model.head_dim": 64,
-        "data.seq_len": 64,
-        "global_batch_size": 8,
-    },
+    "0.4GB": _widened(512, 8, 2048, 8),
+    "1GB": _widened(768, 8, 3072, 12),
+    "1.6GB": _widened(1024, 8, 4096, 16),
+    "2.4GB": _widened(1024, 12, 4096, 16),
 }
 # Keys of configs/tiny_cpu.py's model, for the cluster stages (their base is the tests' smaller
 # model: the 44MB size puts tiny_cpu's shapes back).
