@@ -220,13 +220,17 @@ def test_fault_aimed_at_an_evicted_slice_hits_a_running_one(cluster_dir):
 @pytest.mark.timeout(120)
 def test_fault_that_waits_for_its_slice_hits_it_once_readmitted(cluster_dir):
     # The loss falls due while slice 1 is out after the kill; it waits for slice 1 to be
-    # re-admitted instead of hitting slice 0.
+    # re-admitted instead of hitting slice 0. The re-admission (a preemption sync point, a save,
+    # a restart) must come before the one-slice generation ends: at 0.15 s a step that leaves it
+    # over 10 s, where a loaded 2-core machine was seen to need more than the 3.6 s that 0.05 s
+    # steps left.
     first = SupervisorAction("kill", slice=1, at_step=5)
     again = SupervisorAction("lose_slice", slice=1, at_step=8, duration_s=600, wait_for_slice=True)
     result, events, _, state = run(
         cluster_dir,
         ClusterSpec(2, 1, 1),
         actions=[first, again],
+        sim_flags=("--sim_step_time_s=0.15",),
         total_steps=80,
         **{"coordinator.readmit_after_s": 0.5, "coordinator.scale_up_when_faster": False},
     )
