@@ -13,6 +13,11 @@ biases. What differs is only how parameters are stored (`layout.py`):
   product our model computes), and an import recognises it bit for bit; a tied Llama imported
   into a tied config has the scale folded into the final norm.
 - RMSNorm epsilon and the rotary base are config values (`rms_norm_eps`, `rope_theta`).
+- Padding: an export's config.json has `pad_token_id: null`. transformers builds a Llama's
+  embedding with `padding_idx=pad_token_id`, and that row's gradient is always zero; our padding
+  token is end-of-text when the tokenizer has none of its own, a token every document ends with,
+  so a model fine-tuned in PyTorch would never train it. The tokenizer's files and
+  generation_config.json name the padding token.
 
 `hf_config.py` maps config.json to our model section and back, `files.py` reads and writes
 safetensors, `importer.py` puts a directory's weights onto a run's mesh, `exporter.py` writes the

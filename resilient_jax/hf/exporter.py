@@ -69,7 +69,11 @@ def write(config: ml_collections.ConfigDict, params: Any, output: str, dtype: st
         shutil.copyfile(tokenizer.path, os.path.join(output, hf_config.TOKENIZER_FILE))
         _write_tokenizer_config(tokenizer, ids, context, output)
     files.write(os.path.join(output, files.WEIGHTS_FILE), layout.to_hf(params, m), dtype)
-    _write_json(output, hf_config.CONFIG_FILE, hf_config.to_hf(m, dtype, context, ids))
+    # config.json declares no padding token: transformers makes `pad_token_id` the embedding's
+    # `padding_idx`, whose row never receives a gradient, and ours is end-of-text, a token we
+    # train on. Padding stays in the tokenizer's files and generation_config.json.
+    model_ids = {**ids, "pad_token_id": None}
+    _write_json(output, hf_config.CONFIG_FILE, hf_config.to_hf(m, dtype, context, model_ids))
     generation = {key: value for key, value in ids.items() if value is not None}
     _write_json(output, GENERATION_CONFIG_FILE, {**generation, "max_length": context})
     # Readable by everyone, as a model directory is shared: safetensors writes its file 0600.
