@@ -40,6 +40,8 @@ Conventions, and how the reference is made to follow them (where the two differ)
   `torch.nn.utils.clip_grad_norm_`, which divides by (norm + 1e-6) (a relative 1e-6 apart in every
   clipped step, which float32 chaos then grows).
 - Adam: bias-corrected moments and eps outside the square root in both (optax `eps_root` 0).
+- Embedding: every row trains on both sides. The export's config.json declares no padding token;
+  transformers would make it the embedding's `padding_idx`, a row that never gets a gradient.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def test_tiny_training_run_loss_falls_and_writes_run_files(tmp_path):
             "launch/train.py",
             "--config=configs/tiny_cpu.py",
             f"--workdir={tmp_path}",
-            "--config.total_steps=60",
+            "--config.total_steps=30",
             "--config.model.num_layers=2",
             "--config.log.every_steps=1",
             "--config.checkpoint.local_dir=",
@@ -93,12 +93,13 @@ def test_tiny_training_run_loss_falls_and_writes_run_files(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = strict_json_lines(tmp_path / "metrics.jsonl")
-    assert rows[-1]["step"] == 60 and all("loss" in r for r in rows)
-    assert rows[-1]["loss"] < rows[0]["loss"] - 2.0, [r["loss"] for r in rows]
+    assert rows[-1]["step"] == 30 and all("loss" in r for r in rows)
+    # From ln V (6.93): about 5.9 at step 30, a nat lower.
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.8, [r["loss"] for r in rows]
     # The first step has no step time (nothing before it to measure from): null, not NaN.
     assert rows[0]["step"] == 1 and rows[0]["step_time_s"] is None
     assert rows[1]["step_time_s"] > 0
-    assert json.loads((tmp_path / "config.json").read_text())["total_steps"] == 60
+    assert json.loads((tmp_path / "config.json").read_text())["total_steps"] == 30
     events = strict_json_lines(tmp_path / "events.jsonl")
     assert next(e for e in events if e["type"] == "step")["duration_s"] is None
     types = {e["type"] for e in events}
