@@ -106,7 +106,7 @@ def main(argv: list[str]) -> None:
     base.log.progress_bar = False
     base.log.tensorboard = False
     root = tempfile.mkdtemp(prefix="bench_ckpt_")
-    local_root = f"/dev/shm/bench_ckpt_{uuid.uuid4().hex[:8]}"
+    local_root = report.ram_disk_dir("bench_ckpt")
 
     try:
         compiled_in = os.path.join(root, "compile")
@@ -313,7 +313,7 @@ def compare_backends() -> None:
     base.checkpoint.local_dir = ""
     base.checkpoint.every_steps = 1
     root = tempfile.mkdtemp(prefix="bench_gcs_")
-    local_root = f"/dev/shm/bench_gcs_{uuid.uuid4().hex[:8]}"
+    local_root = report.ram_disk_dir("bench_gcs")
     emulator = GcsEmulator()
     emulator.start()
     os.environ.update(emulator.environ())

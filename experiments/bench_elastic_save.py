@@ -21,7 +21,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -69,7 +68,7 @@ def main(argv: list[str]) -> None:
     base.elastic.enabled = True
     base.elastic.slices = 2
     root = tempfile.mkdtemp(prefix="bench_elastic_save_")
-    local_root = f"/dev/shm/bench_elastic_save_{uuid.uuid4().hex[:8]}"
+    local_root = report.ram_disk_dir("bench_elastic_save")
 
     def context(name: str, local: bool):
         config = base.copy_and_resolve_references()

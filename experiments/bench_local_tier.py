@@ -36,7 +36,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -74,7 +73,7 @@ def main(argv: list[str]) -> None:
 
     config = _CONFIG.value
     workdir = tempfile.mkdtemp(prefix="bench_local_tier_")
-    shm = f"/dev/shm/bench_local_tier_{uuid.uuid4().hex[:8]}"
+    shm = report.ram_disk_dir("bench_local_tier")
     config.checkpoint.local_dir = shm
     ctx = prepare(config, workdir, EventLog(workdir))
     state = init_state(config, ctx.mesh)
@@ -116,7 +115,7 @@ def main(argv: list[str]) -> None:
         return elapsed
 
     def peer_restore() -> tuple[float, float]:
-        empty = f"/dev/shm/bench_local_tier_{uuid.uuid4().hex[:8]}"
+        empty = report.ram_disk_dir("bench_local_tier")
         try:
             fresh = LocalTier(run_dir(empty, workdir), 0, keep=2)
             peers = PeerFetcher([f"127.0.0.1:{server.port}"], TOKEN, fresh, 60.0, events)

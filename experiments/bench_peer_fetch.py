@@ -28,7 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -67,7 +66,7 @@ def main(argv: list[str]) -> None:
     base.log.tensorboard = False
     base.checkpoint.local_auto_interval = False
     workdir = tempfile.mkdtemp(prefix="bench_peer_")
-    peer_root = f"/dev/shm/bench_peer_{uuid.uuid4().hex[:8]}"
+    peer_root = report.ram_disk_dir("bench_peer")
     fresh_roots: list[str] = []
     server = None
 
@@ -93,7 +92,7 @@ def main(argv: list[str]) -> None:
 
         def restore(kind: str) -> float:
             if kind == "peer":
-                root = f"/dev/shm/bench_peer_{uuid.uuid4().hex[:8]}"
+                root = report.ram_disk_dir("bench_peer")
                 fresh_roots.append(root)
                 os.environ[env_vars.LOCAL_TIER_PEERS] = peer
                 os.environ[env_vars.RUN_TOKEN] = TOKEN

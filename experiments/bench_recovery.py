@@ -442,7 +442,7 @@ def print_table(scenarios: dict[str, dict[str, Any]]) -> None:
 def main(argv: list[str]) -> None:
     del argv
     log_dir = tempfile.mkdtemp(prefix="rj_bench_logs_")
-    shm = f"/dev/shm/rj_bench_{os.getpid()}"
+    shm = report.ram_disk_dir("rj_bench")
     cache_dir = tempfile.mkdtemp(prefix="rj_bench_jax_cache_")
     scenarios: dict[str, dict[str, Any]] = {}
     wanted = set(_SCENARIOS.value) or {s.name for s in SCENARIOS} | {SUPERVISOR_RESTART}

@@ -300,7 +300,7 @@ def keep_events(log_dir: str, keep_dir: str) -> str:
 def main(argv: list[str]) -> None:
     del argv
     log_dir = tempfile.mkdtemp(prefix="rj_chaos_logs_")
-    shm = f"/dev/shm/rj_chaos_{os.getpid()}"
+    shm = report.ram_disk_dir("rj_chaos")
     length_s = 60.0 * _MINUTES.value
     trace = make_trace(_SEED.value, _MTBF.value, length_s, _LOST_FOR.value)
     runs: dict[str, list[dict[str, Any]]] = {}

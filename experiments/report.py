@@ -1,5 +1,6 @@
-"""What the experiments share at their end: the result file under experiments/results/, the
-description of the machine it was measured on, and a matplotlib that draws into files.
+"""What the experiments share: a RAM-disk folder that a killed run does not leave behind, and at
+their end the result file under experiments/results/, the description of the machine it was
+measured on, and a matplotlib that draws into files.
 
 Scripts import it as `report` (an experiment runs as `python experiments/<name>.py`, which puts
 this folder on the path).
@@ -7,11 +8,40 @@ this folder on the path).
 
 from __future__ import annotations
 
+import glob
+import itertools
 import json
 import math
 import os
 import platform
+import shutil
 from typing import Any
+
+RAM_DISK = "/dev/shm"
+_ram_disk_dirs = itertools.count(1)  # this process's folders, numbered
+
+
+def ram_disk_dir(prefix: str) -> str:
+    """A new folder name `/dev/shm/<prefix>_<pid>_<n>` for this process's RAM-disk tier (created
+    by whoever writes it first; the caller removes it at the end). Folders of the same prefix
+    whose process has died are removed first: a benchmark the OOM killer or a time limit ended
+    cannot clean up, and its gigabytes of RAM disk would shrink the memory of every later run
+    (four such folders once held 8.5 GB of a 24 GB host)."""
+    for stale in glob.glob(os.path.join(RAM_DISK, f"{prefix}_*_*")):
+        pid = os.path.basename(stale)[len(prefix) + 1 :].split("_", 1)[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    return os.path.join(RAM_DISK, f"{prefix}_{os.getpid()}_{next(_ram_disk_dirs)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_json(path: str, result: Any, indent: int = 2) -> None:
