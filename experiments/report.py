@@ -27,21 +27,13 @@ def ram_disk_dir(prefix: str) -> str:
     whose process has died are removed first: a benchmark the OOM killer or a time limit ended
     cannot clean up, and its gigabytes of RAM disk would shrink the memory of every later run
     (four such folders once held 8.5 GB of a 24 GB host)."""
+    from resilient_jax.control.local_hosts import process_gone
+
     for stale in glob.glob(os.path.join(RAM_DISK, f"{prefix}_*_*")):
         pid = os.path.basename(stale)[len(prefix) + 1 :].split("_", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and process_gone(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     return os.path.join(RAM_DISK, f"{prefix}_{os.getpid()}_{next(_ram_disk_dirs)}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def write_json(path: str, result: Any, indent: int = 2) -> None:

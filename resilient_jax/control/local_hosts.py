@@ -34,7 +34,7 @@ LOG_FILE = "workers.log"
 AGENT_FILE = "agent.json"  # the pid of the host's agent, and its run token's digest
 
 
-def _gone(pid: int, zombie: bool = True) -> bool:
+def process_gone(pid: int, zombie: bool = True) -> bool:
     """Whether `pid` no longer runs; a zombie not reaped yet counts as gone when `zombie`."""
     if zombie:
         try:
@@ -137,7 +137,7 @@ class LocalHosts:
                 pid = int(record["pid"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue
-            if _gone(pid) or not self._is_agent(pid, name):
+            if process_gone(pid) or not self._is_agent(pid, name):
                 continue
             if record.get("token_sha256") != _digest(self._token):
                 raise ForeignAgent(
@@ -180,7 +180,7 @@ class LocalHosts:
         for popen in self._children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-        while not all(_gone(pid) for pid in self._adopted) and time.monotonic() < deadline:
+        while not all(process_gone(pid) for pid in self._adopted) and time.monotonic() < deadline:
             time.sleep(0.02)
         agents = [p.pid for p in self._children] + self._adopted
         for pid in agents + list(worker_pids):
@@ -191,7 +191,7 @@ class LocalHosts:
                 popen.wait(timeout=5.0)
         # A worker or an adopted agent killed here is not our child: gone once init reaps it.
         gone_by = time.monotonic() + _EXIT_WAIT_S
-        while any(not _gone(pid, zombie=False) for pid in [*self._adopted, *worker_pids]):
+        while any(not process_gone(pid, zombie=False) for pid in [*self._adopted, *worker_pids]):
             if time.monotonic() > gone_by:
                 break
             time.sleep(0.02)
