@@ -33,7 +33,9 @@ Stages, each a benchmark of its own run as a subprocess with the size's override
 
 Above `--split_over_gb` (1.5) the checkpoint stage runs as one process per piece (the tiers' kept
 saves, their host-copy saves, plain Orbax, the step blocks, the restores), merged into one result:
-one process holding every part's copies needs about 14 x the state in host memory.
+one process holding every part's copies needs about 14 x the state in host memory. Above
+`--split_kinds_over_gb` (2.0) it runs one process per save kind (and the step blocks of the kept
+and the host-copy local save apart), and the steps stage times the kept local save only.
 
 The exponent of a figure between two sizes is log(figure ratio) / log(state ratio): 1 grows like
 the state, below 1 slower (a fixed part dominates), above 1 faster. A stage that cannot run at a
@@ -112,6 +114,18 @@ _SPLIT_OVER_GB = flags.DEFINE_float(
     1.5,
     "States larger than this run the checkpoint stage as one process per part (memory).",
 )
+_SPLIT_KINDS_OVER_GB = flags.DEFINE_float(
+    "split_kinds_over_gb",
+    2.0,
+    "States larger than this run the checkpoint stage as one process per save kind, and the "
+    "steps stage with the kept local save only (memory).",
+)
+_REUSE_PIECES = flags.DEFINE_bool(
+    "reuse_pieces",
+    False,
+    "Keep the piece results of a split checkpoint stage already written, and run only the "
+    "missing pieces (after a run that stopped midway).",
+)
 _SUMMARIZE = flags.DEFINE_bool("summarize", False, "Only summarise the results already written.")
 _TIMEOUT_S = flags.DEFINE_integer("timeout_s", 3600, "Bound on one benchmark run.")
 
@@ -140,6 +154,8 @@ def command(stage: str, size: str) -> list[str]:
             "--lean",  # no saves, a kept local save, a host-copy local save: one state more
             f"--blocks={_STEP_BLOCKS.value}",
             "--steps=3",
+            # A large state: the kept save only (each local tier holds two steps of RAM disk).
+            *(["--kinds=local"] if state_gb(size) > _SPLIT_KINDS_OVER_GB.value else []),
             out,
         ]
     if stage in ("checkpoint", "peer"):
@@ -191,6 +207,34 @@ PIECES = {
 }
 
 
+# Past --split_kinds_over_gb, one process per save kind: at 2.4 GB the kept saves' piece (both
+# tiers and the device-to-host copy) reached 22 GB of anonymous memory, the step blocks' piece 17
+# GB plus 7 GB of RAM disk (two local tiers, each a committed step and a spare), and the
+# kernel killed both on this 24 GiB host.
+PIECES_BY_KIND = {
+    **{
+        kind: ["--parts=saves", f"--kinds={kind}"]
+        for kind in (
+            "local",
+            "persistent",
+            "device_to_host",
+            "local_host",
+            "persistent_host",
+            "orbax_async",
+            "orbax_sync",
+        )
+    },
+    "steps": ["--parts=steps", "--kinds=local"],
+    "steps_host": ["--parts=steps", "--kinds=local_host"],
+    "restores": ["--parts=restores"],
+}
+
+
+def pieces(size: str) -> dict[str, list[str]]:
+    """The processes of the checkpoint stage at `size`: their names and extra flags."""
+    return PIECES_BY_KIND if state_gb(size) > _SPLIT_KINDS_OVER_GB.value else PIECES
+
+
 def merge_pieces(pieces: list[dict[str, Any]]) -> dict[str, Any]:
     """One checkpoint result from the pieces' results: each figure from the piece that measured
     it, the memory high-water mark the largest of theirs."""
@@ -203,7 +247,6 @@ def merge_pieces(pieces: list[dict[str, Any]]) -> dict[str, Any]:
                 merged[key] = value
     merged["peak_rss_gb"] = max(p["peak_rss_gb"] for p in pieces)
     merged["parts"] = sorted({part for p in pieces for part in p["parts"]})
-    merged["pieces"] = list(PIECES)
     sync = statistics.median(merged["save_hook_s"]["orbax_sync"])
     merged["blocking_vs_sync"] = {
         k: statistics.median(v) / sync for k, v in merged["save_hook_s"].items()
@@ -216,15 +259,18 @@ def run_stage(stage: str, size: str) -> dict[str, Any]:
     if stage != "checkpoint" or state_gb(size) <= _SPLIT_OVER_GB.value:
         return _run(stage, size, command(stage, size), result_path(stage, size))
     runs, results = {}, []
-    for piece, extra in PIECES.items():
+    for piece, extra in pieces(size).items():
         out = result_path(stage, size).replace(".json", f".{piece}.json")
         argv = [a for a in command(stage, size) if not a.startswith("--out=")]
-        runs[piece] = _run(stage, f"{size}.{piece}", [*argv, *extra, f"--out={out}"], out)
+        if _REUSE_PIECES.value and os.path.exists(out):
+            runs[piece] = {"exit_code": 0, "wall_s": 0.0, "reused": out}
+        else:
+            runs[piece] = _run(stage, f"{size}.{piece}", [*argv, *extra, f"--out={out}"], out)
         if runs[piece]["exit_code"] != 0:
             return runs[piece] | {"pieces": runs}
         with open(out) as f:
             results.append(json.load(f))
-    report.write_json(result_path(stage, size), merge_pieces(results))
+    report.write_json(result_path(stage, size), merge_pieces(results) | {"pieces": list(runs)})
     return {
         "exit_code": 0,
         "wall_s": round(sum(r["wall_s"] for r in runs.values()), 1),
