@@ -1,6 +1,6 @@
 """Exact resume through the launcher: SIGKILL at a random moment (maybe mid-save), the same
 command again, and the final `state`, read with plain Orbax, is bitwise equal to an uninterrupted
-run's. A run preempted on 8 devices continues on 4 with the same examples and loss."""
+run's. A run preempted on 4 devices continues on 2 with the same examples and loss."""
 
 from __future__ import annotations
 
@@ -47,19 +47,20 @@ def test_sigkill_at_a_random_moment_then_same_command_is_bitwise_exact(
     assert launcher.step_losses(workdir) == launcher.step_losses(uninterrupted)
 
 
-def test_preempted_on_8_devices_continues_on_4(tmp_path, launcher, uninterrupted):
+def test_preempted_on_4_devices_continues_on_2(tmp_path, launcher, uninterrupted):
     workdir = tmp_path / "run"
-    batch_of_2 = ["--config.per_device_batch_size=2"]
-    proc = launcher.start(workdir, devices=8, extra=batch_of_2)
+    # 4 rows a device: one microbatch on 4 devices (the uninterrupted run's program), two on 2.
+    batch_of_4 = ["--config.per_device_batch_size=4"]
+    proc = launcher.start(workdir, devices=4, extra=batch_of_4)
     launcher.wait_for_step(workdir, 12, proc)
     proc.send_signal(signal.SIGTERM)  # preemption notice: save, wait for commit, exit 42
     assert launcher.finish(proc) == ExitCode.PREEMPTED
     assert (
-        launcher.finish(launcher.start(workdir, devices=4, extra=batch_of_2)) == ExitCode.FINISHED
+        launcher.finish(launcher.start(workdir, devices=2, extra=batch_of_4)) == ExitCode.FINISHED
     )
     events = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
     starts = [e for e in events if e["type"] == "process_start"]
-    assert [s["mesh"]["fsdp"] for s in starts] == [8, 4]
+    assert [s["mesh"]["fsdp"] for s in starts] == [4, 2]
     assert [s["mesh"]["microbatches"] for s in starts] == [1, 2]
     (restore,) = [e for e in events if e["type"] == "restore"]
     assert restore["step"] >= 12
