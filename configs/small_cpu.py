@@ -9,7 +9,12 @@ passes `--config.KEY=VALUE` flags; `SHORT_RUN` adds what the tests' runs share (
 `SMALL`), so that most tests train, and compile, the same programs.
 """
 
-from configs import tiny_cpu
+import os
+import runpy
+
+# By path, not `from configs import tiny_cpu`: the launcher loads a config file by its path, with
+# no `configs` package on sys.path.
+_tiny_cpu = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny_cpu.py"))
 
 MODEL = {
     "model.d_model": 64,
@@ -33,6 +38,6 @@ SHORT_RUN = {
 
 
 def get_config():
-    config = tiny_cpu.get_config()
+    config = _tiny_cpu["get_config"]()
     config.update_from_flattened_dict(MODEL)
     return config

@@ -77,14 +77,14 @@ def test_strict_json_writes_a_missing_number_as_null(tmp_path):
     assert event == {"time": 1.0, "type": "step", "duration_s": None, "step": 1}
 
 
-def test_tiny_training_run_loss_falls_and_writes_run_files(tmp_path):
+def test_a_small_training_run_loss_falls_and_writes_run_files(tmp_path):
     result = run_python(
         [
             "launch/train.py",
-            "--config=configs/tiny_cpu.py",
+            # The tests' small model (the train step other launcher tests compile, too).
+            "--config=configs/small_cpu.py",
             f"--workdir={tmp_path}",
             "--config.total_steps=30",
-            "--config.model.num_layers=2",
             "--config.log.every_steps=1",
             "--config.checkpoint.local_dir=",
         ],
@@ -94,8 +94,8 @@ def test_tiny_training_run_loss_falls_and_writes_run_files(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = strict_json_lines(tmp_path / "metrics.jsonl")
     assert rows[-1]["step"] == 30 and all("loss" in r for r in rows)
-    # From ln V (6.93): about 5.9 at step 30, a nat lower.
-    assert rows[-1]["loss"] < rows[0]["loss"] - 0.8, [r["loss"] for r in rows]
+    # From ln V (6.93): about 6.05 at step 30 (0.87 lower; an untrained step would not move it).
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.6, [r["loss"] for r in rows]
     # The first step has no step time (nothing before it to measure from): null, not NaN.
     assert rows[0]["step"] == 1 and rows[0]["step_time_s"] is None
     assert rows[1]["step_time_s"] > 0
