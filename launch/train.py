@@ -28,6 +28,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from resilient_jax import config as config_lib
+from resilient_jax import executables
 from resilient_jax.config import BadInput, command_line
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.generation_file import Fenced
@@ -77,6 +78,9 @@ def main(argv: list[str]) -> None:
                 raise BadInput("--cluster describes the cluster of --plan: add --plan or drop it")
             if not _WORKDIR.value:
                 raise BadInput("--workdir is required to train (only --plan runs without one)")
+            # A worker: JAX's cache off for good, so every executable stored for a restart
+            # comes from a compile (`executables.supersede_jax_cache`).
+            executables.supersede_jax_cache()
             code = train(_CONFIG.value, os.path.abspath(_WORKDIR.value), chaos=_CHAOS.value)
     except BadInput as e:  # the user must fix it: restarting would only repeat it
         print(f"error: {e}", file=sys.stderr)

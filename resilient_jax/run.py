@@ -29,7 +29,7 @@ import jax
 import ml_collections
 
 from resilient_jax import config as config_lib
-from resilient_jax import executables, rehearsal
+from resilient_jax import rehearsal
 from resilient_jax.chaos.hook import ChaosHook
 from resilient_jax.chaos.step import wrap_step
 from resilient_jax.checkpoint import Checkpointer, CheckpointError
@@ -199,10 +199,11 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
     """Runs training; returns the exit code of a finished (0) or deliberately stopped run.
 
     Raises `BadInput` on input it refuses, `RunError` on a checkpoint failure (see the module
-    docstring); anything else it raises is unexpected.
+    docstring); anything else it raises is unexpected. JAX's own compilation cache stays as the
+    caller set it (a worker process turns it off: `launch/train.py`); the executables this run
+    stores are compiled with it bypassed either way (`executables`).
     """
     config_lib.validate(config)
-    executables.supersede_jax_cache()
     faults = ChaosHook(chaos) if chaos else None
     read_env()  # a launcher's worker environment that does not add up is refused here, early
     check_workdir(workdir)
