@@ -154,6 +154,30 @@ def test_a_hit_loads_without_tracing_and_steps_bitwise_alike(ctx, tmp_path, monk
     assert all(jax.tree.leaves(same))
 
 
+def test_init_is_stored_once_for_configs_that_build_the_same_program(ctx, tmp_path, monkeypatch):
+    """A fresh state's program is keyed by what it compiles: a config that changes only what
+    init does not read (the run's length) loads it; one that changes the model stores another;
+    the loaded program gives the compiled one's bits."""
+    from resilient_jax.train import state as state_lib
+
+    monkeypatch.setattr(executables, "default_dir", lambda: str(tmp_path))
+    entries = lambda: sorted(os.listdir(tmp_path))
+    fresh = state_lib._load_or_compile_init(ctx.config, ctx.mesh)
+    (entry,) = entries()
+    longer = ctx.config.copy_and_resolve_references()
+    longer.total_steps += 1
+    loaded = state_lib._load_or_compile_init(longer, ctx.mesh)
+    assert entries() == [entry]
+    wider = ctx.config.copy_and_resolve_references()
+    wider.model.d_ff *= 2
+    state_lib._load_or_compile_init(wider, ctx.mesh)
+    assert len(entries()) == 2
+    with jax.set_mesh(ctx.mesh):
+        a, b = fresh(), loaded()
+    same = jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), a, b)
+    assert all(jax.tree.leaves(same))
+
+
 _SVD_PROGRAM = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
