@@ -292,7 +292,19 @@ def test_the_final_step_waits_for_a_recovery_save_still_committing(
 # ------------------------------------------------------------------- whole runs on gs://
 
 
-def _train(workdir, ckpt_dir: str, devices: int = 4, **overrides) -> subprocess.Popen:
+def _wait_for_a_commit(workdir, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Blocks until the run in `workdir` has committed a save of either tier; it must still run."""
+    deadline = time.monotonic() + timeout_s
+    while not events_of(str(workdir), EventType.SAVE_COMMITTED):
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before a save committed"
+        assert time.monotonic() < deadline, f"no save committed within {timeout_s}s"
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+
+
+def _train(
+    workdir, ckpt_dir: str, devices: int = 4, chaos: str = "", **overrides
+) -> subprocess.Popen:
     flags = as_flags(
         {
             **SMALL,
@@ -311,6 +323,7 @@ def _train(workdir, ckpt_dir: str, devices: int = 4, **overrides) -> subprocess.
             f"--workdir={workdir}",
             f"--config.checkpoint.local_dir={workdir}-shm",
             *flags,
+            *([f"--chaos={chaos}"] if chaos else []),
         ],
         cwd=REPO,
         env={**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"},
@@ -338,8 +351,12 @@ def test_gs_run_killed_and_resumed_is_bitwise_equal_to_an_undisturbed_one(tmp_pa
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     resumed = gcs.gs_url(uuid.uuid4().hex[:12])
-    proc = _train(tmp_path / "b", resumed)
+    # Slowed steps (a sleep: the numbers are the same) and a kill only once a save of the run
+    # has committed: under load the first save's write can outlast a dozen small steps, and a
+    # run killed with nothing committed would start afresh, resuming nothing.
+    proc = _train(tmp_path / "b", resumed, chaos="slow:process=0,factor=4")
     launcher.wait_for_step(tmp_path / "b", 14, proc)
+    _wait_for_a_commit(tmp_path / "b", proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     proc = _train(tmp_path / "b", resumed)
