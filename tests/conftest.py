@@ -637,21 +637,33 @@ class LauncherRuns:
 
     def wait_for_step(self, workdir, step: int, proc: subprocess.Popen, timeout: float = 300):
         """Blocks until the run has logged `step` (polls its event log)."""
+        self.wait_for_event(
+            workdir,
+            proc,
+            lambda e: e["type"] == "step" and e["step"] >= step,
+            f"step {step}",
+            timeout,
+        )
+
+    def wait_for_event(
+        self, workdir, proc: subprocess.Popen, accept, what: str, timeout: float = 300
+    ) -> None:
+        """Blocks until the run has logged an event `accept(event)` holds for; the run must still
+        be running then (killed, and the test failed, after `timeout`)."""
         import json
         import time
 
         path = os.path.join(workdir, "events.jsonl")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert proc.poll() is None, f"the run exited ({proc.returncode}) before step {step}"
+            assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}"
             if os.path.exists(path):
                 with open(path) as f:
-                    for line in f:
-                        if '"type": "step"' in line and json.loads(line)["step"] >= step:
-                            return
+                    if any(accept(json.loads(line)) for line in f):
+                        return
             time.sleep(0.05)
         proc.kill()
-        pytest.fail(f"no step {step} within {timeout}s")
+        pytest.fail(f"no {what} within {timeout}s")
 
     def plain_orbax_state(self, workdir, step: int) -> dict:
         return plain_orbax_state(workdir, step)

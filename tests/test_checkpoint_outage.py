@@ -292,16 +292,6 @@ def test_the_final_step_waits_for_a_recovery_save_still_committing(
 # ------------------------------------------------------------------- whole runs on gs://
 
 
-def _wait_for_a_commit(workdir, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Blocks until the run in `workdir` has committed a save of either tier; it must still run."""
-    deadline = time.monotonic() + timeout_s
-    while not events_of(str(workdir), EventType.SAVE_COMMITTED):
-        assert proc.poll() is None, f"the run ended ({proc.returncode}) before a save committed"
-        assert time.monotonic() < deadline, f"no save committed within {timeout_s}s"
-        time.sleep(0.05)
-    assert proc.poll() is None, "the run ended before it could be killed"
-
-
 def _train(
     workdir, ckpt_dir: str, devices: int = 4, chaos: str = "", **overrides
 ) -> subprocess.Popen:
@@ -356,7 +346,9 @@ def test_gs_run_killed_and_resumed_is_bitwise_equal_to_an_undisturbed_one(tmp_pa
     # run killed with nothing committed would start afresh, resuming nothing.
     proc = _train(tmp_path / "b", resumed, chaos="slow:process=0,factor=4")
     launcher.wait_for_step(tmp_path / "b", 14, proc)
-    _wait_for_a_commit(tmp_path / "b", proc)
+    committed = lambda e: e["type"] == EventType.SAVE_COMMITTED
+    launcher.wait_for_event(tmp_path / "b", proc, committed, "a committed save", timeout=120)
+    assert proc.poll() is None, "the run ended before it could be killed"
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     proc = _train(tmp_path / "b", resumed)
