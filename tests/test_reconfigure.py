@@ -210,6 +210,14 @@ def test_fixed_policy_reshapes_and_still_prices_the_alternatives(tmp_path):
     assert [a["plan"] for a in event["alternatives"]] == ["wait"]
 
 
+@pytest.mark.parametrize("policy", ["cost", "reshape"])
+def test_a_slice_back_at_the_final_step_is_not_re_admitted(tmp_path, policy):
+    planner, _ = reconfigurer(tmp_path, policy, scale_up_when_faster=False)
+    total = int(default_config().total_steps)
+    assert planner.readmit(Generation(number=1, slices=[0], max_step=total - 1), 2, None)
+    assert not planner.readmit(Generation(number=2, slices=[0], max_step=total), 2, None)
+
+
 def test_restart_cost_comes_from_the_runs_event_log(tmp_path):
     log = EventLog(str(tmp_path), process="supervisor", source="supervisor")
     log.emit("restart", generation=1, stopping_s=0.5)

@@ -166,6 +166,9 @@ class Reconfigurer:
         assert gen.max_step is not None
         now = len(gen.slices)
         remaining = int(self._config.total_steps) - gen.max_step
+        if remaining <= 0:
+            # The generation is saving its final step: a restart would only stop again.
+            return False
         sit = self._situation(gen, now, (now, bigger), mtbf_s, None, spares=False)
         options = plans_lib.on_return(sit, bigger)
         if not self._c.scale_up_when_faster:
