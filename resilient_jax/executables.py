@@ -10,7 +10,9 @@ path or gs:// URL), one file per key, and loads them on the next start.
 
 Entries are keyed by `program_key` (the train and eval steps), computed without tracing or
 lowering anything, so a hit costs only the load. The key covers everything the compiled program
-depends on: the whole config (model, optimizer, batch, schedule, health thresholds, ...), the
+depends on: the config (model, optimizer, batch, schedule, health thresholds, ...) less the keys
+only the host reads (`HOST_ONLY_KEYS`: where and when to save, log and evaluate, the control
+plane's timeouts; a run that changes them on a restart keeps its executables), the
 code (a hash of every source file of this package), the mesh (axis names, shape, device ids in
 order) and the process's place (index and count), the JAX and jaxlib versions, the backend, its
 version and the device kind, JAX's configuration flags and the XLA flags in the environment.
@@ -57,6 +59,25 @@ _ENV_KEYS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 # JAX flags that say where and when to cache, not what to compile: a run may move its cache.
 _CACHE_FLAGS = ("jax_compilation_cache", "jax_persistent_cache", "jax_enable_compilation_cache")
+# Config sections and keys that no compiled step reads (tests/test_executables.py changes every
+# one of them and compares the lowered programs): left out of `program_key`. Whether a save keeps
+# the state or copies it picks the program's name ("train" or "train_keep"), not its text.
+HOST_ONLY_KEYS = (
+    "checkpoint",
+    "coordinator",
+    "log",
+    "profile",
+    "data.path",
+    "data.prefetch",
+    "data.num_threads",
+    "eval.every_steps",
+    "eval.steps",
+    "eval.datasets",
+    "health.straggler_factor",
+    "health.straggler_window",
+    "health.watchdog_timeout_s",
+    "health.watchdog_startup_timeout_s",
+)
 
 
 def default_dir() -> str | None:
@@ -160,13 +181,25 @@ def program_key(
     plan's `describe()` (microbatches, slices), without tracing."""
     parts = [
         program,
-        json.dumps(config_to_dict(config), sort_keys=True),
+        json.dumps(program_config(config), sort_keys=True),
         code_version(),
         f"mesh {dict(mesh.shape)} devices {[d.id for d in mesh.devices.flat]}",
         json.dumps(plan, sort_keys=True),
         *runtime_parts(),
     ]
     return _digest(parts)
+
+
+def program_config(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config as a dict, less `HOST_ONLY_KEYS`."""
+    tree = config_to_dict(config)
+    for dotted in HOST_ONLY_KEYS:
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for name in parents:
+            node = node.get(name, {})
+        node.pop(leaf, None)
+    return tree
 
 
 def lowered_key(program: str, lowered: jax.stages.Lowered, devices: Iterable[jax.Device]) -> str:

@@ -8,6 +8,7 @@ import sys
 import types
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from conftest import REPO, run_context, tiny_config
@@ -15,6 +16,7 @@ from conftest import REPO, run_context, tiny_config
 from resilient_jax import executables
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.events import read_events
+from resilient_jax.train import compile as compile_lib
 
 
 @pytest.fixture
@@ -46,6 +48,69 @@ def test_any_config_change_changes_the_key(ctx, key, value):
     config = ctx.config.copy_and_resolve_references()
     config.update_from_flattened_dict({key: value})
     assert _key(ctx, config=config) != _key(ctx)
+
+
+def _changed(value):
+    """Another value of the same kind (None stays None: nothing to vary)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value * 3 + 1
+    if isinstance(value, str):
+        return value + "-other"
+    if isinstance(value, tuple | list):
+        return (*value, *value)
+    return value
+
+
+def _host_only_changed(config):
+    """`config` with every leaf of `executables.HOST_ONLY_KEYS` changed."""
+    changed = config.copy_and_resolve_references()
+    for dotted in executables.HOST_ONLY_KEYS:
+        node = changed
+        for name in dotted.split("."):
+            node = node[name]
+        if isinstance(node, ml_collections.ConfigDict):
+            leaves = [f"{dotted}.{k}" for k in node.to_dict() if not isinstance(node[k], dict)]
+        else:
+            leaves = [dotted]
+        with changed.unlocked():
+            for leaf in leaves:
+                *parents, name = leaf.split(".")
+                owner = changed
+                for parent in parents:
+                    owner = owner[parent]
+                owner[name] = _changed(owner[name])
+    return changed
+
+
+def test_keys_only_the_host_reads_leave_the_key_and_the_programs_alone(ctx):
+    """Where and when to save, log and evaluate, and the control plane's settings, are left out of
+    the key (a restart that changes them keeps its executables), and changing them all changes
+    neither the train step nor the eval step as lowered: none of them reaches a program."""
+    from resilient_jax.train.eval import make_eval_step
+    from resilient_jax.train.state import abstract_state
+    from resilient_jax.train.step import make_train_step
+
+    changed = _host_only_changed(ctx.config)
+    assert changed.checkpoint.every_steps != ctx.config.checkpoint.every_steps
+    assert changed.coordinator.heartbeat_timeout_s != ctx.config.coordinator.heartbeat_timeout_s
+    assert _key(ctx, config=changed) == _key(ctx)
+    assert _key(ctx, config=changed, program="eval") == _key(ctx, program="eval")
+
+    rows = ctx.config.global_batch_size // ctx.plan.microbatches
+    shape = (ctx.plan.microbatches, rows, ctx.config.data.seq_len + 1)
+    sharding = compile_lib.mesh_lib.batch_sharding(ctx.mesh)
+    batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
+    scale = jax.ShapeDtypeStruct((), np.float32, sharding=compile_lib.mesh_lib.replicated(ctx.mesh))
+
+    def programs(config):
+        state = abstract_state(config, ctx.mesh)
+        train = make_train_step(config, ctx.mesh, False).lower(state, batch, scale)
+        evaluate = make_eval_step(config, ctx.mesh).lower(state.params, batch)
+        return train.as_text(), evaluate.as_text()
+
+    assert programs(changed) == programs(ctx.config)
 
 
 def test_mesh_program_and_place_change_the_key(ctx, tmp_path, monkeypatch):
