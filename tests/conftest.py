@@ -125,6 +125,9 @@ FAST_SUPERVISION = {
     # The hosts' health probe without its JAX start (tests of the probe run it).
     "coordinator.probe_jax": False,
     "coordinator.agent_timeout_s": 1.5,
+    # No warm standbys: each imports the trainer's libraries (2 CPU-s) and most runs never use
+    # one, which doubled these tests' CPU. A test of the standby path turns them on.
+    "coordinator.standby_workers": False,
 }
 
 

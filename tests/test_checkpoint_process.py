@@ -143,11 +143,17 @@ def test_two_slices_save_agree_and_restore_then_survivor_alone(tmp_path, local_r
     for proc in procs:
         assert local.step_name(5) in os.listdir(os.path.join(run_dir, proc))
 
+    # Both processes restore the local tier, then, in the same processes, without any local copy
+    # the persistent tier (verifying its checksums).
     port = str(free_port())
     for output in _run_group([["restore", workdir, local_root, port, "2"]] * 2, two):
-        result = _result(output)
-        assert (result["tier"], result["step"]) == ("local", 5)
-        assert result["digests"] == saved["digests"]
+        results = [
+            json.loads(line[len("RESULT ") :])
+            for line in output.splitlines()
+            if line.startswith("RESULT ")
+        ]
+        assert [(r["tier"], r["step"]) for r in results] == [("local", 5), ("persistent", 5)]
+        assert all(r["digests"] == saved["digests"] for r in results)
 
     # Slice 1 is gone with its RAM disk; slice 0 restores alone onto its 4 devices.
     shutil.rmtree(os.path.join(run_dir, procs[1]))
@@ -156,14 +162,6 @@ def test_two_slices_save_agree_and_restore_then_survivor_alone(tmp_path, local_r
     assert (result["tier"], result["step"]) == ("local", 5)
     assert result["digests"] == saved["digests"]
     assert result["mesh"]["replica"] == 1 and result["mesh"]["fsdp"] == 4
-
-    # Without any local copy, both processes restore the persistent tier and verify checksums.
-    shutil.rmtree(local_root)
-    port = str(free_port())
-    for output in _run_group([["restore", workdir, "", port, "2"]] * 2, two):
-        result = _result(output)
-        assert (result["tier"], result["step"]) == ("persistent", 5)
-        assert result["digests"] == saved["digests"]
 
 
 # --------------------------------------------------------------------------------- the workers
@@ -195,11 +193,19 @@ def _worker(mode: str, workdir: str, local_root: str, port: str = "0", procs: st
     ctx.events = EventLog(workdir, process=jax.process_index())
     ck = Checkpointer(ctx, handle_sigterm=False)
     if mode == "restore":
-        restored = ck.restore_latest(ctx)
-        digests = checksum.tree_digests(restored.state)
-        ck.close()
-        result = {"tier": restored.tier, "step": restored.step, "digests": digests}
-        print("RESULT " + json.dumps({**result, "mesh": ctx.plan.describe()}), flush=True)
+        # With two processes, the persistent tier next: the same run without a local tier.
+        roots = [local_root, ""] if num_processes > 1 else [local_root]
+        for root in roots:
+            if root != local_root:
+                config = checkpoint_config(root, **overrides)
+                ctx = run_context(config, workdir, devices=len(jax.devices()))
+                ctx.events = EventLog(workdir, process=jax.process_index())
+                ck = Checkpointer(ctx, handle_sigterm=False)
+            restored = ck.restore_latest(ctx)
+            digests = checksum.tree_digests(restored.state)
+            ck.close()
+            result = {"tier": restored.tier, "step": restored.step, "digests": digests}
+            print("RESULT " + json.dumps({**result, "mesh": ctx.plan.describe()}), flush=True)
         return
     state = init_state(ctx.config, ctx.mesh)
     ck.on_start(ctx, state)

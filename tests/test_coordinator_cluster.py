@@ -133,8 +133,11 @@ def test_undisturbed_run_completes(cluster_dir):
 
 @pytest.mark.timeout(120)
 def test_killed_worker_slice_is_evicted_and_job_finishes_on_the_rest(cluster_dir):
-    kill = SupervisorAction("kill", slice=1, at_step=10)
-    result, events, _, state = run(cluster_dir, ClusterSpec(2, 1, 1), actions=[kill])
+    # With warm standbys, asked for at the first step: by step 20 the agent has started one.
+    kill = SupervisorAction("kill", slice=1, at_step=20)
+    result, events, _, state = run(
+        cluster_dir, ClusterSpec(2, 1, 1), actions=[kill], **{"coordinator.standby_workers": True}
+    )
     assert result.exit_code == 0, result.reason
     (failure,) = of_type(events, "failure_detected")
     assert (failure["cause"], failure["slice"], failure["exit_code"]) == ("exit", 1, -9)
@@ -142,6 +145,9 @@ def test_killed_worker_slice_is_evicted_and_job_finishes_on_the_rest(cluster_dir
     assert of_type(events, "evict")[0]["slice"] == 1
     (restart,) = of_type(events, "restart")
     assert (restart["slices"], restart["num_slices"], restart["num_processes"]) == ([0], 1, 1)
+    # The first generation started cold; the restart's worker is the standby made a worker.
+    starts = of_type(events, "process_start")
+    assert [(e["generation"], e["standby"]) for e in starts] == [(0, False), (0, False), (1, True)]
     assert state == {"step": TOTAL_STEPS, "value": pytest.approx(expected_value(), rel=1e-12)}
 
 

@@ -13,7 +13,9 @@ from resilient_jax.contracts.names import Name
 
 class EventType(Name):
     # A worker's life.
-    PROCESS_START = "process_start"  # topology, mesh
+    # A worker's own: topology, mesh. The supervisor's (source supervisor): pid, process, slice,
+    # host, generation, num_processes, num_slices, standby (its agent made a warm standby it).
+    PROCESS_START = "process_start"
     JAX_INIT = "jax_init"  # duration_s, num_processes, coordinator
     INIT = "init"  # duration_s; source: the checkpoint.init_from_hf directory (else the seed)
     RESTORE = "restore"  # step, tier, duration_s, source

@@ -293,6 +293,7 @@ class HostAgent:
         prefix = f"[g{generation} s{slice_id} p{process}] "
         try:
             worker = self._from_standby(env, prefix, process, slice_id, generation)
+            warm = worker is not None
             if worker is None:
                 worker = processes.spawn(
                     command["argv"],
@@ -323,6 +324,7 @@ class HostAgent:
                 "generation": generation,
                 "process": process,
                 "pid": worker.pid,
+                "standby": warm,
             }
         )
 

@@ -71,6 +71,7 @@ class RemoteWorker:
     pid: int | None = None
     exit_code: int | None = None  # Popen convention: -N = killed by signal N
     start_error: str | None = None
+    from_standby: bool = False  # the agent made a warm standby this worker
     presumed_dead: bool = False  # its host was lost before the agent reported an exit
 
     @property
@@ -159,6 +160,7 @@ class HostRegistry:
             worker = self._workers.get(key)  # type: ignore[arg-type]
         if kind == ap.MSG_STARTED and worker is not None:
             worker.pid = message.get("pid")
+            worker.from_standby = message.get("standby") is True
             worker.start_error = message.get("error") or worker.start_error
             if worker.pid is None and worker.start_error is None:
                 worker.start_error = "the agent gave no pid"

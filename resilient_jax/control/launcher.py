@@ -100,6 +100,7 @@ class WorkerLauncher:
                 generation=generation,
                 num_processes=num_processes,
                 num_slices=len(slices),
+                standby=worker.from_standby,
             )
         return workers
 
