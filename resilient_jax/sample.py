@@ -26,6 +26,7 @@ restoring retires steps newer than the one it restores, as a resuming run does.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import NoReturn
@@ -37,6 +38,14 @@ from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.data.tokenizer import Tokenizer, from_config
 from resilient_jax.decode import Decoder, Sampling
 from resilient_jax.model import ModelConfig
+
+
+@functools.lru_cache(maxsize=4)
+def _decoder(cfg: ModelConfig, sampling: Sampling, vocab: int, max_len: int) -> Decoder:
+    """One decoder per model and settings in a process: sampling again (other seeds, prompts,
+    a newer checkpoint of the same model) reuses its traced and compiled programs."""
+    return Decoder(cfg, sampling, vocab, max_len)
+
 
 # ------------------------------------------------------------------------------- command line
 
@@ -69,7 +78,7 @@ def sample(
     ids = tokenizer.encode(prompt)
     if not ids:
         raise BadInput("--prompt is invalid: it encodes to no tokens")
-    decoder = Decoder(
+    decoder = _decoder(
         ModelConfig.from_config(config.model), sampling, tokenizer.vocab_size, max_len or trained
     )
     decoder.check_fits(len(ids), max_new_tokens)
