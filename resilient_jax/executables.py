@@ -63,16 +63,23 @@ _CACHE_FLAGS = ("jax_compilation_cache", "jax_persistent_cache", "jax_enable_com
 # one of them and compares the lowered programs): left out of `program_key`. Whether a save keeps
 # the state or copies it picks the program's name ("train" or "train_keep"), not its text.
 HOST_ONLY_KEYS = (
+    "seed",  # the data order and init's key: init is keyed by its own lowered text
+    "per_device_batch_size",  # shapes programs only through the mesh plan, which the key holds
     "checkpoint",
     "coordinator",
     "log",
     "profile",
+    "rehearsal",  # what is mixed into the batches, not how a batch is trained
     "data.path",
     "data.prefetch",
     "data.num_threads",
     "eval.every_steps",
     "eval.steps",
+    "eval.fraction",
     "eval.datasets",
+    "health.max_skips",  # the escalation after anomalous steps (`health.monitor`), on the host
+    "health.max_rollbacks",
+    "health.rollback_skip_batches",
     "health.straggler_factor",
     "health.straggler_window",
     "health.watchdog_timeout_s",

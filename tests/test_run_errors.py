@@ -13,7 +13,8 @@ from conftest import SMALL, as_flags, run_python, tiny_config
 
 from resilient_jax.contracts.exit_codes import ExitCode
 
-FAST = {**SMALL, "checkpoint.local_dir": "", "total_steps": 2}
+# SMALL's 20 steps, as the other 8-device runs of the session: their programs are compiled once.
+FAST = {**SMALL, "checkpoint.local_dir": ""}
 
 
 def launch(workdir: str | pathlib.Path, overrides: dict | None = None):
@@ -78,12 +79,12 @@ def test_workdir_with_another_models_checkpoints_is_left_untouched(tmp_path):
 
     workdir = tmp_path / "run"
     # The first run in this process (its outcome is not what is tested; the refusal is).
-    assert train(tiny_config(total_steps=2, **{"checkpoint.every_steps": 2}), str(workdir)) == 0
+    assert train(tiny_config(**{"checkpoint.every_steps": 10}), str(workdir)) == 0
     before = snapshot(workdir)
     assert "config.json" in before and "events.jsonl" in before
     assert any(name.startswith("checkpoints/") for name in before)
 
-    other_model = launch(workdir, {"checkpoint.every_steps": 2, "model.d_ff": 96})
+    other_model = launch(workdir, {"checkpoint.every_steps": 10, "model.d_ff": 96})
     assert_refused(other_model, "holds a different model")
     assert snapshot(workdir) == before
 
