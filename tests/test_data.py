@@ -129,18 +129,16 @@ def two_text_datasets(tmp_path) -> dict[str, str]:
     return {"data.mixture": f":0.7,{small}:0.3"}
 
 
-@pytest.mark.parametrize("data", ["single", "mixture"])
 @pytest.mark.parametrize("num_processes", [2, 4])
-def test_global_batch_identical_across_process_counts(tmp_path, num_processes, data):
-    """Real JAX processes (gloo) each load only their rows; the batches match one process's."""
-    overrides = two_text_datasets(tmp_path) if data == "mixture" else {}
-    config = tiny_config(per_device_batch_size=1, **overrides)
-    expected = global_rows(loader_for(config, 8), 3)
+def test_global_batch_identical_across_process_counts(tmp_path, num_processes):
+    """Real JAX processes (gloo) each load only their rows; the batches match one process's, for
+    one dataset and for a mixture (both loaded by the same processes)."""
+    override_sets = [{}, two_text_datasets(tmp_path)]
     port = free_port()
     procs = []
     for pid in range(num_processes):
         devices = 8 // num_processes
-        procs.append(_spawn_dump(tmp_path, port, pid, num_processes, devices, overrides))
+        procs.append(_spawn_dump(tmp_path, port, pid, num_processes, devices, override_sets))
     for p in procs:
         try:
             p.wait(timeout=180)
@@ -149,15 +147,18 @@ def test_global_batch_identical_across_process_counts(tmp_path, num_processes, d
                 q.kill()
             raise
     assert [p.returncode for p in procs] == [0] * num_processes
-    got = np.load(tmp_path / "batches.npy")
-    local_rows = [np.load(tmp_path / f"rows_{pid}.npy") for pid in range(num_processes)]
-    for step, (_, rows) in enumerate(expected):
-        assert np.array_equal(got[step], rows)
-    # Each process read only its own rows: together they are the batch, with no row read twice.
-    assert sum(len(r) for r in local_rows) == config.global_batch_size
+    for i, overrides in enumerate(override_sets):
+        config = tiny_config(per_device_batch_size=1, **overrides)
+        expected = global_rows(loader_for(config, 8), 3)
+        got = np.load(tmp_path / f"batches_{i}.npy")
+        local_rows = [np.load(tmp_path / f"rows_{i}_{pid}.npy") for pid in range(num_processes)]
+        for step, (_, rows) in enumerate(expected):
+            assert np.array_equal(got[step], rows), (overrides, step)
+        # Each process read only its own rows: together they are the batch, none read twice.
+        assert sum(len(r) for r in local_rows) == config.global_batch_size
 
 
-def _spawn_dump(tmp_path, port, pid, num_processes, devices, overrides):
+def _spawn_dump(tmp_path, port, pid, num_processes, devices, override_sets):
     import subprocess
     import sys
 
@@ -172,7 +173,7 @@ def _spawn_dump(tmp_path, port, pid, num_processes, devices, overrides):
             sys.executable,
             script,
             *map(str, (port, pid, num_processes, tmp_path)),
-            json.dumps(overrides),
+            json.dumps(override_sets),
         ],
         env=env,
         stdout=open(tmp_path / f"log_{pid}.txt", "w"),

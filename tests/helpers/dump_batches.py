@@ -1,6 +1,7 @@
-"""One process of a multi-process data test: loads 3 batches, gathers them, saves on process 0.
+"""One process of a multi-process data test: for each data config, loads 3 batches, gathers them,
+saves on process 0 (`batches_{i}.npy`; this process's rows `rows_{i}_{pid}.npy`).
 
-Arguments: PORT PROCESS_ID NUM_PROCESSES OUT_DIR [CONFIG_OVERRIDES_JSON]."""
+Arguments: PORT PROCESS_ID NUM_PROCESSES OUT_DIR [CONFIG_OVERRIDES_JSON_LIST]."""
 
 import json
 import os
@@ -14,7 +15,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 port, pid, num_processes, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-overrides = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+override_sets = json.loads(sys.argv[5]) if len(sys.argv) > 5 else [{}]
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes, pid, initialization_timeout=120)
 
@@ -23,16 +24,18 @@ from conftest import tiny_config  # noqa: E402
 from resilient_jax import mesh, topology  # noqa: E402
 from resilient_jax.data import BatchLoader, make_source  # noqa: E402
 
-config = tiny_config(per_device_batch_size=1, **overrides)
 topo = mesh.discover()
-plan = topology.plan_mesh(config, topo)
-loader = BatchLoader(config, mesh.make_mesh(plan, topo), plan, make_source(config))
-np.save(os.path.join(out, f"rows_{pid}.npy"), loader._local_rows)
-batches = []
-for _ in range(3):
-    _, batch = loader.next()
-    full = multihost_utils.process_allgather(batch, tiled=True)
-    batches.append(np.asarray(full).reshape(-1, batch.shape[-1]))
-if pid == 0:
-    np.save(os.path.join(out, "batches.npy"), np.stack(batches))
+for i, overrides in enumerate(override_sets):
+    config = tiny_config(per_device_batch_size=1, **overrides)
+    plan = topology.plan_mesh(config, topo)
+    loader = BatchLoader(config, mesh.make_mesh(plan, topo), plan, make_source(config))
+    np.save(os.path.join(out, f"rows_{i}_{pid}.npy"), loader._local_rows)
+    batches = []
+    for _ in range(3):
+        _, batch = loader.next()
+        full = multihost_utils.process_allgather(batch, tiled=True)
+        batches.append(np.asarray(full).reshape(-1, batch.shape[-1]))
+    loader.close()
+    if pid == 0:
+        np.save(os.path.join(out, f"batches_{i}.npy"), np.stack(batches))
 jax.distributed.shutdown()
