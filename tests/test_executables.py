@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -87,7 +88,9 @@ def _host_only_changed(config):
 def test_keys_only_the_host_reads_leave_the_key_and_the_programs_alone(ctx):
     """Where and when to save, log and evaluate, and the control plane's settings, are left out of
     the key (a restart that changes them keeps its executables), and changing them all changes
-    neither the train step nor the eval step as lowered: none of them reaches a program."""
+    neither the train step, the eval step nor elastic mode's update as lowered: none of them
+    reaches a program."""
+    from resilient_jax.elastic import step as elastic_step
     from resilient_jax.train.eval import make_eval_step
     from resilient_jax.train.state import abstract_state
     from resilient_jax.train.step import make_train_step
@@ -108,7 +111,9 @@ def test_keys_only_the_host_reads_leave_the_key_and_the_programs_alone(ctx):
         state = abstract_state(config, ctx.mesh)
         train = make_train_step(config, ctx.mesh, False).lower(state, batch, scale)
         evaluate = make_eval_step(config, ctx.mesh).lower(state.params, batch)
-        return train.as_text(), evaluate.as_text()
+        on_config = dataclasses.replace(ctx, config=config, abstract_state=state)
+        update = elastic_step.apply_lowering(on_config)()  # elastic mode's half of the step
+        return train.as_text(), evaluate.as_text(), update.as_text()
 
     assert programs(changed) == programs(ctx.config)
 
