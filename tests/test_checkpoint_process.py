@@ -64,10 +64,15 @@ def _run_group(commands: list[list[str]], env: dict[str, str]) -> list[str]:
     return outputs
 
 
-def _result(output: str) -> dict:
+def _results(output: str) -> list[dict]:
+    """Every RESULT line a worker printed, in order."""
     lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     assert lines, output[-2000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return [json.loads(line[len("RESULT ") :]) for line in lines]
+
+
+def _result(output: str) -> dict:
+    return _results(output)[-1]
 
 
 def test_save_torn_by_sigkill_falls_back_and_cleans_temp_dirs(tmp_path, local_root):
@@ -147,11 +152,7 @@ def test_two_slices_save_agree_and_restore_then_survivor_alone(tmp_path, local_r
     # the persistent tier (verifying its checksums).
     port = str(free_port())
     for output in _run_group([["restore", workdir, local_root, port, "2"]] * 2, two):
-        results = [
-            json.loads(line[len("RESULT ") :])
-            for line in output.splitlines()
-            if line.startswith("RESULT ")
-        ]
+        results = _results(output)
         assert [(r["tier"], r["step"]) for r in results] == [("local", 5), ("persistent", 5)]
         assert all(r["digests"] == saved["digests"] for r in results)
 
@@ -188,25 +189,23 @@ def _worker(mode: str, workdir: str, local_root: str, port: str = "0", procs: st
     if mode == "save":
         overrides["checkpoint.local_every_steps"] = 1
         overrides["checkpoint.every_minutes"] = 0.0001
-    config = checkpoint_config(local_root, **overrides)
-    ctx = run_context(config, workdir, devices=len(jax.devices()))
-    ctx.events = EventLog(workdir, process=jax.process_index())
-    ck = Checkpointer(ctx, handle_sigterm=False)
+
+    def checkpointer(root: str):
+        ctx = run_context(checkpoint_config(root, **overrides), workdir, len(jax.devices()))
+        ctx.events = EventLog(workdir, process=jax.process_index())
+        return ctx, Checkpointer(ctx, handle_sigterm=False)
+
     if mode == "restore":
         # With two processes, the persistent tier next: the same run without a local tier.
-        roots = [local_root, ""] if num_processes > 1 else [local_root]
-        for root in roots:
-            if root != local_root:
-                config = checkpoint_config(root, **overrides)
-                ctx = run_context(config, workdir, devices=len(jax.devices()))
-                ctx.events = EventLog(workdir, process=jax.process_index())
-                ck = Checkpointer(ctx, handle_sigterm=False)
+        for root in [local_root, ""] if num_processes > 1 else [local_root]:
+            ctx, ck = checkpointer(root)
             restored = ck.restore_latest(ctx)
             digests = checksum.tree_digests(restored.state)
             ck.close()
             result = {"tier": restored.tier, "step": restored.step, "digests": digests}
             print("RESULT " + json.dumps({**result, "mesh": ctx.plan.describe()}), flush=True)
         return
+    ctx, ck = checkpointer(local_root)
     state = init_state(ctx.config, ctx.mesh)
     ck.on_start(ctx, state)
     state, _ = step_through(ck, ctx, state, 1, 5 if mode == "save" else 2)

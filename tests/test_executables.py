@@ -91,9 +91,7 @@ def test_keys_only_the_host_reads_leave_the_key_and_the_programs_alone(ctx):
     neither the train step, the eval step nor elastic mode's update as lowered: none of them
     reaches a program."""
     from resilient_jax.elastic import step as elastic_step
-    from resilient_jax.train.eval import make_eval_step
     from resilient_jax.train.state import abstract_state
-    from resilient_jax.train.step import make_train_step
 
     changed = _host_only_changed(ctx.config)
     assert changed.checkpoint.every_steps != ctx.config.checkpoint.every_steps
@@ -101,19 +99,16 @@ def test_keys_only_the_host_reads_leave_the_key_and_the_programs_alone(ctx):
     assert _key(ctx, config=changed) == _key(ctx)
     assert _key(ctx, config=changed, program="eval") == _key(ctx, program="eval")
 
-    rows = ctx.config.global_batch_size // ctx.plan.microbatches
-    shape = (ctx.plan.microbatches, rows, ctx.config.data.seq_len + 1)
-    sharding = compile_lib.mesh_lib.batch_sharding(ctx.mesh)
-    batch = jax.ShapeDtypeStruct(shape, np.int32, sharding=sharding)
-    scale = jax.ShapeDtypeStruct((), np.float32, sharding=compile_lib.mesh_lib.replicated(ctx.mesh))
-
     def programs(config):
-        state = abstract_state(config, ctx.mesh)
-        train = make_train_step(config, ctx.mesh, False).lower(state, batch, scale)
-        evaluate = make_eval_step(config, ctx.mesh).lower(state.params, batch)
-        on_config = dataclasses.replace(ctx, config=config, abstract_state=state)
-        update = elastic_step.apply_lowering(on_config)()  # elastic mode's half of the step
-        return train.as_text(), evaluate.as_text(), update.as_text()
+        on_config = dataclasses.replace(
+            ctx, config=config, abstract_state=abstract_state(config, ctx.mesh)
+        )
+        lowerings = [
+            compile_lib.train_lowering(on_config, donate=False),
+            compile_lib.eval_lowering(on_config),
+            elastic_step.apply_lowering(on_config),  # elastic mode's half of the step
+        ]
+        return [lower().as_text() for lower in lowerings]
 
     assert programs(changed) == programs(ctx.config)
 
