@@ -14,6 +14,8 @@ AdamW's two moments: 12 bytes a parameter):
     1GB    d_model 768, 8 layers, d_ff 3072, 12 heads; 64 tokens x 8 rows (0.92 GB)
     1.6GB  d_model 1024, 8 layers, d_ff 4096, 16 heads; 64 tokens x 8 rows (1.64 GB)
     2.4GB  d_model 1024, 12 layers, d_ff 4096, 16 heads; 64 tokens x 8 rows
+    3.2GB  d_model 1024, 16 layers, d_ff 4096, 16 heads; 64 tokens x 8 rows (3.24 GB: on 2
+           simulated devices only, see --cpu_devices)
 
 Stages, each a benchmark of its own run as a subprocess with the size's overrides:
 
@@ -86,6 +88,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "1GB": _widened(768, 8, 3072, 12),
     "1.6GB": _widened(1024, 8, 4096, 16),
     "2.4GB": _widened(1024, 12, 4096, 16),
+    "3.2GB": _widened(1024, 16, 4096, 16),
 }
 # Keys of configs/tiny_cpu.py's model, for the cluster stages (their base is the tests' smaller
 # model: the 44MB size puts tiny_cpu's shapes back).
@@ -126,16 +129,31 @@ _REUSE_PIECES = flags.DEFINE_bool(
     "Keep the piece results of a split checkpoint stage already written, and run only the "
     "missing pieces (after a run that stopped midway).",
 )
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices",
+    8,
+    "Simulated devices of the one-process stages (checkpoint, peer, steps). On XLA:CPU every "
+    "simulated device holds its own copy of the parameters an FSDP step gathers and of their "
+    "gradients, all in the one host's memory: 8 devices hold about 6 x the state in a step, 2 "
+    "about 3.5 x. A series other than 8 is written apart (results/growth_<N>dev*).",
+)
 _SUMMARIZE = flags.DEFINE_bool("summarize", False, "Only summarise the results already written.")
 _TIMEOUT_S = flags.DEFINE_integer("timeout_s", 3600, "Bound on one benchmark run.")
 
 
 def state_gb(size: str) -> float:
-    return {"44MB": 0.044, "0.4GB": 0.41, "1GB": 0.92, "1.6GB": 1.64, "2.4GB": 2.43}[size]
+    sizes = {"44MB": 0.044, "0.4GB": 0.41, "1GB": 0.92, "1.6GB": 1.64, "2.4GB": 2.43}
+    return (sizes | {"3.2GB": 3.24})[size]
+
+
+def series() -> str:
+    """The name of this device count's results: `growth` on 8 devices, else growth_<N>dev."""
+    n = _CPU_DEVICES.value
+    return "growth" if n == 8 else f"growth_{n}dev"
 
 
 def result_path(stage: str, size: str) -> str:
-    return os.path.join(RESULTS, "growth", f"{stage}_{size}.json")
+    return os.path.join(RESULTS, series(), f"{stage}_{size}.json")
 
 
 def command(stage: str, size: str) -> list[str]:
@@ -150,6 +168,7 @@ def command(stage: str, size: str) -> list[str]:
             os.path.join(HERE, "bench_checkpoint.py"),
             "--config=configs/tiny_cpu.py",
             *(f"--config.{k}={v}" for k, v in flat.items()),
+            f"--cpu_devices={_CPU_DEVICES.value}",
             "--parts=steps",
             "--lean",  # no saves, a kept local save, a host-copy local save: one state more
             f"--blocks={_STEP_BLOCKS.value}",
@@ -167,6 +186,7 @@ def command(stage: str, size: str) -> list[str]:
             "--config=configs/tiny_cpu.py",
             *(f"--config.{k}={v}" for k, v in flat.items()),
             f"--rounds={_ROUNDS.value}",
+            f"--cpu_devices={_CPU_DEVICES.value}",
             *(["--blocks=1", "--steps=3"] if stage == "checkpoint" else []),
             # Past the smallest size, without the saves that hold one more state on the
             # device (a device copy; the non-donating step alone): the host holds them all.
@@ -420,6 +440,13 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
         growth[name] = {
             f"{a} -> {b}": exponent(values[a], values[b], gb[a], gb[b]) for a, b in pairs
         }
+        # The target's span: from about 1 GB to the largest size this figure was measured at.
+        past = [s for s in present if gb[s] >= 0.9]
+        if len(past) >= 3:
+            first, last = past[0], past[-1]
+            growth[name][f"{first} -> {last}"] = exponent(
+                values[first], values[last], gb[first], gb[last]
+            )
     return {
         "what": "each cost at several train-state sizes, and its growth exponent between them",
         "machine": report.host_line(),
@@ -488,7 +515,7 @@ def main(argv: list[str]) -> None:
     for name in _STAGES.value:
         if name not in STAGES:
             raise app.UsageError(f"--stages: unknown stage {name!r}; known: {list(STAGES)}")
-    summary_path = os.path.join(RESULTS, "growth.json")
+    summary_path = os.path.join(RESULTS, f"{series()}.json")
     runs: dict[str, Any] = {}
     if os.path.exists(summary_path):
         with open(summary_path) as f:
@@ -500,7 +527,7 @@ def main(argv: list[str]) -> None:
     summary = summarize(runs)
     print_table(summary)
     report.write_json(summary_path, report.finite(summary))
-    plot(summary, os.path.join(RESULTS, "growth.png"))
+    plot(summary, os.path.join(RESULTS, f"{series()}.png"))
 
 
 if __name__ == "__main__":
