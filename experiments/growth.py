@@ -500,7 +500,10 @@ def plot(summary: dict[str, Any], path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("train state, GB")
     ax.set_ylabel("seconds")
-    ax.set_title("Checkpoint and recovery costs against the state size (log-log)")
+    ax.set_title(
+        "Checkpoint and recovery costs against the state size (log-log), "
+        f"{_CPU_DEVICES.value} simulated devices"
+    )
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
