@@ -383,6 +383,8 @@ def _elastic(r: dict[str, Any]) -> dict[str, float]:
     return {
         "elastic stall s": kill["stall_s"],
         "elastic stall in steps": kill["stall_in_steps_alone"],
+        # Against the two-slice step: defined even when the survivor trained one step alone.
+        "elastic stall in two-slice steps": kill["stall_s"] / kill["median_step_s"],
         "elastic heal received s": kill.get("heal_received_s"),
         "elastic step s": kill["median_step_s"],
     }
