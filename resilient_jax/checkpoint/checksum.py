@@ -152,7 +152,7 @@ def host_digest(x: np.ndarray) -> str:
 
 # Elements summed at a time: a block's uint32 temporaries (256 KB each) stay in the core's cache
 # and are reused from one block to the next. Temporaries the size of a whole shard are fresh
-# memory every save: on a 2-core host that made the digest run at 0.1-0.4 GB/s (2.5-2.6 GB/s in
+# memory every save: on a 2-core host that made the digest run at 0.1-1.1 GB/s (2.5-2.6 GB/s in
 # blocks of this size; 1 MB blocks ran at 0.5 GB/s, allocated and released each time), and 10x
 # slower at 2.4 GB of state than at 0.9 GB once the host was short of memory.
 _BLOCK_ELEMENTS = 1 << 16
