@@ -207,7 +207,7 @@ def analyze_join(
     pid = spawned["pid"]
     heals = [e for e in el.slice_events(workdir, 1, "elastic_heal") if e["pid"] == pid]
     steps = [e for e in el.slice_events(workdir, 1, "elastic_step") if e["pid"] == pid]
-    if not heals or not steps or median_alone is None:
+    if not heals or not steps:
         return {"rejoined": False}
     heal = heals[-1]
     sent = [e for e in el.slice_events(workdir, 0, "elastic_heal") if e["time"] >= t_kill]
@@ -226,16 +226,25 @@ def analyze_join(
         for s in range(joint - 2, joint + 4)
         if s in by_step and s - 1 in by_step
     }
+    # A step computing both parts is held to the median step alone, which a large state whose
+    # survivor trained a single step alone before the join does not have: its pause is unknown,
+    # not zero (the heal itself is measured either way).
+    own_work = {1: median, 2: median_alone}
     excess = {
-        s: interval[s] - (median_alone if len(by_step[s]["owned"]) == 2 else median)
+        s: interval[s] - own_work.get(len(by_step[s]["owned"]))
+        for s in range(joint, joint + 3)
+        if s in interval and own_work.get(len(by_step[s]["owned"])) is not None
+    }
+    measured = all(
+        own_work.get(len(by_step[s]["owned"])) is not None
         for s in range(joint, joint + 3)
         if s in interval
-    }
+    )
     late = [by_step[s]["time"] - by_step[s - 1]["time"] for s in by_step if s - 1 in by_step]
     late = late[joint + 3 :]  # steps are 1..N: index s-2 is step s; from joint + 5 on
     replacement_digests = {e["step"]: e["digest"] for e in steps}
     survivor_digests = {e["step"]: e["digest"] for e in survivor}
-    pause = sum(excess.values())
+    pause = sum(excess.values()) if measured else None
     return {
         "rejoined": True,
         "joined_at_step": heal["step"],
@@ -255,7 +264,7 @@ def analyze_join(
         "survivor_excess_over_own_work_s": {str(k): v for k, v in excess.items()},
         "median_step_after_join_s": statistics.median(late) if late else None,
         "join_pause_s": pause,
-        "join_pause_in_steps": pause / median,
+        "join_pause_in_steps": pause / median if pause is not None else None,
         "replicas_bitwise_equal_after_join": all(
             survivor_digests.get(s) == d for s, d in replacement_digests.items()
         ),
@@ -351,7 +360,7 @@ def plot(results: dict[str, Any], name: str) -> None:
             r["median_step_s"],
             r["median_step_alone_s"] or 0.0,
             r["stall_s"],
-            r.get("join_pause_s", 0.0),
+            r.get("join_pause_s") or 0.0,  # unknown (None) where no step ran alone to compare
         ]
         xs = [x + n * width for x in range(len(labels))]
         ax.bar(xs, values, width, label="this code" if k == KILLS[0] else "baseline")
