@@ -230,21 +230,15 @@ def analyze_join(
     # survivor trained a single step alone before the join does not have: its pause is unknown,
     # not zero (the heal itself is measured either way).
     own_work = {1: median, 2: median_alone}
-    excess = {
-        s: interval[s] - own_work.get(len(by_step[s]["owned"]))
-        for s in range(joint, joint + 3)
-        if s in interval and own_work.get(len(by_step[s]["owned"])) is not None
+    reference = {
+        s: own_work.get(len(by_step[s]["owned"])) for s in range(joint, joint + 3) if s in interval
     }
-    measured = all(
-        own_work.get(len(by_step[s]["owned"])) is not None
-        for s in range(joint, joint + 3)
-        if s in interval
-    )
+    excess = {s: interval[s] - ref for s, ref in reference.items() if ref is not None}
     late = [by_step[s]["time"] - by_step[s - 1]["time"] for s in by_step if s - 1 in by_step]
     late = late[joint + 3 :]  # steps are 1..N: index s-2 is step s; from joint + 5 on
     replacement_digests = {e["step"]: e["digest"] for e in steps}
     survivor_digests = {e["step"]: e["digest"] for e in survivor}
-    pause = sum(excess.values()) if measured else None
+    pause = sum(excess.values()) if None not in reference.values() else None
     return {
         "rejoined": True,
         "joined_at_step": heal["step"],
