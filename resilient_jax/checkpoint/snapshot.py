@@ -63,10 +63,27 @@ def host_snapshot(state: Any) -> Any:
 def saved_state(state: Any, keeper: StateKeeper, keep: bool = True) -> Any:
     """`state` for a save to read in the background. With `keep` (the save method keeps the
     state on the device): itself if the loop's next step keeps it (`keeper.keep`), else a
-    `device_snapshot` of it. Without: a `host_snapshot`."""
+    `device_snapshot` of it. Without: a `host_snapshot`. Its shards are listed before any
+    other thread reads it (`list_shards`)."""
     if not keep:
-        return host_snapshot(state)
-    return state if keeper.keep(state) else device_snapshot(state)
+        return list_shards(host_snapshot(state))
+    return list_shards(state if keeper.keep(state) else device_snapshot(state))
+
+
+def list_shards(tree: Any) -> Any:
+    """`tree`, each array's list of shards built here, on the calling thread.
+
+    An array builds that list (its per-device arrays, behind `addressable_shards`) the first
+    time it is asked, and caches it; two threads asking first at the same time can be given a
+    list that lacks its last shards (jax 0.10: a fresh 8-device array read by two threads at
+    once, a few lists in a thousand on a loaded 2-core host). The local tier's writer, the
+    persistent writer's digests and Orbax's save each read a snapshot's shards in their own
+    thread: a short list there gave a step a digest of part of an array, and that committed step
+    failed its checksum at restore. Built once here, every later reader sees the whole list."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.addressable_shards  # noqa: B018 (built and cached by the property)
+    return tree
 
 
 @dataclasses.dataclass
