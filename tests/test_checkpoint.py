@@ -10,6 +10,7 @@ import signal
 import textwrap
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
@@ -636,6 +637,34 @@ def test_host_digest_shares_add_up_to_the_device_digests(state0):
     ]
     combined = checksum.combine_sums([{"x": halves[0]}, {"x": halves[1]}])
     assert combined == {"x": checksum.host_digest(wide)}
+
+
+def test_host_digest_in_blocks_equals_the_device_digest(monkeypatch):
+    """The host digest sums a shard in blocks (its temporaries stay small whatever the shard's
+    size); any block size, along the leading axis or within one index of it, gives the device
+    digest, and a share that starts mid-array still adds up to the whole."""
+    rng = np.random.default_rng(0)
+    tree = {
+        "vector": jnp.asarray(rng.standard_normal(300_001), jnp.float32),
+        "rows": jnp.asarray(rng.standard_normal((3, 100_003)), jnp.bfloat16),
+        "deep": jnp.asarray(rng.integers(-100, 100, (2, 3, 5_001)), jnp.int8),
+        "flags": jnp.asarray(rng.random((7, 11)) > 0.5),
+    }
+    device = checksum.tree_digests(tree)
+    wide = np.arange(2 * 3 * 5_001, dtype=np.int64).reshape(2, 3, 5_001) * 7919
+    whole = checksum.host_digest(wide)  # one block: the array is below the default block size
+    for block in (7, 1_000, 1 << 18):
+        monkeypatch.setattr(checksum, "_BLOCK_ELEMENTS", block)
+        host = {
+            path: checksum.host_digest(np.asarray(leaf))
+            for path, leaf in zip(checksum.leaf_paths(tree), jax.tree.leaves(tree), strict=True)
+        }
+        assert host == device, block
+        shares = [
+            {"x": checksum.host_partial_sums(wide[:, :2], (0, 0, 0), wide.shape)},
+            {"x": checksum.host_partial_sums(wide[:, 2:], (0, 2, 0), wide.shape)},
+        ]
+        assert checksum.combine_sums(shares) == {"x": whole}, block
 
 
 def test_one_snapshot_feeds_both_tiers_while_the_next_steps_donate_the_state(
