@@ -56,6 +56,7 @@ from resilient_jax.checkpoint.assembly import (
 from resilient_jax.checkpoint.background import BackgroundThread, Job
 from resilient_jax.checkpoint.checksum import crc32
 from resilient_jax.checkpoint.errors import CheckpointError
+from resilient_jax.checkpoint.shard_list import list_shards
 from resilient_jax.contracts.generation_file import GenerationFence
 from resilient_jax.contracts.local_tier import (
     DATA_FILE,
@@ -196,7 +197,7 @@ class LocalTier:
     def _write(self, step: int, manifest: dict[str, Any], snapshot: Any, started: float) -> None:
         tmp = os.path.join(self.own_dir, f"{TMP_PREFIX}{step_name(step)}-{uuid.uuid4().hex[:8]}")
         try:
-            entries, arrays = _host_pieces(snapshot)
+            entries, arrays = _host_pieces(list_shards(snapshot))
             self._take_spare(tmp)
             fd = os.open(os.path.join(tmp, DATA_FILE), os.O_WRONLY | os.O_CREAT, 0o644)
             try:

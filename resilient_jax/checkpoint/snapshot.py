@@ -35,6 +35,7 @@ from resilient_jax.checkpoint import checksum
 from resilient_jax.checkpoint.background import BackgroundThread, Job
 from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier
+from resilient_jax.checkpoint.shard_list import list_shards
 from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.train.keep import StateKeeper
 
@@ -63,27 +64,10 @@ def host_snapshot(state: Any) -> Any:
 def saved_state(state: Any, keeper: StateKeeper, keep: bool = True) -> Any:
     """`state` for a save to read in the background. With `keep` (the save method keeps the
     state on the device): itself if the loop's next step keeps it (`keeper.keep`), else a
-    `device_snapshot` of it. Without: a `host_snapshot`. Its shards are listed before any
-    other thread reads it (`list_shards`)."""
+    `device_snapshot` of it. Without: a `host_snapshot`."""
     if not keep:
-        return list_shards(host_snapshot(state))
-    return list_shards(state if keeper.keep(state) else device_snapshot(state))
-
-
-def list_shards(tree: Any) -> Any:
-    """`tree`, each array's list of shards built here, on the calling thread.
-
-    An array builds that list (its per-device arrays, behind `addressable_shards`) the first
-    time it is asked, and caches it; two threads asking first at the same time can be given a
-    list that lacks its last shards (jax 0.10: a fresh 8-device array read by two threads at
-    once, a few lists in a thousand on a loaded 2-core host). The local tier's writer, the
-    persistent writer's digests and Orbax's save each read a snapshot's shards in their own
-    thread: a short list there gave a step a digest of part of an array, and that committed step
-    failed its checksum at restore. Built once here, every later reader sees the whole list."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            leaf.addressable_shards  # noqa: B018 (built and cached by the property)
-    return tree
+        return host_snapshot(state)
+    return state if keeper.keep(state) else device_snapshot(state)
 
 
 @dataclasses.dataclass
@@ -124,7 +108,8 @@ class PersistentWriter:
 
         def save() -> None:
             try:
-                shares = self._sync.all_gather("digests", checksum.process_partial_sums(snapshot))
+                sums = checksum.process_partial_sums(list_shards(snapshot))
+                shares = self._sync.all_gather("digests", sums)
                 meta = meta_of(checksum.combine_sums(shares))
                 self.tier.save(step, snapshot, data_position, meta, temporary)
             except BaseException as e:  # raised by finish() on the training thread
