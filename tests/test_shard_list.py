@@ -1,5 +1,5 @@
 """The threads that read a save's snapshot at once (the local tier's writer, the persistent
-writer's digests and Orbax's save) each see every shard (`checkpoint.shard_list`). jax builds
+writer's digests and Orbax's save) each see every shard (`train.shard_list`). jax builds
 an array's list of shards the first time it is asked; two threads asking first at the same time
 could be handed a list missing its last shards, and a step saved from such a list failed its
 checksum at restore."""
@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from resilient_jax.checkpoint.shard_list import list_shards
 from resilient_jax.checkpoint.snapshot import device_snapshot
+from resilient_jax.train.shard_list import list_shards
 
 DEVICES = 8
 

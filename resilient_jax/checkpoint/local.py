@@ -56,7 +56,6 @@ from resilient_jax.checkpoint.assembly import (
 from resilient_jax.checkpoint.background import BackgroundThread, Job
 from resilient_jax.checkpoint.checksum import crc32
 from resilient_jax.checkpoint.errors import CheckpointError
-from resilient_jax.checkpoint.shard_list import list_shards
 from resilient_jax.contracts.generation_file import GenerationFence
 from resilient_jax.contracts.local_tier import (
     DATA_FILE,
@@ -67,6 +66,7 @@ from resilient_jax.contracts.local_tier import (
     run_key,
     step_name,
 )
+from resilient_jax.train.shard_list import list_shards
 
 FORMAT_VERSION = 1
 

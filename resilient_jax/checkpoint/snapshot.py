@@ -35,9 +35,9 @@ from resilient_jax.checkpoint import checksum
 from resilient_jax.checkpoint.background import BackgroundThread, Job
 from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier
-from resilient_jax.checkpoint.shard_list import list_shards
 from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.train.keep import StateKeeper
+from resilient_jax.train.shard_list import list_shards
 
 _STOP_WAIT_S = 10.0  # an idle writer thread ends within milliseconds
 

@@ -41,6 +41,7 @@ from resilient_jax.train.compile import background_program, load_or_compile_prog
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.deferred import DeferredProgram
 from resilient_jax.train.outer import nesterov_step
+from resilient_jax.train.shard_list import list_shards
 from resilient_jax.train.state import TrainState
 from resilient_jax.train.step import (
     Metrics,
@@ -170,7 +171,7 @@ def state_bytes(state: TrainState) -> np.ndarray:
     A slice of one process holds every piece; in a slice of several, process p of one slice
     heals process p of another (the same slice shape: the same pieces)."""
     parts = []
-    for a in jax.tree.leaves(state):
+    for a in jax.tree.leaves(list_shards(state)):  # a kept state's writers may be reading it
         shards = {_index_key(s.index, a.shape): s for s in a.addressable_shards}
         for key in sorted(shards):
             parts.append(np.ascontiguousarray(shards[key].data).reshape(-1).view(np.uint8))

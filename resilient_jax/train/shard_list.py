@@ -9,7 +9,9 @@ list the persistent digest covered part of an array, and that committed step fai
 at restore. Each writer lists the snapshot's shards with `list_shards` before reading it; the
 lock makes the first of them build every list and the other find them built. It runs in the
 writers' threads, not the training thread: building the lists costs about 80 us per leaf (10 ms
-for tiny_cpu's 129 leaves on 8 devices), 10-30 times a kept save's whole blocking time.
+for tiny_cpu's 129 leaves on 8 devices), 10-30 times a kept save's whole blocking time. Elastic
+mode's host copies of the state (a heal's message, the replicas' check) list it the same way: a
+kept state is the one the writers read.
 """
 
 from __future__ import annotations
