@@ -259,6 +259,7 @@ def step_through(
     import numpy as np
 
     from resilient_jax.train.hooks import StepInfo
+    from resilient_jax.train.shard_list import list_shards
 
     host = {}
     for step in range(first, last + 1):
@@ -266,7 +267,8 @@ def step_through(
         if clock is not None:
             clock.now += tick_s
         hook.after_step(ctx, state, StepInfo(step, step - 1, data_position(step), 0.01))
-        host[step] = jax.tree.map(np.asarray, state)
+        # A kept state is the one the save's writer threads read: list its shards with them.
+        host[step] = jax.tree.map(np.asarray, list_shards(state))
         if writes_finish:
             _wait_for_writes(hook, persistent=writes_finish != "local")
     return state, host
@@ -507,7 +509,10 @@ def host_bytes(tree) -> list[bytes]:
     import jax
     import numpy as np
 
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+    from resilient_jax.train.shard_list import list_shards
+
+    # A kept state's shards may be read by a save's writer threads right now.
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(list_shards(tree))]
 
 
 def donated(state) -> bool:
