@@ -43,6 +43,11 @@ The exponent of a figure between two sizes is log(figure ratio) / log(state rati
 the state, below 1 slower (a fixed part dominates), above 1 faster. A stage that cannot run at a
 size on this machine (memory: a 2-slice cluster holds several states and their RAM-disk copies)
 is skipped there with the reason in the JSON (`--max_cluster_gb`).
+
+The one-process benchmarks run in this shell's environment, as `launch/train.py` started by hand
+does; `--huge_pages` runs them with a supervised worker's malloc setting instead (transparent huge
+pages: `control.worker_env.huge_page_malloc`), written apart as `results/growth*_hugepages*`. The
+cluster stages' workers are supervised, so they have it either way.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report
+
+from resilient_jax.control import worker_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -138,6 +145,13 @@ _CPU_DEVICES = flags.DEFINE_integer(
     "beside the runtime, on 2 about 2.7 x. A series other than 8 is written apart "
     "(results/growth_<N>dev*).",
 )
+_HUGE_PAGES = flags.DEFINE_bool(
+    "huge_pages",
+    False,
+    "Run every benchmark with the malloc setting a supervised worker starts with (transparent "
+    "huge pages, `control.worker_env.huge_page_malloc`) instead of this shell's environment; "
+    "written apart (results/growth*_hugepages*).",
+)
 _SUMMARIZE = flags.DEFINE_bool("summarize", False, "Only summarise the results already written.")
 _TIMEOUT_S = flags.DEFINE_integer("timeout_s", 3600, "Bound on one benchmark run.")
 
@@ -150,7 +164,15 @@ def state_gb(size: str) -> float:
 def series() -> str:
     """The name of this device count's results: `growth` on 8 devices, else growth_<N>dev."""
     n = _CPU_DEVICES.value
-    return "growth" if n == 8 else f"growth_{n}dev"
+    name = "growth" if n == 8 else f"growth_{n}dev"
+    return f"{name}_hugepages" if _HUGE_PAGES.value else name
+
+
+def child_env() -> dict[str, str]:
+    """The benchmarks' environment: this one, or a supervised worker's malloc (`--huge_pages`)."""
+    if _HUGE_PAGES.value:
+        return worker_env.huge_page_malloc(os.environ)
+    return dict(os.environ)
 
 
 def result_path(stage: str, size: str) -> str:
@@ -316,6 +338,7 @@ def _run(stage: str, size: str, argv: list[str], out: str) -> dict[str, Any]:
         proc = subprocess.Popen(
             argv,
             cwd=REPO,
+            env=child_env(),
             stdout=f,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -453,6 +476,7 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
     return {
         "what": "each cost at several train-state sizes, and its growth exponent between them",
         "machine": report.host_line(),
+        "glibc_tunables": child_env().get("GLIBC_TUNABLES", ""),
         "state_gb": gb,
         "figures": table,
         "growth_exponent": growth,

@@ -624,6 +624,32 @@ def test_worker_env_is_read_back_by_the_worker():
     assert env.coordinator_address == "127.0.0.1:1234"
 
 
+@pytest.mark.parametrize(
+    ("mode", "tunables", "expected"),
+    [
+        ("always [madvise] never", None, "glibc.malloc.hugetlb=1"),
+        (
+            "[always] madvise never",
+            "glibc.malloc.arena_max=2",
+            "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1",
+        ),
+        ("always madvise [never]", None, None),  # the kernel hands out none: nothing to ask for
+        ("always [madvise] never", "glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),  # opted out
+    ],
+)
+def test_workers_ask_malloc_for_huge_pages_unless_told_otherwise(
+    tmp_path, mode, tunables, expected
+):
+    mode_file = tmp_path / "enabled"
+    mode_file.write_text(mode + "\n")
+    environ = {"KEEP": "1"} | ({env_vars.GLIBC_TUNABLES: tunables} if tunables else {})
+    env = worker_env.huge_page_malloc(environ, thp_mode_file=str(mode_file))
+    assert env.get(env_vars.GLIBC_TUNABLES) == expected
+    assert env["KEEP"] == "1"
+    missing = worker_env.huge_page_malloc({}, thp_mode_file=str(tmp_path / "absent"))
+    assert env_vars.GLIBC_TUNABLES not in missing
+
+
 def test_exit_descriptions():
     assert processes.describe_exit(3) == "exited with code 3"
     assert processes.describe_exit(-9) == "was killed by SIGKILL"

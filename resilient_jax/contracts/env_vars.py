@@ -44,6 +44,9 @@ JAX_MIN_COMPILE_TIME_S = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 XLA_FLAGS = "XLA_FLAGS"
 JAX_PLATFORMS = "JAX_PLATFORMS"
 PYTHONUNBUFFERED = "PYTHONUNBUFFERED"
+# glibc's allocator settings, read once at process start: every worker gets malloc's large chunks
+# as transparent huge pages (`control.worker_env.huge_page_malloc`) unless it names its own.
+GLIBC_TUNABLES = "GLIBC_TUNABLES"
 # Where Python finds the repository's packages when a program runs as a script (experiments
 # starting `launch/train.py`).
 PYTHONPATH = "PYTHONPATH"
