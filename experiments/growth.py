@@ -152,6 +152,9 @@ _HUGE_PAGES = flags.DEFINE_bool(
     "huge pages, `control.worker_env.huge_page_malloc`) instead of this shell's environment; "
     "written apart (results/growth*_hugepages*).",
 )
+_TAG = flags.DEFINE_string(
+    "tag", "", "Appended to the series' name: a re-run written beside the published one."
+)
 _SUMMARIZE = flags.DEFINE_bool("summarize", False, "Only summarise the results already written.")
 _TIMEOUT_S = flags.DEFINE_integer("timeout_s", 3600, "Bound on one benchmark run.")
 
@@ -165,7 +168,8 @@ def series() -> str:
     """The name of this device count's results: `growth` on 8 devices, else growth_<N>dev."""
     n = _CPU_DEVICES.value
     name = "growth" if n == 8 else f"growth_{n}dev"
-    return f"{name}_hugepages" if _HUGE_PAGES.value else name
+    name = f"{name}_hugepages" if _HUGE_PAGES.value else name
+    return f"{name}_{_TAG.value}" if _TAG.value else name
 
 
 def child_env() -> dict[str, str]:
