@@ -22,8 +22,11 @@ devices when running on CPU. Three measurements:
 2. Step time, blocks of training steps in rotating order: no saves; every step non-donating (the
    cost of the step that keeps its input, without a save); a local save after every step (each
    next step keeping the saved state; a save due while the previous write runs is skipped); the
-   same with the device copy, and with the host copy, instead. A save block includes waiting for
-   its last write.
+   same with the device copy, and with the host copy, instead. Each block starts with one untimed
+   step (and its save), so every timed step runs beside the previous step's write as in a run;
+   the block's last write is waited for after its clock stops. (Until 2026-11-27 a block timed
+   its first step with no write beside it and the wait for its last write: with 3-step blocks
+   that charged up to a third of a commit to each step.)
 3. Restore time per tier onto the same mesh and onto half the devices.
 
 With `--backends` it measures instead the persistent tier on a local directory against gs:// on
@@ -183,20 +186,28 @@ def main(argv: list[str]) -> None:
         tiers = saves.tiers
 
         # 2. Step time: no saves, non-donating steps, a local save every step (kept, copied).
+        def one_step(state, mode: str):
+            if mode == "non_donating":
+                assert ctx_compile.keeper.keep(state)
+            state = train_step(state)
+            if mode in tiers:
+                ck, ctx = tiers[mode]
+                ck.after_step(ctx, state, info())
+            return state
+
         def block(state, mode: str) -> tuple:
-            jax.block_until_ready(state)
+            # One step before the clock starts, so every timed step runs beside the write of the
+            # step before it, as in a run; the last write is waited for after the clock stops
+            # (a run never waits for it), so the next block starts with none in flight.
+            state = jax.block_until_ready(one_step(state, mode))
             start = time.perf_counter()
             for _ in range(_STEPS.value):
-                if mode == "non_donating":
-                    assert ctx_compile.keeper.keep(state)
-                state = train_step(state)
-                if mode in tiers:
-                    ck, ctx = tiers[mode]
-                    ck.after_step(ctx, state, info())
+                state = one_step(state, mode)
             jax.block_until_ready(state)
+            took = (time.perf_counter() - start) / _STEPS.value
             if mode in tiers:
                 tiers[mode][0].wait_until_finished()
-            return state, (time.perf_counter() - start) / _STEPS.value
+            return state, took
 
         modes = ["no_saves", "non_donating", "local", "local_copy", "local_host"]
         if _LEAN.value:
