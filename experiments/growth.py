@@ -68,6 +68,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report
 
+from resilient_jax.contracts import env_vars
 from resilient_jax.control import worker_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -480,7 +481,7 @@ def summarize(runs: dict[str, Any]) -> dict[str, Any]:
     return {
         "what": "each cost at several train-state sizes, and its growth exponent between them",
         "machine": report.host_line(),
-        "glibc_tunables": child_env().get("GLIBC_TUNABLES", ""),
+        "glibc_tunables": child_env().get(env_vars.GLIBC_TUNABLES, ""),
         "state_gb": gb,
         "figures": table,
         "growth_exponent": growth,
