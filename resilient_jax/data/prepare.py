@@ -255,13 +255,14 @@ def prepare(
     todo = [g for g in groups if not os.path.exists(store.group_path(output, g))]
     total = sum(plan["inputs"][f]["size"] for g in todo for f in plan["groups"][g])
     workers = os.cpu_count() or 1 if workers is None else workers
-    progress = Progress(total, len(todo), show_progress)
-    with EncodePool(settings.tokenizer, np.dtype(plan["dtype"]), workers) as pool:
+    with (
+        Progress(total, len(todo), show_progress) as progress,
+        EncodePool(settings.tokenizer, np.dtype(plan["dtype"]), workers) as pool,
+    ):
         try:
             _Task(output, plan, skip_bad_records, progress).run(todo, pool)
         except WorkerDied as e:
             raise BadInput(f"{e}: run the same command again to continue") from None
-    progress.close()
     if num_tasks == 1:
         return finalize(output)
     return None

@@ -22,10 +22,8 @@ import ml_collections
 import numpy as np
 
 from resilient_jax.config import BadInput, ConfigError
-from resilient_jax.data import corpus
-from resilient_jax.data import tokenizer as tokenizer_lib
 from resilient_jax.data.mixture import Mixture, component_seed
-from resilient_jax.data.sources import ArrayRecordSource, TokenStreamSource
+from resilient_jax.data.sources import make_dataset
 from resilient_jax.data.split import holdout
 
 MANIFEST = "manifest.json"
@@ -70,13 +68,8 @@ class Sample:
 
 def replay_sample(config: ml_collections.ConfigDict) -> Sample:
     """`rehearsal.sequences` examples of the old data's training part, chosen with the seed."""
-    d, r = config.data, config.rehearsal
-    tokenizer = tokenizer_lib.from_config(config)
-    if d.source == "arrayrecord":
-        old = ArrayRecordSource(r.old_data, d.seq_len, tokenizer, "rehearsal.old_data")
-    else:
-        tokens = corpus.token_stream(tokenizer, r.old_data, "config.rehearsal.old_data")
-        old = TokenStreamSource(tokens, d.seq_len, "config.data.seq_len")
+    r = config.rehearsal
+    old = make_dataset(config, r.old_data, "rehearsal.old_data")
     trainable, _ = holdout(old, config.eval.fraction)  # never the examples evaluation reads
     rng = np.random.default_rng(component_seed(config.seed, 1_000_003))
     count = min(r.sequences, len(trainable))

@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 
 from resilient_jax.config import ConfigError, parse_mixture
-from resilient_jax.data import corpus
+from resilient_jax.data import corpus, store
 from resilient_jax.data import tokenizer as tokenizer_lib
 from resilient_jax.data.mixture import Mixture
 from resilient_jax.data.tokenizer import Tokenizer
@@ -157,4 +157,6 @@ def make_dataset(config: ml_collections.ConfigDict, path: str, key: str) -> Any:
 def _dataset(kind: str, path: str, seq_len: int, tokenizer: Tokenizer, key: str) -> Any:
     if kind == "arrayrecord":
         return ArrayRecordSource(path, seq_len, tokenizer, key)
+    if path and store.is_store(path):  # a prepared corpus: recognised by its plan or manifest
+        return store.open_source(path, seq_len, tokenizer, key)
     return TokenStreamSource(corpus.token_stream(tokenizer, path, f"config.{key}"), seq_len)
