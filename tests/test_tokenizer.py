@@ -95,10 +95,11 @@ def test_token_stream_ends_every_document_with_end_of_text(text_dir):
     assert int((stream == 0).sum()) == len(corpus.read_documents("")) and stream[-1] == 0
 
 
-def test_bytes_that_are_no_utf8_never_read_as_end_of_text(tmp_path):
-    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9 \xff\xfe")
-    stream = corpus.token_stream(tokenizer.load(""), str(tmp_path))
-    assert stream.tobytes() == "caf\ufffd \ufffd\ufffd".encode() + b"\xff"
+def test_bytes_that_are_no_utf8_are_refused_naming_file_and_line(tmp_path):
+    # Never read as text (nor as the bytes tokenizer's end-of-text, 0xFF): one line, exit 2.
+    (tmp_path / "latin1.txt").write_bytes(b"fine\ncaf\xe9 \xff\xfe")
+    with pytest.raises(ConfigError, match=r"latin1.txt:2: invalid UTF-8 at byte 8"):
+        corpus.token_stream(tokenizer.load(""), str(tmp_path))
 
 
 def _tokenizer_json(tmp_path, name: str, special: list[str]) -> str:
