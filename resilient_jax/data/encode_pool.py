@@ -48,9 +48,9 @@ def encode_documents(
     its end-of-text)."""
     eos = tokenizer.eos_id
     if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
-        encoded = tokenizer.encode_batch(texts)
-    else:
-        encoded = [tokenizer.encode(t) for t in texts]
+        encoded: list[Any] = tokenizer.encode_batch(texts)
+    else:  # bytes: the UTF-8 itself, no Python list of ints per byte
+        encoded = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
     lengths = np.fromiter((len(e) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
     out = np.empty(int(lengths.sum()), dtype=dtype)
     position = 0

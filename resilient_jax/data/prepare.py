@@ -13,8 +13,8 @@ input each (a file is never split across groups); a group is tokenized into shar
 `--shard_tokens` tokens (`data.shard_writer`). Groups are independent: `--num_tasks=N
 --task_index=I` prepares groups I, I+N, I+2N, ... (a Slurm array job or a Kubernetes Indexed Job
 runs one task per index: launch/slurm/prepare.sbatch, launch/k8s/prepare-indexed-job.yaml), and
-`--finalize` checks that every group is done and writes the manifest. A single task
-(`--num_tasks=1`, the default) finalizes by itself.
+the task that finds every group done checks every shard and writes the manifest (`--finalize`
+does only that, for a task that was lost after its groups were written).
 
 Killed at any point (SIGKILL included), the same command continues where it stopped and writes
 the same bytes as an uninterrupted run: the manifest's `digest` proves it. Nothing counts as a
@@ -242,8 +242,9 @@ def prepare(
     num_tasks: int = 1,
     show_progress: bool = True,
 ) -> dict[str, Any] | None:
-    """Prepares this task's groups; returns the manifest when the store is complete (a single
-    task finalizes), else None. Raises `BadInput` on input it refuses."""
+    """Prepares this task's groups; returns the manifest when that completes the store (a
+    single task, or the last of an array's tasks, finalizes), else None. Raises `BadInput` on
+    input it refuses."""
     files = (
         list(inputs) if inputs and isinstance(inputs[0], InputFile) else expand_inputs(inputs)  # type: ignore[arg-type]
     )
@@ -263,7 +264,10 @@ def prepare(
             _Task(output, plan, skip_bad_records, progress).run(todo, pool)
         except WorkerDied as e:
             raise BadInput(f"{e}: run the same command again to continue") from None
-    if num_tasks == 1:
+    # The task that finds every group done writes the manifest: each task records its groups
+    # before it looks, so of tasks ending together at least the last one sees them all (two that
+    # both do write the same bytes).
+    if all(os.path.exists(store.group_path(output, g)) for g in range(len(plan["groups"]))):
         return finalize(output)
     return None
 

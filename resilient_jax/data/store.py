@@ -89,7 +89,7 @@ def write_json(path: str, value: Any) -> bytes:
     """Writes `value` whole or not at all (a temporary file renamed into place); returns the
     bytes written."""
     data = canonical(value)
-    tmp = path + ".tmp"
+    tmp = f"{path}.tmp{os.getpid()}"  # two tasks finishing at once each write their own
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
