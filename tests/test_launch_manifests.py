@@ -162,3 +162,41 @@ def test_slurm_script_gives_the_supervisor_and_agents_only_flags_they_know():
     assert {"listen", "host_agents", "supervisor", "slice", "host"} <= used
     for name in sorted(used):
         assert re.search(rf"--{name}\b", known), f"train.sbatch passes --{name}, known to neither"
+
+
+def _prepare_help() -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "resilient_jax.data.prepare", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "--task_index" in proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def test_the_data_preparation_launchers_pass_only_flags_prepare_knows():
+    """launch/slurm/prepare.sbatch and the Kubernetes Indexed Job run the prepare command with
+    its own flags, one task per array index / completion index."""
+    known = _prepare_help()
+    path = os.path.join(REPO, "launch", "slurm", "prepare.sbatch")
+    subprocess.run(["bash", "-n", path], check=True)
+    with open(path) as f:
+        script = f.read()
+    assert "--task_index=\"$TASK\"" in script and "SLURM_ARRAY_TASK_COUNT" in script
+    commands = "\n".join(line for line in script.splitlines() if not line.startswith("#"))
+    for name in sorted(set(re.findall(r"--([a-z_]+)=", commands))):
+        assert re.search(rf"--{name}\b", known), f"prepare.sbatch passes --{name}"
+    with open(os.path.join(REPO, "launch", "k8s", "data", "prepare-indexed-job.yaml")) as f:
+        job = yaml.safe_load(f)
+    assert job["kind"] == "Job" and job["spec"]["completionMode"] == "Indexed"
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "resilient_jax.data.prepare"]
+    flags = dict(flag[2:].split("=", 1) for flag in command[3:])
+    for name in flags:
+        assert re.search(rf"--{name}\b", known), f"the Indexed Job passes --{name}"
+    assert int(flags["num_tasks"]) == job["spec"]["completions"]
+    assert flags["task_index"] == "$(TASK_INDEX)"
+    assert [e["name"] for e in container["env"]] == ["TASK_INDEX"]
