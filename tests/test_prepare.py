@@ -333,3 +333,31 @@ def test_array_tasks_and_finalize_give_the_single_task_store(tmp_path):
     assert last["digest"] == single["digest"] == finalize(split)["digest"]
     with pytest.raises(BadInput, match="holds the preparation of other inputs or settings"):
         prepare(str(tmp_path / "in-0.jsonl"), split, settings, workers=0, show_progress=False)
+
+
+def test_batches_from_a_store_are_the_same_for_any_mesh_and_restart(tmp_path):
+    import jax
+
+    from resilient_jax import mesh, topology
+    from resilient_jax.data import BatchLoader
+    from resilient_jax.data.position import DataPosition
+
+    write_jsonl(tmp_path / "a.jsonl", documents())
+    prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "s"), BPE, workers=0, show_progress=False)
+    config = tiny_config(**{"data.path": str(tmp_path / "s"), "per_device_batch_size": 1})
+
+    def rows(devices: int, start: int, steps: int) -> list[np.ndarray]:
+        topo = mesh.discover(jax.devices()[:devices])
+        plan = topology.plan_mesh(config, topo)
+        source = make_source(config)
+        loader = BatchLoader(config, mesh.make_mesh(plan, topo), plan, source, DataPosition(start))
+        out = [
+            np.asarray(loader.next()[1]).reshape(-1, config.data.seq_len + 1) for _ in range(steps)
+        ]
+        loader.close()
+        return out
+
+    eight, two, resumed = rows(8, 0, 3), rows(2, 0, 3), rows(4, 1, 2)
+    assert all(np.array_equal(a, b) for a, b in zip(eight, two, strict=True))
+    assert np.array_equal(resumed[0], eight[1]) and np.array_equal(resumed[1], eight[2])
+    assert not np.array_equal(eight[0], eight[1])
