@@ -361,3 +361,22 @@ def test_batches_from_a_store_are_the_same_for_any_mesh_and_restart(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(eight, two, strict=True))
     assert np.array_equal(resumed[0], eight[1]) and np.array_equal(resumed[1], eight[2])
     assert not np.array_equal(eight[0], eight[1])
+
+
+def test_a_missing_tokenizer_or_one_without_end_of_text_is_refused(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", documents()[:3])
+    args = ["-m", "resilient_jax.data.prepare", f"--input={tmp_path / 'a.jsonl'}"]
+    missing = run_python(
+        [*args, f"--output={tmp_path / 's'}", f"--tokenizer={tmp_path / 'none.json'}"], 120
+    )
+    assert missing.returncode == 2 and "none.json' is invalid: no such file" in missing.stderr
+    assert not (tmp_path / "s").exists()
+    from tokenizers import Tokenizer, models
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    words.save(str(tmp_path / "words.json"))
+    no_eos = Settings(tokenizer=str(tmp_path / "words.json"))
+    with pytest.raises(BadInput, match="has no end-of-text token"):
+        prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "t"), no_eos, workers=0)
+    no_input = run_python(["-m", "resilient_jax.data.prepare", f"--output={tmp_path / 'u'}"], 120)
+    assert no_input.returncode == 2 and "--input is required" in no_input.stderr

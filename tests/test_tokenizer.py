@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 from conftest import run_python, tiny_config
 
@@ -14,7 +13,6 @@ from resilient_jax import config as config_lib
 from resilient_jax.config import BadInput, ConfigError
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.data import corpus, make_source, tokenizer
-from resilient_jax.data.convert import convert
 
 TEXT = "Hello, world!\n\n  Tabs\tand  spaces, unicode: naïve café — 3.14 ∑ 🙂 end."
 
@@ -177,37 +175,6 @@ def test_train_command_bad_input(tmp_path, text_dir):
     too_small = run_python([*args, f"--input={text_dir}", "--vocab_size=200"], timeout=120)
     assert_one_line_exit_2(too_small, "--vocab_size=200", "at least 257")
     assert not (tmp_path / "t.json").exists()
-
-
-def test_converter_records_the_tokenizer_and_training_refuses_another(tmp_path, text_dir):
-    out = str(tmp_path / "data.array_record")
-    bpe = tokenizer.load("bundled")
-    n = convert(str(text_dir), out, seq_len=32, tokenizer=bpe)
-    meta = json.loads((tmp_path / "data.array_record.meta.json").read_text())
-    assert meta == {
-        "tokenizer": bpe.identity,
-        "vocab_size": 1024,
-        "eos_id": 0,
-        "seq_len": 32,
-        "sequences": n,
-    }
-    records = {"data.source": "arrayrecord", "data.path": out}
-    source = make_source(tiny_config(**records))
-    assert len(source) == n and max(int(source[i].max()) for i in range(n)) >= 256
-    # The records are the text source's examples: documents ended by end-of-text.
-    text = make_source(tiny_config(**{"data.path": str(text_dir), "data.seq_len": 32}))
-    assert len(text) == n and all(np.array_equal(source[i], text[i]) for i in range(n))
-    assert sum(int((source[i][:-1] == 0).sum()) for i in range(n)) >= 2
-    with pytest.raises(ConfigError, match=r"config\.data\.tokenizer .*tokenized with sha256:"):
-        make_source(tiny_config(**records, **{"data.tokenizer": "", "model.vocab_size": 256}))
-
-
-def test_converter_cli_bad_tokenizer(tmp_path):
-    out = tmp_path / "x.array_record"
-    args = ["-m", "resilient_jax.data.convert", f"--output={out}", "--seq_len=64"]
-    result = run_python([*args, f"--tokenizer={tmp_path / 'missing.json'}"], timeout=120)
-    assert_one_line_exit_2(result, "missing.json", "no such file")
-    assert not out.exists()
 
 
 def test_training_refuses_a_missing_tokenizer_and_a_small_vocabulary(tmp_path):

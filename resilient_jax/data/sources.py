@@ -1,15 +1,13 @@
 """Random-access sources of fixed-length token sequences, each `seq_len + 1` tokens long (inputs
-and next-token targets overlap by all but one token). All three implement Grain's
-`RandomAccessDataSource` protocol (`__len__`, `__getitem__`), so Grain can shuffle them; text and
-ArrayRecord sources are tokenized with the configured tokenizer, and `config.data.mixture` makes
-a `Mixture` of them.
+and next-token targets overlap by all but one token): a token store (`data.store`, prepared
+once), a small corpus tokenized in memory, ArrayRecord files of another pipeline, or synthetic
+tokens. All implement Grain's `RandomAccessDataSource` protocol (`__len__`, `__getitem__`), so
+Grain can shuffle them, and `config.data.mixture` makes a `Mixture` of them.
 """
 
 from __future__ import annotations
 
 import glob
-import json
-import os
 from typing import Any
 
 import grain
@@ -23,7 +21,6 @@ from resilient_jax.data.mixture import Mixture
 from resilient_jax.data.tokenizer import Tokenizer
 
 TOKEN_DTYPE = np.int32
-META_SUFFIX = ".meta.json"  # the sidecar of a converted ArrayRecord file: how it was made
 
 
 class TokenStreamSource:
@@ -49,22 +46,12 @@ class TokenStreamSource:
 
 
 class ArrayRecordSource:
-    """ArrayRecord files whose records are little-endian int32 token sequences (see `convert`).
+    """ArrayRecord files (from another pipeline) whose records are little-endian int32 token
+    sequences of `seq_len + 1` tokens. A corpus of your own is better prepared into a token store
+    (`data.prepare`): any seq_len reads it, and it checks its tokenizer and its bytes."""
 
-    The records of a converted file are consecutive windows of its text's token stream
-    (`corpus.token_stream`), so its documents are those of the text, each ended by the
-    tokenizer's end-of-text token (recorded as `eos_id` in the sidecar); a window may span the
-    end of one document and the start of the next.
-
-    Each file written by the converter has a sidecar `<file>.meta.json` naming the tokenizer that
-    made it; a file made with another tokenizer than `tokenizer` is refused. (A file without one,
-    from another tool, is taken as it is.)
-    """
-
-    def __init__(self, pattern: str, seq_len: int, tokenizer: Tokenizer, key: str) -> None:
-        paths = [p for p in sorted(glob.glob(pattern)) if not p.endswith(META_SUFFIX)] or [pattern]
-        for path in paths:
-            check_tokenizer(path, tokenizer)
+    def __init__(self, pattern: str, seq_len: int, key: str) -> None:
+        paths = sorted(glob.glob(pattern)) or [pattern]
         self._source = grain.sources.ArrayRecordDataSource(paths)
         self._window = seq_len + 1
         if len(self._source) == 0:
@@ -88,33 +75,6 @@ class ArrayRecordSource:
 
     def __repr__(self) -> str:
         return f"ArrayRecordSource(examples={len(self)}, window={self._window})"
-
-
-def write_meta(path: str, tokenizer: Tokenizer, seq_len: int, sequences: int) -> None:
-    """Records how the ArrayRecord file at `path` was made, next to it."""
-    meta = {
-        "tokenizer": tokenizer.identity,
-        "vocab_size": tokenizer.vocab_size,
-        "eos_id": tokenizer.eos_id,  # ends every document in the records (None: joined by text)
-        "seq_len": seq_len,
-        "sequences": sequences,
-    }
-    with open(path + META_SUFFIX, "w") as f:
-        json.dump(meta, f, indent=1)
-
-
-def check_tokenizer(path: str, tokenizer: Tokenizer) -> None:
-    """Refuses the ArrayRecord file at `path` if its sidecar names another tokenizer."""
-    meta_path = path + META_SUFFIX
-    if not os.path.exists(meta_path):
-        return
-    with open(meta_path) as f:
-        recorded = json.load(f).get("tokenizer")
-    if recorded != tokenizer.identity:
-        raise ConfigError(
-            f"config.data.tokenizer is invalid: {path!r} was tokenized with {recorded} "
-            f"(its {META_SUFFIX}), the configured tokenizer is {tokenizer.identity}"
-        )
 
 
 class SyntheticSource:
@@ -156,7 +116,7 @@ def make_dataset(config: ml_collections.ConfigDict, path: str, key: str) -> Any:
 
 def _dataset(kind: str, path: str, seq_len: int, tokenizer: Tokenizer, key: str) -> Any:
     if kind == "arrayrecord":
-        return ArrayRecordSource(path, seq_len, tokenizer, key)
+        return ArrayRecordSource(path, seq_len, key)
     if path and store.is_store(path):  # a prepared corpus: recognised by its plan or manifest
         return store.open_source(path, seq_len, tokenizer, key)
     return TokenStreamSource(corpus.token_stream(tokenizer, path, f"config.{key}"), seq_len)
