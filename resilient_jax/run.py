@@ -58,7 +58,7 @@ from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.profile import Profiler
 from resilient_jax.train.state import TrainState, init_state
-from resilient_jax.train.step import StepFn
+from resilient_jax.train.step import StepFn, document_eos_id
 from resilient_jax.worker import candidates as candidates_lib
 from resilient_jax.worker.candidates import CandidateCompiler
 from resilient_jax.worker.client import SupervisorClient
@@ -253,6 +253,9 @@ def _train(
         events.update_common(slice=elastic_runtime.slice_id())
     # The validation split is held out of training whether or not evaluation runs.
     source, held_out = holdout(make_source(config), config.eval.fraction)
+    # data.document_mask without an end-of-text token: refused here, before anything is written
+    # (the step that needs the token may come from the executable cache, never traced).
+    document_eos_id(config)
     eval_datasets = _eval_datasets(config)
     replay = rehearsal.open_replay(config)  # unusable old data is refused here, before writing
     # checkpoint.init_from_hf: refused here if unusable, before anything is written.

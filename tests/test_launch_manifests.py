@@ -184,7 +184,7 @@ def test_the_data_preparation_launchers_pass_only_flags_prepare_knows():
     subprocess.run(["bash", "-n", path], check=True)
     with open(path) as f:
         script = f.read()
-    assert "--task_index=\"$TASK\"" in script and "SLURM_ARRAY_TASK_COUNT" in script
+    assert '--task_index="$TASK"' in script and "SLURM_ARRAY_TASK_COUNT" in script
     commands = "\n".join(line for line in script.splitlines() if not line.startswith("#"))
     for name in sorted(set(re.findall(r"--([a-z_]+)=", commands))):
         assert re.search(rf"--{name}\b", known), f"prepare.sbatch passes --{name}"

@@ -74,6 +74,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     if config.data.source == "synthetic" and config.data.path:
         _fail("data.path", config.data.path, "data.source='synthetic' takes no path")
     _validate_tokenizer_and_mixture(config.data)
+    # Whether the tokenizer has an end-of-text token to split at is known only once it is loaded:
+    # the train step refuses one without (`train.step.document_eos_id`).
+    if not isinstance(config.data.document_mask, bool):
+        _fail("data.document_mask", config.data.document_mask, "must be true or false")
     if config.data.prefetch < 0 or config.data.num_threads < 1:
         _fail("data.prefetch", config.data.prefetch, "prefetch >= 0 and num_threads >= 1")
     o = config.optimizer

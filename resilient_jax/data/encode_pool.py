@@ -48,7 +48,9 @@ def encode_documents(
     its end-of-text)."""
     eos = tokenizer.eos_id
     if isinstance(tokenizer, tokenizer_lib.HFTokenizer):
-        encoded: list[Any] = tokenizer.encode_batch(texts)
+        # One text at a time: on one thread, `encode` ran 1.35x faster than `encode_batch` on
+        # source code (3.1 against 2.3 MB/s, BUILD.md); the processes are the parallelism.
+        encoded: list[Any] = [tokenizer.encode(t) for t in texts]
     else:  # bytes: the UTF-8 itself, no Python list of ints per byte
         encoded = [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
     lengths = np.fromiter((len(e) + 1 for e in encoded), dtype=np.int64, count=len(encoded))

@@ -9,10 +9,12 @@ With `model.moe.num_experts > 0`, the MLP of every `model.moe.every`-th layer is
 experts (`resilient_jax.model.moe`); the other layers, and every layer of a dense model, compute
 exactly what they compute without it.
 
-Training calls the model on whole sequences. Decoding passes a `KVCache` too: the tokens continue
-the cached positions, their keys and values are written into the cache, and attention reads the
-cache's fixed-size buffers under a mask, so a decode step's cost and compiled shape do not depend
-on how many positions are filled. Both paths use the same parameters.
+Training calls the model on whole sequences; with `documents` (`resilient_jax.model.segments`,
+`data.document_mask`), a row holding several documents is attended block-causally, each document
+only to itself, and each document's rotary positions start at 0. Decoding passes a `KVCache` too:
+the tokens continue the cached positions, their keys and values are written into the cache, and
+attention reads the cache's fixed-size buffers under a mask, so a decode step's cost and compiled
+shape do not depend on how many positions are filled. Both paths use the same parameters.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from resilient_jax.model.moe import DENSE, MoeConfig, MoeMlp
+from resilient_jax.model.segments import Documents
 from resilient_jax.perf import model_size
 
 Dtype = jnp.dtype
@@ -115,11 +118,16 @@ def _dense_init(fan_in: int) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev=fan_in**-0.5)
 
 
-def rotary(x_BLHE: jax.Array, positions_L: jax.Array, theta: float) -> jax.Array:
+def rotary(x_BLHE: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """`x_BLHE` rotated by `positions`: [L] (every row alike) or [B, L] (a position per row, as
+    documents inside a row have)."""
     half = x_BLHE.shape[-1] // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_LE = positions_L[:, None].astype(jnp.float32) * freq[None, :]
-    sin, cos = jnp.sin(angle_LE)[None, :, None, :], jnp.cos(angle_LE)[None, :, None, :]
+    angle = positions[..., None].astype(jnp.float32) * freq  # [L, E/2] or [B, L, E/2]
+    if positions.ndim == 1:
+        sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+    else:
+        sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
     x1, x2 = jnp.split(x_BLHE.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BLHE.dtype)
@@ -144,10 +152,17 @@ class Attention(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BLD: jax.Array, cache: LayerCache | None = None, start: jax.Array | None = None
+        self,
+        x_BLD: jax.Array,
+        cache: LayerCache | None = None,
+        start: jax.Array | None = None,
+        documents: Documents | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         """The attention output; with `cache` (decoding, `x_BLD` at positions `start..`), also
-        the cache with this layer's keys and values written in."""
+        the cache with this layer's keys and values written in. With `documents` (training only),
+        each token attends to its own document and is rotated by its position in it."""
+        if documents is not None and cache is not None:
+            raise ValueError("documents apply to training rows, not to a decode step's cache")
         c = self.cfg
         dense = lambda name, shape, axes, fan_in: self.param(
             name, nn.with_logical_partitioning(_dense_init(fan_in), axes), shape
@@ -177,11 +192,18 @@ class Attention(nn.Module):
         positions = jnp.arange(x_BLD.shape[1])
         if cache is not None:
             positions = start + positions
+        elif documents is not None:
+            positions = documents.positions_BL
         q_BLHE = rotary(jnp.einsum("bld,dhe->blhe", x_BLD, wq.astype(dt)), positions, c.rope_theta)
         k_BLKE = rotary(jnp.einsum("bld,dke->blke", x_BLD, wk.astype(dt)), positions, c.rope_theta)
         v_BLKE = jnp.einsum("bld,dke->blke", x_BLD, wv.astype(dt))
         if cache is None:
-            out_BLHE = jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True)
+            # Causal AND same document (the function combines its mask with is_causal); without
+            # documents, no mask at all: the program is the one a plain causal model compiles.
+            mask = None if documents is None else documents.same_document()
+            out_BLHE = jax.nn.dot_product_attention(
+                q_BLHE, k_BLKE, v_BLKE, mask=mask, is_causal=True
+            )
         else:
             at = (0, start, 0, 0)
             cache = LayerCache(
@@ -221,11 +243,15 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x_BLD: jax.Array, cache: LayerCache | None = None, start: jax.Array | None = None
+        self,
+        x_BLD: jax.Array,
+        cache: LayerCache | None = None,
+        start: jax.Array | None = None,
+        documents: Documents | None = None,
     ) -> tuple[jax.Array, LayerCache | None]:
         c = self.cfg
         attn_BLD, cache = Attention(c, name="attn")(
-            RMSNorm(c.norm_eps, c.dtype, name="attn_norm")(x_BLD), cache, start
+            RMSNorm(c.norm_eps, c.dtype, name="attn_norm")(x_BLD), cache, start, documents
         )
         x_BLD = x_BLD + attn_BLD
         mlp_in_BLD = RMSNorm(c.norm_eps, c.dtype, name="mlp_norm")(x_BLD)
@@ -241,12 +267,17 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens_BL: jax.Array, cache: KVCache | None = None
+        self,
+        tokens_BL: jax.Array,
+        cache: KVCache | None = None,
+        documents: Documents | None = None,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Next-token logits [B, L, V] in float32.
 
         With `cache` (decoding): the tokens continue the cached positions, and the result is the
-        logits and the cache holding these tokens too.
+        logits and the cache holding these tokens too. With `documents` (training rows,
+        `segments.documents` of `tokens_BL`): attention stays inside each document and rotary
+        positions restart at each; None computes exactly what a model without them does.
         """
         c = self.cfg
         embed_VD = self.param(
@@ -260,7 +291,7 @@ class Transformer(nn.Module):
         if cache is None:
             block = nn.remat(Block) if c.remat else Block
             for i in range(c.num_layers):
-                x_BLD, _ = block(c, i, name=f"layer_{i}")(x_BLD)
+                x_BLD, _ = block(c, i, name=f"layer_{i}")(x_BLD, documents=documents)
         else:  # decoding keeps no activations for a backward pass: nothing to rematerialise
             for i in range(c.num_layers):
                 x_BLD, layer = Block(c, i, name=f"layer_{i}")(x_BLD, cache.layers[i], cache.length)

@@ -36,7 +36,7 @@ from resilient_jax.data.position import DataPosition
 from resilient_jax.train.deferred import DeferredProgram
 from resilient_jax.train.hooks import Hook, StepInfo
 from resilient_jax.train.state import make_model, state_shardings
-from resilient_jax.train.step import token_loss_sum
+from resilient_jax.train.step import make_documents, token_loss_sum
 
 if TYPE_CHECKING:
     from resilient_jax.train.context import RunContext
@@ -51,11 +51,12 @@ def make_eval_step(config: ml_collections.ConfigDict, mesh: Mesh) -> EvalStepFn:
     """The loss-only step, jitted with the parameters' and the batch's shardings fixed. The batch
     has the training layout `[microbatches, rows, seq_len + 1]`; scanning over microbatches keeps
     the activations' memory that of a training step's forward pass."""
-    model = make_model(config)
+    model, documents = make_model(config), make_documents(config)  # as the train step has them
 
     def eval_loss(params: Any, batch_MBL: jax.Array) -> jax.Array:
         def microbatch(total: jax.Array, tokens_BL: jax.Array) -> tuple[jax.Array, None]:
-            logits = model.apply({"params": params}, tokens_BL[:, :-1])
+            inputs_BL = tokens_BL[:, :-1]
+            logits = model.apply({"params": params}, inputs_BL, documents=documents(inputs_BL))
             return total + token_loss_sum(logits, tokens_BL[:, 1:]), None
 
         # As in the train step: the mesh and the rules make the activation constraints real.

@@ -20,7 +20,10 @@ import optax
 from jax.sharding import Mesh
 
 from resilient_jax import mesh as mesh_lib
+from resilient_jax.config import ConfigError
+from resilient_jax.data import tokenizer as tokenizer_lib
 from resilient_jax.model import moe as moe_lib
+from resilient_jax.model import segments
 from resilient_jax.train import in_band
 from resilient_jax.train.state import (
     TrainState,
@@ -45,6 +48,34 @@ def token_loss_sum(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).sum()
 
 
+def document_eos_id(config: ml_collections.ConfigDict) -> int | None:
+    """The end-of-text id that splits a training row into documents with `data.document_mask`;
+    None when the mask is off. The tokenizer is loaded to know it (config validation loads no
+    files), so a tokenizer without one is refused here, where the train and eval steps are built:
+    a one-line ConfigError naming the key."""
+    if not config.data.document_mask:
+        return None
+    eos_id = tokenizer_lib.from_config(config).eos_id
+    if eos_id is None:
+        raise ConfigError(
+            "config.data.document_mask=True is invalid: config.data.tokenizer="
+            f"{config.data.tokenizer!r} has no end-of-text token to split documents at"
+        )
+    return eos_id
+
+
+def make_documents(
+    config: ml_collections.ConfigDict,
+) -> Callable[[jax.Array], segments.Documents | None]:
+    """model input rows [B, L] -> their documents for the model (`data.document_mask`), or None
+    (the mask off: the model computes exactly what it computes without the key). Shared by the
+    train and the eval step, so both see the same attention."""
+    eos_id = document_eos_id(config)
+    if eos_id is None:
+        return lambda inputs_BL: None
+    return lambda inputs_BL: segments.documents(inputs_BL, eos_id)
+
+
 def router_zeros(config: ml_collections.ConfigDict) -> tuple[jax.Array, moe_lib.RouterSums] | None:
     """The router's sums of no tokens: (token-loss sum without the router's terms, the sums of
     `moe_lib.RouterSums`); None for a dense model."""
@@ -60,18 +91,24 @@ def make_gradient_sums(config: ml_collections.ConfigDict):
     """(params, batch [microbatches, rows, seq_len + 1]) -> (token-loss sum, gradient sums, the
     router's sums or None): the scan over microbatches, not yet divided by the token count (the
     elastic mode adds these sums across slices before dividing)."""
-    model = make_model(config)
+    model, documents = make_model(config), make_documents(config)
     moe = model.cfg.moe
     num_moe_layers = moe.num_moe_layers(model.cfg.num_layers)
     seq_len = config.data.seq_len
     Router = tuple[jax.Array, moe_lib.RouterSums]  # token-loss sum without the router's terms
 
     def loss_fn(p, tokens_BL: jax.Array) -> tuple[jax.Array, Router | None]:
-        """The microbatch's token-loss sum (with the router's loss terms, if it has experts)."""
+        """The microbatch's token-loss sum (with the router's loss terms, if it has experts).
+        Every position counts, a document's end-of-text too: it predicts the next document's
+        first token, as torchtitan trains Llama 3."""
+        inputs_BL = tokens_BL[:, :-1]
+        docs = documents(inputs_BL)
         if not num_moe_layers:
-            logits = model.apply({"params": p}, tokens_BL[:, :-1])
+            logits = model.apply({"params": p}, inputs_BL, documents=docs)
             return token_loss_sum(logits, tokens_BL[:, 1:]), None
-        logits, sown = model.apply({"params": p}, tokens_BL[:, :-1], mutable=["intermediates"])
+        logits, sown = model.apply(
+            {"params": p}, inputs_BL, documents=docs, mutable=["intermediates"]
+        )
         router = moe_lib.router_sums(sown["intermediates"], moe, num_moe_layers)
         lm_loss = token_loss_sum(logits, tokens_BL[:, 1:])
         terms = moe_lib.loss_terms(router, moe, seq_len)
