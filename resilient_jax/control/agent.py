@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
+from resilient_jax.config import default_config
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.faults import FaultKind
@@ -108,10 +109,11 @@ class HostAgent:
         self._standby_spec: dict[str, Any] | None = None
         # Settings the supervisor's `welcome` replaces; the orphan timeout before the first
         # welcome is how long the agent waits for a supervisor at all.
+        defaults = default_config().coordinator  # the run's own come with the `welcome`
         self._settings: dict[str, Any] = {
-            "heartbeat_interval_s": 0.5,
+            "heartbeat_interval_s": defaults.heartbeat_interval_s,
             "orphan_timeout_s": connect_timeout_s,
-            "save_grace_s": 60.0,
+            "save_grace_s": defaults.save_grace_s,
         }
         self._partitioned_until = 0.0
         self._end: tuple[int, str] | None = None
