@@ -380,3 +380,36 @@ def test_a_missing_tokenizer_or_one_without_end_of_text_is_refused(tmp_path):
         prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "t"), no_eos, workers=0)
     no_input = run_python(["-m", "resilient_jax.data.prepare", f"--output={tmp_path / 'u'}"], 120)
     assert no_input.returncode == 2 and "--input is required" in no_input.stderr
+
+
+def test_long_documents_are_encoded_in_pieces_with_the_ids_of_the_whole(tmp_path, monkeypatch):
+    from resilient_jax.data import encode_pool
+    from resilient_jax.data import prepare as prepare_module
+
+    bpe = tokenizer_lib.load("bundled")
+    assert encode_pool.splits_exactly_at_whitespace(bpe)
+    assert encode_pool.splits_exactly_at_whitespace(tokenizer_lib.load(""))
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    sentencepiece_like = Tokenizer(models.BPE())
+    sentencepiece_like.pre_tokenizer = pre_tokenizers.Metaspace()
+    sentencepiece_like.add_special_tokens(["</s>"])
+    metaspace = tokenizer_lib.HFTokenizer(sentencepiece_like)
+    assert not encode_pool.splits_exactly_at_whitespace(metaspace)  # encoded whole
+    code = "int main(void)\r\n{\n\tif (x  >=  0x1F) {\n\t\treturn -1;  }\n}\n"
+    code += "\n\u00e9t\u00e9 \u2003 ok."
+    texts = [*documents()[:20], code * 300, " leading and trailing  ", "x" * 5000 + " y"]
+    for text in texts:
+        for max_chars in (7, 64, 1000):
+            cut = encode_pool.pieces(text, max_chars)
+            assert "".join(cut) == text
+            assert [i for piece in cut for i in bpe.encode(piece)] == bpe.encode(text)
+    monkeypatch.setattr(prepare_module, "PIECE_CHARS", 300)
+    write_jsonl(tmp_path / "a.jsonl", texts)
+    out = str(tmp_path / "s")
+    manifest = prepare(str(tmp_path / "a.jsonl"), out, BPE, workers=0, show_progress=False)
+    assert manifest["documents"] == len(texts)
+    assert np.array_equal(store_stream(out), stream_of(texts))
+    opened = store.TokenStore(out)
+    for end in opened.ends:  # every shard ends with a document's end-of-text
+        assert opened.read(int(end) - 1, int(end))[0] == bpe.eos_id

@@ -50,7 +50,10 @@ def default_config() -> ml_collections.ConfigDict:
     # The training data (resilient_jax.data): batch s is a pure function of (data, seed, s).
     c.data = ml_collections.ConfigDict()
     c.data.source = "text"  # text | arrayrecord | synthetic
-    # text: a .txt file or directory (empty = bundled corpus); arrayrecord: a file or glob
+    # text: a token store (`python -m resilient_jax.data.prepare`: opened in milliseconds, any
+    # seq_len), or corpus files tokenized at every start, up to 256 MiB (.txt, .jsonl[.gz|.zst],
+    # .parquet, Arrow: a file, directory or glob; empty = the bundled corpus); arrayrecord: a
+    # file or glob of records of seq_len + 1 int32 tokens from another pipeline.
     c.data.path = ""
     c.data.seq_len = 128  # tokens per training sequence
     # Text to token ids (resilient_jax.data.tokenizer): "" = bytes (vocabulary 256), "bundled" =

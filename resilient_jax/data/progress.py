@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
 
 from tqdm import tqdm
 
@@ -39,7 +38,7 @@ class Progress:
                 file=sys.stderr,
             )
 
-    def advance(self, disk_bytes: int, documents: int, tokens: int, batch: Any = None) -> None:
+    def advance(self, disk_bytes: int, documents: int, tokens: int) -> None:
         self.documents += documents
         self.tokens += tokens
         elapsed = max(time.perf_counter() - self._start, 1e-9)

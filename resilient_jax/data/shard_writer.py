@@ -92,6 +92,7 @@ class ShardWriter:
             raise _refuse_write(self._tmp, e) from None
 
     def append(self, tokens: np.ndarray, documents: int, text_bytes: int) -> None:
+        """Appends tokens of `documents` whole documents (0 for a piece that does not end one)."""
         data = np.ascontiguousarray(tokens, dtype=self._dtype)
         view = memoryview(data).cast("B")
         try:

@@ -153,6 +153,10 @@ class HFTokenizer(Tokenizer):
         os.replace(tmp, path)
         self.path = os.path.abspath(path)
 
+    def to_str(self) -> str:
+        """The tokenizer.json this tokenizer is (normalizer, pre-tokenizer, model, ...)."""
+        return self._tokenizer.to_str()
+
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
