@@ -7,8 +7,9 @@ Stages (each adds its rows to experiments/results/data_pipeline.json; run any su
 - corpus: a real corpus from a package registry, as JSON Lines: Debian's `linux-source-*` (its
   .tar.xz unpacked; every UTF-8 file one record, `{"text", "path"}`), at --sizes GB of input,
   the larger sizes made of the whole tree then seeded shuffles of it (apt-get installs it).
-- ceiling: raw `tokenizers` encode_batch with the bundled BPE on the first 16 MB of that text,
-  on one thread and on two (RAYON_NUM_THREADS), in a process of its own.
+- ceiling: raw `tokenizers` encode_batch (and encode, text by text) with the bundled BPE on a
+  16 MB sample of each size's corpus (every k-th record), on one thread and on two
+  (RAYON_NUM_THREADS), in a process of its own.
 - prepare: `python -m resilient_jax.data.prepare` at each size with 1 and 2 worker processes
   (--prepare_workers); wall time, text MB/s, documents/s, tokens/s, and the peak memory of the
   whole process tree (PSS summed over the processes, sampled every 0.5 s).
@@ -200,8 +201,11 @@ class TreeMemory:
         return self.peak
 
 
-def run_measured(argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Runs a command to its end; wall seconds, peak tree PSS (GB), exit code, output tail."""
+def run_measured(
+    argv: list[str], env: dict[str, str] | None = None, check: bool = True
+) -> dict[str, Any]:
+    """Runs a command to its end; wall seconds, peak tree PSS (GB), exit code, output tail. A
+    failed command raises, or with `check=False` is reported (`exit_code`, `out`)."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         argv,
@@ -216,26 +220,30 @@ def run_measured(argv: list[str], env: dict[str, str] | None = None) -> dict[str
     out, _ = proc.communicate()
     wall = time.perf_counter() - start
     peak = memory.stop()
-    if proc.returncode:
+    if proc.returncode and check:
         raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{out[-3000:]}")
-    return {"wall_s": round(wall, 2), "peak_pss_gb": round(peak / 1e9, 3), "out": out[-2000:]}
+    return {
+        "wall_s": round(wall, 2),
+        "peak_pss_gb": round(peak / 1e9, 3),
+        "exit_code": proc.returncode,
+        "out": out[-2000:],
+    }
 
 
 # -- stages
 
 
-def stage_ceiling(results: dict[str, Any]) -> None:
-    code = """
+_CEILING_CODE = """
 import json, os, sys, time
 from resilient_jax.data import tokenizer
 tok = tokenizer.load("bundled")
-texts, size = [], 0
-d = sys.argv[1]
-for name in sorted(os.listdir(d)):
+d, every = sys.argv[1], int(sys.argv[2])
+texts, size, index = [], 0, 0
+for name in sorted(os.listdir(d)):  # every k-th record: a sample of the whole corpus
     for line in open(os.path.join(d, name), "rb"):
-        t = json.loads(line)["text"]; texts.append(t); size += len(t.encode())
-        if size >= 16 << 20: break
-    if size >= 16 << 20: break
+        if index % every == 0:
+            t = json.loads(line)["text"]; texts.append(t); size += len(t.encode())
+        index += 1
 batches, cur, n = [], [], 0
 for t in texts:
     cur.append(t); n += len(t.encode())
@@ -248,14 +256,22 @@ start = time.perf_counter()
 for t in texts: tok.encode(t)
 one_rate = size / 1e6 / (time.perf_counter() - start)
 print(json.dumps({"mb_per_s": batch_rate, "encode_one_by_one_mb_per_s": one_rate,
-                  "mb": size / 1e6}))
+                  "mb": size / 1e6, "records": len(texts)}))
 """
-    rows = {}
-    for threads in (1, 2):
-        env = {"RAYON_NUM_THREADS": str(threads)}
-        out = run_measured([sys.executable, "-c", code, corpus_dir(_SIZES.value[0])], env)
-        rows[f"{threads}_thread"] = json.loads(out["out"].strip().splitlines()[-1])
-        print(f"raw encode_batch, {threads} thread(s): {rows[f'{threads}_thread']}", flush=True)
+
+
+def stage_ceiling(results: dict[str, Any]) -> None:
+    """Raw encode_batch (and encode) on a 16 MB sample of each size's corpus (every k-th
+    record), on one thread and on two."""
+    rows: dict[str, Any] = {}
+    for size in _SIZES.value:
+        every = max(1, _dir_bytes(corpus_dir(size)) // (16 << 20))
+        for threads in (1, 2):
+            env = {"RAYON_NUM_THREADS": str(threads)}
+            argv = [sys.executable, "-c", _CEILING_CODE, corpus_dir(size), str(every)]
+            row = json.loads(run_measured(argv, env)["out"].strip().splitlines()[-1])
+            rows.setdefault(size, {})[f"{threads}_thread"] = row
+            print(f"raw tokenizers on {size} GB's sample, {threads} thread(s): {row}", flush=True)
     results["ceiling"] = {**rows, "loadavg": _loadavg()}
 
 
@@ -320,7 +336,9 @@ ds.save_to_disk(sys.argv[3])
         cache = os.path.join(_WORK.value, f"hf_cache_{size}")
         saved = os.path.join(_WORK.value, f"hf_saved_{size}")
         subprocess.run(["rm", "-rf", cache, saved], check=True)
-        measured = run_measured([sys.executable, "-c", code, corpus_dir(size), cache, saved])
+        measured = run_measured(
+            [sys.executable, "-c", code, corpus_dir(size), cache, saved], check=False
+        )
         text_bytes = results["prepare"].get(f"{size}GB_w2", {}).get("tokens")
         row = {
             "recipe": "load_dataset('json') + map(batched, num_proc=cores) + save_to_disk",
@@ -328,8 +346,12 @@ ds.save_to_disk(sys.argv[3])
             "peak_pss_gb": measured["peak_pss_gb"],
             "loadavg": _loadavg(),
         }
+        if measured["exit_code"]:
+            # What failed, in its own words (datasets: "One of the subprocesses has abruptly
+            # died": the kernel's OOM killer, dmesg says; the peak is the last sample before it).
+            row["failed"] = measured["out"].strip().splitlines()[-1][:300]
         prepared = results["prepare"].get(f"{size}GB_w2")
-        if prepared and text_bytes:
+        if prepared and text_bytes and not measured["exit_code"]:
             row["text_mb_per_s"] = prepared["text_mb_per_s"] * prepared["wall_s"] / row["wall_s"]
         rows[f"{size}GB"] = row
         print(f"datasets recipe {size} GB: {_short(row)}", flush=True)
@@ -456,23 +478,25 @@ def _short(row: dict[str, Any]) -> str:
 
 def print_table(results: dict[str, Any]) -> None:
     ceiling = results.get("ceiling", {})
-    one = ceiling.get("1_thread", {}).get("mb_per_s")
     print(
         "\n| run | input GB | wall s | text MB/s | docs/s | Mtok/s | peak GB, all processes "
-        "| vs ceiling |"
+        "| / (workers x raw encode_batch) |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, row in results.get("prepare", {}).items():
+        size = name.split("GB")[0]
+        one = ceiling.get(size, {}).get("1_thread", {}).get("mb_per_s")
         ratio = row["text_mb_per_s"] / (row["workers"] * one) if one else float("nan")
         print(
             f"| prepare {name} | {row['input_gb']:.2f} | {row['wall_s']:.0f} | "
             f"{row['text_mb_per_s']:.2f} | {row['documents_per_s']:.0f} | "
-            f"{row['tokens_per_s'] / 1e6:.3f} | {row['peak_pss_gb']:.2f} | {ratio:.2f} |"
+            f"{row['tokens_per_s'] / 1e6:.2f} | {row['peak_pss_gb']:.2f} | {ratio:.2f} |"
         )
     for name, row in results.get("datasets", {}).items():
+        rate = f"{row['text_mb_per_s']:.2f}" if "text_mb_per_s" in row else row.get("failed", "")
         print(
-            f"| datasets recipe {name} | | {row['wall_s']:.0f} | "
-            f"{row.get('text_mb_per_s', 0):.2f} | | | {row['peak_pss_gb']:.2f} | |"
+            f"| datasets recipe {name} | | {row['wall_s']:.0f} | {rate} | | | "
+            f"{row['peak_pss_gb']:.2f} | |"
         )
 
 
