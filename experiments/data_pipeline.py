@@ -500,6 +500,21 @@ def print_table(results: dict[str, Any]) -> None:
         )
 
 
+def print_document_mask() -> None:
+    """The document-mask rows, measured by experiments/document_mask.py (its own results)."""
+    path = os.path.join(HERE, "results", "document_mask.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        mask = json.load(f)
+    runs = mask["training"]["runs"]
+    # each run's held-out loss at step 200, evaluated with its own setting
+    losses = {on: [round(r["eval_loss"]["200"], 3) for r in runs[on].values()] for on in runs}
+    ratio = mask["step_time"]["ratio_on_off"]
+    print(f"\ndocument mask (experiments/document_mask.py): step time x{ratio:.3f}")
+    print(f"eval loss at step 200, seeds {list(runs['off'])}: {losses}")
+
+
 def main(argv: list[str]) -> None:
     del argv
     results = _load_results()
@@ -517,6 +532,7 @@ def main(argv: list[str]) -> None:
         stages[name](results)
         _save(results)
     print_table(results)
+    print_document_mask()
 
 
 if __name__ == "__main__":
