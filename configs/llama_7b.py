@@ -27,11 +27,13 @@ either checkpoint tier, on whatever mesh is alive), checkpoints at the Young/Dal
 measured save cost and the observed MTBF (persistent tier: `checkpoint.auto_interval`, at most
 `every_steps` apart; local RAM-disk tier every few minutes of steps), every 10,000th step kept for
 good, and the event log the goodput report reads (`python -m resilient_jax.goodput WORKDIR`).
-Point the data at the tokenized corpus and the tokenizer first (the default trains on the bundled
-English text so that the recipe runs anywhere):
+Point the data at a corpus prepared once into a token store, and at its tokenizer (the default
+trains on the bundled English text so that the recipe runs anywhere; launch/slurm/prepare.sbatch
+runs the preparation as an array job):
 
-    --config.data.source=arrayrecord --config.data.path='gs://BUCKET/corpus/*.arrayrecord' \\
-    --config.data.tokenizer=/path/to/llama2/tokenizer.json
+    python -m resilient_jax.data.prepare --input='gs://BUCKET/corpus/*.jsonl.zst' \\
+        --output=/shared/stores/corpus --tokenizer=/path/to/llama2/tokenizer.json
+    --config.data.path=/shared/stores/corpus --config.data.tokenizer=/path/to/llama2/tokenizer.json
 
 SLURM (launch/slurm/, see launch/README.md for the current knobs), 8 nodes of 8 GPUs plus a spare:
 

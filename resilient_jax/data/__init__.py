@@ -1,4 +1,6 @@
-"""Deterministic data: sources of token sequences and the per-process, step-keyed batch loader.
+"""Deterministic data: corpus readers, the token store a corpus is prepared into once
+(`python -m resilient_jax.data.prepare`), sources of token sequences and the per-process,
+step-keyed batch loader.
 
 The loader and the sources (Grain, and through it JAX and Orbax) load on first use: processes that
 need only `data.position` (the simulated workers, the supervisor's client) skip their import."""
