@@ -413,3 +413,25 @@ def test_long_documents_are_encoded_in_pieces_with_the_ids_of_the_whole(tmp_path
     opened = store.TokenStore(out)
     for end in opened.ends:  # every shard ends with a document's end-of-text
         assert opened.read(int(end) - 1, int(end))[0] == bpe.eos_id
+
+
+def test_a_small_corpus_named_directly_is_read_in_memory_and_a_large_one_refused(
+    tmp_path, monkeypatch
+):
+    from resilient_jax import config as config_lib
+
+    first, second = documents()[:5], documents()[5:9]
+    write_jsonl(tmp_path / "a.jsonl", first)
+    (tmp_path / "b.jsonl.gz").write_bytes(
+        gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in second).encode())
+    )
+    paths = f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.jsonl.gz'}"
+    config = tiny_config(**{"data.path": paths, "data.seq_len": 32})
+    config_lib.validate(config)
+    source = make_source(config)
+    assert np.array_equal(source[2], stream_of(first + second)[64:97])
+    with pytest.raises(ConfigError, match=r"no such file, directory or glob match: .*c\.jsonl"):
+        config_lib.validate(tiny_config(**{"data.path": f"{paths},{tmp_path / 'c.jsonl'}"}))
+    monkeypatch.setattr(corpus, "IN_MEMORY_LIMIT", 1000)
+    with pytest.raises(ConfigError, match=r"python -m resilient_jax\.data\.prepare --input="):
+        make_source(config)

@@ -335,10 +335,12 @@ def profile_steps(value: str) -> range | None:
 
 
 def _check_data_path(key: str, path: str) -> None:
-    if path.startswith("gs://"):
-        return
-    if not glob.glob(path) and not os.path.exists(path):
-        _fail(key, path, "no such file, directory or glob match")
+    """Each of a comma-separated list of files, directories and globs must match something."""
+    for item in path.split(","):
+        if item.startswith("gs://"):
+            continue
+        if not glob.glob(item) and not os.path.exists(item):
+            _fail(key, path, f"no such file, directory or glob match: {item}")
 
 
 def parse_mixture(spec: str) -> tuple[tuple[str, float], ...]:
