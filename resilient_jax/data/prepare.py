@@ -148,13 +148,19 @@ class _Batch:
 class _Task:
     """One task's groups: read, tokenize in the pool, write shards, in order."""
 
-    def __init__(self, output: str, plan: dict[str, Any], skip_bad: bool, progress: Progress):
+    def __init__(
+        self,
+        output: str,
+        plan: dict[str, Any],
+        skip_bad: bool,
+        progress: Progress,
+        piece_chars: int,  # documents longer than this are encoded in pieces; 0: never
+    ) -> None:
         self.output, self.plan, self.skip_bad, self.progress = output, plan, skip_bad, progress
         self.inputs = [InputFile(**f) for f in plan["inputs"]]
         self.dtype = np.dtype(plan["dtype"])
         self.first_part: dict[int, int] = {}  # each group's first shard still to write
-        tokenizer = tokenizer_lib.load(plan["tokenizer_name"])
-        self.piece_chars = PIECE_CHARS if splits_exactly_at_whitespace(tokenizer) else 0
+        self.piece_chars = piece_chars
 
     def batches(self, groups: Sequence[int]) -> Iterator[tuple[_Batch, tuple[list, list]]]:
         for group in groups:
@@ -271,23 +277,27 @@ def prepare(
     """Prepares this task's groups; returns the manifest when that completes the store (a
     single task, or the last of an array's tasks, finalizes), else None. Raises `BadInput` on
     input it refuses."""
-    files = (
-        list(inputs) if inputs and isinstance(inputs[0], InputFile) else expand_inputs(inputs)  # type: ignore[arg-type]
-    )
-    plan = make_plan(files, settings)  # type: ignore[arg-type]
+    if inputs and isinstance(inputs[0], InputFile):
+        files = list(inputs)
+    else:
+        files = expand_inputs(inputs)
+    plan = make_plan(files, settings)
     write_plan(output, plan)
     if os.path.exists(os.path.join(output, store.MANIFEST)):
         return store.read_manifest(output, "--output")
     groups = tasks_groups(plan, task_index, num_tasks)
     todo = [g for g in groups if not os.path.exists(store.group_path(output, g))]
     total = sum(plan["inputs"][f]["size"] for g in todo for f in plan["groups"][g])
-    workers = os.cpu_count() or 1 if workers is None else workers
+    if workers is None:
+        workers = os.cpu_count() or 1
+    tokenizer = tokenizer_lib.load(settings.tokenizer)
+    piece_chars = PIECE_CHARS if splits_exactly_at_whitespace(tokenizer) else 0
     with (
         Progress(total, len(todo), show_progress) as progress,
         EncodePool(settings.tokenizer, np.dtype(plan["dtype"]), workers) as pool,
     ):
         try:
-            _Task(output, plan, skip_bad_records, progress).run(todo, pool)
+            _Task(output, plan, skip_bad_records, progress, piece_chars).run(todo, pool)
         except WorkerDied as e:
             raise BadInput(f"{e}: run the same command again to continue") from None
     # The task that finds every group done writes the manifest: each task records its groups
