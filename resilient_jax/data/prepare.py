@@ -276,7 +276,8 @@ def prepare(
 ) -> dict[str, Any] | None:
     """Prepares this task's groups; returns the manifest when that completes the store (a
     single task, or the last of an array's tasks, finalizes), else None. Raises `BadInput` on
-    input it refuses."""
+    input it refuses. The workers are spawned processes: a script calling this with `workers`
+    > 0 does so under `if __name__ == "__main__":`, as `multiprocessing` requires."""
     if inputs and isinstance(inputs[0], InputFile):
         files = list(inputs)
     else:
