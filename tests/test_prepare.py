@@ -4,6 +4,7 @@ line, or counted with --skip_bad_records), and training sources opened from a st
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -58,6 +59,7 @@ def test_every_reader_gives_the_same_documents_and_tokens(tmp_path):
 
     texts = documents()[:24]
     raw = "".join(json.dumps({"text": t}) + "\n" for t in texts).encode()
+    raw += b'{"text": ""}\n'  # an empty text is no document, in a store as in memory
     (tmp_path / "a.jsonl").write_bytes(raw)
     (tmp_path / "a.jsonl.gz").write_bytes(
         gzip.compress(raw[: len(raw) // 2]) + gzip.compress(raw[len(raw) // 2 :])
@@ -199,8 +201,16 @@ def test_a_damaged_shard_is_refused_naming_it(tmp_path):
     fail = run_python(["-m", "resilient_jax.data.prepare", "--verify", f"--output={out}"], 120)
     assert fail.returncode == 2 and fail.stderr.strip().count("\n") == 0
     Path(tokens_path).write_bytes(bytes(data[:-2]))  # truncated
-    with pytest.raises(BadInput, match=rf"{name}\.tokens is truncated"):
+    with pytest.raises(BadInput, match=rf"{name}\.tokens is truncated") as refused:
         store.StoreSource(store.TokenStore(out), 64)[first_of_shard]
+    # The advice in the refusal works: the same preparation rewrites the shard, bit for bit.
+    assert f"delete shards/{name}.*, groups/000000.json and manifest.json" in str(refused.value)
+    digest = store.read_json(os.path.join(out, store.MANIFEST))["digest"]
+    for path in (*store.shard_paths(out, name), store.group_path(out, 0)):
+        os.remove(path)
+    os.remove(os.path.join(out, store.MANIFEST))
+    again = prepare(str(tmp_path / "a.jsonl"), out, BPE, workers=0, show_progress=False)
+    assert again["digest"] == digest and verify(out)["digest"] == digest
 
 
 def test_training_opens_a_store_by_its_manifest(tmp_path):
@@ -399,6 +409,8 @@ def test_long_documents_are_encoded_in_pieces_with_the_ids_of_the_whole(tmp_path
     code = "int main(void)\r\n{\n\tif (x  >=  0x1F) {\n\t\treturn -1;  }\n}\n"
     code += "\n\u00e9t\u00e9 \u2003 ok."
     texts = [*documents()[:20], code * 300, " leading and trailing  ", "x" * 5000 + " y"]
+    # U+001C..U+001F are spaces to Python, not to the tokenizer: never a cut before them
+    assert encode_pool.pieces("ab!\x1cxyz", 4) == ["ab!\x1cxyz"]
     for text in texts:
         for max_chars in (7, 64, 1000):
             cut = encode_pool.pieces(text, max_chars)
@@ -435,3 +447,54 @@ def test_a_small_corpus_named_directly_is_read_in_memory_and_a_large_one_refused
     monkeypatch.setattr(corpus, "IN_MEMORY_LIMIT", 1000)
     with pytest.raises(ConfigError, match=r"python -m resilient_jax\.data\.prepare --input="):
         make_source(config)
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_workers_end_with_a_preparation_killed_alone(tmp_path):
+    """SIGKILL of the preparation's own pid (not its group): its workers do not wait forever."""
+    write_jsonl(tmp_path / "a.jsonl", documents() * 4)
+    proc = subprocess.Popen(
+        [sys.executable, *_prepare_argv(tmp_path / "a.jsonl", tmp_path / "s", "--workers=2")],
+        cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        shards = tmp_path / "s" / "shards"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if shards.is_dir() and any(p.suffix == ".json" for p in shards.iterdir()):
+                break
+            time.sleep(0.01)
+        workers = _children(proc.pid)
+        assert proc.poll() is None and len(workers) >= 2, "killed too late to tell"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_running(w) for w in workers):
+            time.sleep(0.05)
+        alive = [w for w in workers if _running(w)]
+        assert not alive, f"workers {alive} outlived the killed preparation"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -20,10 +20,12 @@ pieces' ids are exactly the whole's; a tokenizer without that guarantee encodes 
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
 import multiprocessing
 import os
 import re
+import signal
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -37,8 +39,21 @@ _tokenizer: tokenizer_lib.Tokenizer | None = None
 _dtype: np.dtype | None = None
 
 
-def _start_worker(tokenizer_name: str, dtype: str) -> None:
+def _end_with_parent(parent: int) -> None:
+    """Linux: this process is killed when the process that started it dies (a SIGKILLed
+    preparation leaves no worker waiting on its queue)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the executor's own checks remain
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _start_worker(tokenizer_name: str, dtype: str, parent: int) -> None:
     global _tokenizer, _dtype
+    _end_with_parent(parent)
     # The tokenizer's thread pool is built on its first parallel call: one thread per worker.
     os.environ["RAYON_NUM_THREADS"] = "1"
     _tokenizer = tokenizer_lib.load(tokenizer_name)
@@ -94,15 +109,25 @@ def splits_exactly_at_whitespace(tokenizer: tokenizer_lib.Tokenizer) -> bool:
         return True
     spec = json.loads(tokenizer.to_str())
     pre = spec.get("pre_tokenizer") or {}
+    # Added tokens are matched before pre-tokenizing: one that holds a space, or takes the
+    # spaces around it, could span a cut.
+    added_safe = all(
+        not (token.get("lstrip") or token.get("rstrip"))
+        and not any(ch.isspace() for ch in token["content"])
+        for token in spec.get("added_tokens") or []
+    )
     return (
         spec.get("normalizer") is None
         and pre.get("type") == "ByteLevel"
         and pre.get("use_regex") is True
         and pre.get("add_prefix_space") is False
+        and added_safe
     )
 
 
-_CUT = re.compile(r"\S(?=\s)")  # a non-space character followed by a space: cut after it
+# Unicode's White_Space, what the tokenizer's `\s` means (Python's also takes U+001C..U+001F).
+_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_CUT = re.compile(f"[^{_SPACE}](?=[{_SPACE}])")  # a non-space, then a space: cut after it
 
 
 def pieces(text: str, max_chars: int) -> list[str]:
@@ -142,7 +167,7 @@ class EncodePool:
                 workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start_worker,
-                initargs=(tokenizer_name, dtype.str),
+                initargs=(tokenizer_name, dtype.str, os.getpid()),
             )
 
     def map(
@@ -166,6 +191,8 @@ class EncodePool:
                 yield tag_done, future.result()
         except BrokenProcessPool:
             raise WorkerDied("a tokenizing worker process died (killed or out of memory)") from None
+        except Exception as e:  # raised inside a worker (MemoryError, the library's own errors)
+            raise WorkerDied(f"a tokenizing worker failed: {type(e).__name__}: {e}") from None
 
     def close(self) -> None:
         if self._pool is not None:

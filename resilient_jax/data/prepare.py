@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -300,7 +301,7 @@ def prepare(
         try:
             _Task(output, plan, skip_bad_records, progress, piece_chars).run(todo, pool)
         except WorkerDied as e:
-            raise BadInput(f"{e}: run the same command again to continue") from None
+            raise BadInput(f"{e}; finished shards are kept, the same command continues") from None
     # The task that finds every group done writes the manifest: each task records its groups
     # before it looks, so of tasks ending together at least the last one sees them all (two that
     # both do write the same bytes).
@@ -349,13 +350,18 @@ def finalize(output: str) -> dict[str, Any]:
 
 def _checked_shard(output: str, name: str) -> dict[str, Any]:
     tokens_path, record_path = store.shard_paths(output, name)
-    with open(record_path, "rb") as f:
-        record_bytes = f.read()
-    record = store.read_json(record_path)
-    if store.sha256_file(tokens_path) != record["sha256"]:
+    try:
+        with open(record_path, "rb") as f:
+            record_bytes = f.read()
+        record = json.loads(record_bytes)
+        matches = store.sha256_file(tokens_path) == record["sha256"]
+    except (OSError, ValueError, KeyError) as e:
+        why = e.strerror if isinstance(e, OSError) else f"an unreadable record ({e})"
+        raise BadInput(f"{tokens_path}: {why}: {store.repair_advice(output, name)}") from None
+    if not matches:
         raise BadInput(
-            f"{tokens_path} does not match its record's SHA-256: delete it and its record, "
-            "then run its task again"
+            f"{tokens_path} does not match its record's SHA-256: "
+            f"{store.repair_advice(output, name)}"
         )
     return {
         "name": name,

@@ -85,7 +85,7 @@ class Bad:
     @property
     def where(self) -> str:
         """`file:line` (lines from 1, as editors count; rows of a table from 0)."""
-        line = self.index + 1 if self.path.endswith(_LINE_KINDS) else self.index
+        line = self.index + 1 if self.path.lower().endswith(_LINE_KINDS) else self.index
         return f"{self.path}:{line}"
 
     def message(self) -> str:
@@ -162,10 +162,8 @@ def _join(directory: str, name: str) -> str:
 def _saved_dataset(directory: str, files: list[tuple[str, int]]) -> list[InputFile] | None:
     """The Arrow files of a `datasets.save_to_disk` directory in their order, or None if
     `directory` is not one."""
-    names = {
-        name.rsplit("/", 1)[-1] if _is_remote(name) else os.path.relpath(name, directory)
-        for name, _ in files
-    }
+    prefix = directory.rstrip("/") + "/"
+    names = {name[len(prefix) :] if name.startswith(prefix) else name for name, _ in files}
     if "dataset_dict.json" in names:
         splits = _read_json(_join(directory, "dataset_dict.json")).get("splits", [])
         if "train" not in splits:
@@ -234,12 +232,11 @@ class RecordReader:
         self.position = 0
 
     def __iter__(self) -> Iterator[Document | Bad]:
-        if self.file.kind == "txt":
-            yield from self._text()
-        elif self.file.kind == "jsonl":
-            yield from self._json_lines()
-        else:
-            yield from self._table()
+        read = {"txt": self._text, "jsonl": self._json_lines}.get(self.file.kind, self._table)
+        try:
+            yield from read()
+        except OSError as e:  # the storage failed, not the data: never skipped as a bad record
+            raise BadInput(f"cannot read {self.file.path}: {e.strerror or e}") from None
         self.position = self.file.size
 
     def _bad(self, kind: str, index: int, detail: str) -> Bad:
@@ -266,12 +263,14 @@ class RecordReader:
                     self.position = raw.tell()
                     if index < self.start or not line.strip():
                         continue
-                    yield self._json_record(index, line)
+                    record = self._json_record(index, line)
+                    if record is not None:
+                        yield record
             except _Truncated as e:
                 self.position = self.file.size
                 yield self._bad(CORRUPT_FILE, e.line, str(e))
 
-    def _json_record(self, index: int, line: bytes) -> Document | Bad:
+    def _json_record(self, index: int, line: bytes) -> Document | Bad | None:
         try:
             record = json.loads(line)
         except UnicodeDecodeError:
@@ -282,7 +281,7 @@ class RecordReader:
         if not isinstance(text, str):
             what = "missing" if text is None else f"of type {type(text).__name__}, not text"
             return self._bad(MISSING_FIELD, index, f"field {self.field!r} is {what}")
-        return self._document(index, text)
+        return self._document(index, text) if text else None  # an empty text is no document
 
     def _document(self, index: int, text: str) -> Document | Bad:
         try:
@@ -307,7 +306,7 @@ class RecordReader:
                     index += batch.num_rows
             except _MissingColumn as e:
                 yield self._bad(MISSING_FIELD, 0, str(e))
-            except (pa.ArrowInvalid, pa.ArrowIOError, OSError, EOFError) as e:
+            except (pa.ArrowInvalid, EOFError) as e:  # the bytes are no table (truncated, empty)
                 why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 yield self._bad(CORRUPT_FILE, 0, f"not a readable {self.file.kind} file ({why})")
 
@@ -385,18 +384,23 @@ def _lines(raw: IO[bytes], path: str) -> Iterator[bytes]:
         chunks = _zstd_chunks(raw)
     else:
         chunks = iter(lambda: raw.read(_READ_BYTES), b"")
-    pending = b""
+    # The start of a line not yet ended, in pieces: a line of many chunks is joined once.
+    pending: list[bytes] = []
     count = 0
     try:
         for chunk in chunks:
-            pending += chunk
-            *complete, pending = pending.split(b"\n")
+            if b"\n" not in chunk:
+                pending.append(chunk)
+                continue
+            *complete, tail = chunk.split(b"\n")
+            complete[0] = b"".join([*pending, complete[0]])
+            pending = [tail]
             yield from complete
             count += len(complete)
     except _Truncated as e:
         raise _Truncated(count, str(e)) from None
-    if pending:
-        yield pending
+    if any(pending):
+        yield b"".join(pending)
 
 
 def _gzip_chunks(raw: IO[bytes]) -> Iterator[bytes]:

@@ -12,7 +12,6 @@ the same bytes an uninterrupted run writes.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import glob
 import hashlib
 import os
@@ -21,7 +20,6 @@ from typing import Any
 import numpy as np
 from isal import isal_zlib
 
-from resilient_jax.config import BadInput
 from resilient_jax.data import store
 from resilient_jax.data.readers import Bad
 
@@ -64,12 +62,6 @@ class BadCounts:
         return cls(value.get("counts"), value.get("examples"))
 
 
-def _refuse_write(path: str, error: OSError) -> BadInput:
-    if error.errno == errno.ENOSPC:
-        return BadInput(f"cannot write {path}: the disk is full (No space left on device)")
-    return BadInput(f"cannot write {path}: {error.strerror or error}")
-
-
 class ShardWriter:
     """One shard being written: tokens appended in order, then `close(end)`."""
 
@@ -89,7 +81,7 @@ class ShardWriter:
         try:
             self._file = open(self._tmp, "wb")  # noqa: SIM115 - open until close()
         except OSError as e:
-            raise _refuse_write(self._tmp, e) from None
+            raise store.refuse_write(self._tmp, e) from None
 
     def append(self, tokens: np.ndarray, documents: int, text_bytes: int) -> None:
         """Appends tokens of `documents` whole documents (0 for a piece that does not end one)."""
@@ -98,7 +90,7 @@ class ShardWriter:
         try:
             self._file.write(view)
         except OSError as e:
-            raise _refuse_write(self._tmp, e) from None
+            raise store.refuse_write(self._tmp, e) from None
         self._sha.update(view)
         position = 0
         while position < len(data):
@@ -135,7 +127,7 @@ class ShardWriter:
             os.replace(self._tmp, self.tokens_path)
             store.write_json(self.record_path, record)
         except OSError as e:
-            raise _refuse_write(self.record_path, e) from None
+            raise store.refuse_write(self.record_path, e) from None
         return record
 
     def abandon(self) -> None:
@@ -162,7 +154,7 @@ def completed_shards(directory: str, group: int) -> list[dict[str, Any]]:
         records.append(record)
         part += 1
     kept = {store.shard_paths(directory, r["name"])[i] for r in records for i in (0, 1)}
-    pattern = os.path.join(directory, store.SHARDS, f"{store.shard_name(group, 0)[:6]}-*")
+    pattern = os.path.join(directory, store.SHARDS, store.shard_name(group, 0)[:-4] + "*")
     for leftover in glob.glob(pattern):
         if leftover not in kept:
             os.remove(leftover)

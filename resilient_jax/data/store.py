@@ -30,10 +30,13 @@ line, exit 2, never silent garbage.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import threading
+import uuid
 from typing import Any
 
 import numpy as np
@@ -72,6 +75,16 @@ def group_path(directory: str, group: int) -> str:
     return os.path.join(directory, GROUPS, f"{group:06d}.json")
 
 
+def repair_advice(directory: str, name: str) -> str:
+    """How to rewrite one damaged shard: the same preparation redoes its group from the shard
+    before it, with the same bytes."""
+    group = os.path.relpath(group_path(directory, int(name.split("-")[0])), directory)
+    return (
+        f"delete {os.path.join(SHARDS, name)}.*, {group} and {MANIFEST} in {directory}, "
+        "then run its prepare command again"
+    )
+
+
 def is_store(path: str) -> bool:
     """Whether `path` is a store directory (complete or not): it has a plan or a manifest."""
     return os.path.isdir(path) and (
@@ -85,16 +98,30 @@ def canonical(value: Any) -> bytes:
     return (json.dumps(value, sort_keys=True, indent=1) + "\n").encode("utf-8")
 
 
+def refuse_write(path: str, error: OSError) -> BadInput:
+    """The one-line refusal of a write that failed (a full disk named as such)."""
+    if error.errno == errno.ENOSPC:
+        return BadInput(f"cannot write {path}: the disk is full (No space left on device)")
+    return BadInput(f"cannot write {path}: {error.strerror or error}")
+
+
 def write_json(path: str, value: Any) -> bytes:
     """Writes `value` whole or not at all (a temporary file renamed into place); returns the
-    bytes written."""
+    bytes written. A failed write is a `BadInput` naming the file."""
     data = canonical(value)
-    tmp = f"{path}.tmp{os.getpid()}"  # two tasks finishing at once each write their own
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    # Tasks of an array job may write the same file at once (the plan; the manifest, when two
+    # finish together), on different hosts and maybe with the same pid: each its own temporary.
+    tmp = f"{path}.tmp{uuid.uuid4().hex}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise refuse_write(path, e) from None
     return data
 
 
@@ -177,10 +204,9 @@ class TokenStore:
 
     def _refuse(self, shard: int, why: str) -> BadInput:
         name = self.shards[shard]["name"]
-        path = shard_paths(self.directory, name)[0]
         return BadInput(
-            f"token store shard {path} is {why}: prepare the store again (the same command "
-            "rewrites only what is damaged after you delete the shard's two files)"
+            f"token store shard {shard_paths(self.directory, name)[0]} is {why}: "
+            f"{repair_advice(self.directory, name)}"
         )
 
     def _shard(self, index: int) -> tuple[np.ndarray, list[int]]:
