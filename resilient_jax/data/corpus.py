@@ -50,8 +50,12 @@ def read_documents(path: str, key: str = "config.data.path") -> list[bytes]:
     """
     if not path:
         return bundled_documents()
+    return _documents(readers.expand_inputs(path, key), path, key)
+
+
+def _documents(files: list[readers.InputFile], path: str, key: str) -> list[bytes]:
     documents = []
-    for file in readers.expand_inputs(path, key):
+    for file in files:
         for item in readers.RecordReader(file):
             if isinstance(item, readers.Bad):
                 raise ConfigError(f"{key}={path!r} is invalid: {item.message()}")
@@ -61,12 +65,13 @@ def read_documents(path: str, key: str = "config.data.path") -> list[bytes]:
     return documents
 
 
-def check_in_memory_size(path: str, key: str) -> None:
-    """Refuses raw input too large to tokenize at every start, naming the command that
-    prepares it once."""
+def _in_memory_documents(path: str, key: str) -> list[bytes]:
+    """`read_documents`, refusing raw input too large to tokenize at every start with the
+    command that prepares it once."""
     if not path:
-        return
-    size = sum(f.size for f in readers.expand_inputs(path, key))
+        return bundled_documents()
+    files = readers.expand_inputs(path, key)
+    size = sum(f.size for f in files)
     if size > IN_MEMORY_LIMIT:
         raise ConfigError(
             f"{key}={path!r} is invalid: {size / 1e6:,.0f} MB of raw input is more than every "
@@ -74,12 +79,12 @@ def check_in_memory_size(path: str, key: str) -> None:
             f"once: python -m resilient_jax.data.prepare --input={path} --output=DIR, then "
             f"{key}=DIR"
         )
+    return _documents(files, path, key)
 
 
 def token_stream(tokenizer: Tokenizer, path: str, key: str = "config.data.path") -> np.ndarray:
     """The documents at `path` as one stream of token ids, each followed by end-of-text."""
-    check_in_memory_size(path, key)
-    documents = [d for d in read_documents(path, key) if d]  # whitespace alone is no document
+    documents = [d for d in _in_memory_documents(path, key) if d]  # whitespace is no document
     if not isinstance(tokenizer, HFTokenizer):
         # The documents are valid UTF-8 (the readers refuse anything else), so the end-of-text
         # byte (0xFF, never in UTF-8) occurs nowhere else in the stream.

@@ -161,7 +161,8 @@ class EncodePool:
     def __init__(self, tokenizer_name: str, dtype: np.dtype, workers: int) -> None:
         self._workers = workers
         self._pool: ProcessPoolExecutor | None = None
-        self._local = (tokenizer_lib.load(tokenizer_name), dtype)
+        # Encoding here only without workers; with them, each worker loads its own.
+        self._local = (tokenizer_lib.load(tokenizer_name), dtype) if workers == 0 else None
         if workers > 0:
             self._pool = ProcessPoolExecutor(
                 workers,
@@ -174,7 +175,7 @@ class EncodePool:
         self, batches: Iterable[tuple[Any, tuple[list[str], list[bool]]]]
     ) -> Iterator[tuple[Any, tuple[np.ndarray, np.ndarray]]]:
         """(tag, (texts, ends)) in -> (tag, (tokens, lengths)) out, in the same order."""
-        if self._pool is None:
+        if self._local is not None:
             tokenizer, dtype = self._local
             for tag, (texts, ends) in batches:
                 yield tag, encode_documents(tokenizer, texts, dtype, ends)

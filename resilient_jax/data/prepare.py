@@ -87,9 +87,11 @@ def group_files(inputs: Sequence[InputFile], group_bytes: int) -> list[list[int]
     return groups
 
 
-def make_plan(inputs: Sequence[InputFile], settings: Settings) -> dict[str, Any]:
-    """Everything that decides the store's bytes; every task of a preparation computes the same."""
-    tokenizer = tokenizer_lib.load(settings.tokenizer)
+def make_plan(
+    inputs: Sequence[InputFile], settings: Settings, tokenizer: tokenizer_lib.Tokenizer
+) -> dict[str, Any]:
+    """Everything that decides the store's bytes; every task of a preparation computes the same.
+    `tokenizer` is the one `settings.tokenizer` names."""
     if tokenizer.eos_id is None:
         raise BadInput(
             f"--tokenizer={settings.tokenizer!r} is invalid: it has no end-of-text token, and a "
@@ -283,7 +285,8 @@ def prepare(
         files = list(inputs)
     else:
         files = expand_inputs(inputs)
-    plan = make_plan(files, settings)
+    tokenizer = tokenizer_lib.load(settings.tokenizer)
+    plan = make_plan(files, settings, tokenizer)
     write_plan(output, plan)
     if os.path.exists(os.path.join(output, store.MANIFEST)):
         return store.read_manifest(output, "--output")
@@ -292,7 +295,6 @@ def prepare(
     total = sum(plan["inputs"][f]["size"] for g in todo for f in plan["groups"][g])
     if workers is None:
         workers = os.cpu_count() or 1
-    tokenizer = tokenizer_lib.load(settings.tokenizer)
     piece_chars = PIECE_CHARS if splits_exactly_at_whitespace(tokenizer) else 0
     with (
         Progress(total, len(todo), show_progress) as progress,

@@ -138,13 +138,6 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def block_crcs(tokens: np.ndarray) -> list[int]:
-    """CRC-32 of each BLOCK_TOKENS block of a shard's tokens (the last may be shorter)."""
-    data = memoryview(np.ascontiguousarray(tokens)).cast("B")
-    step = BLOCK_TOKENS * tokens.dtype.itemsize
-    return [isal_zlib.crc32(data[i : i + step]) for i in range(0, len(data), step)]
-
-
 def manifest_digest(manifest: dict[str, Any]) -> str:
     """SHA-256 of what defines the store's bytes: format, tokenizer, token type and every shard's
     name, size and digest. Equal digests, equal stores (wherever the inputs lay)."""
@@ -184,7 +177,6 @@ class TokenStore:
                 "a local or network filesystem; copy it there first"
             )
         self.directory = directory
-        self.key = key
         self.manifest = read_manifest(directory, key)
         self.dtype = np.dtype(self.manifest["dtype"])
         self.shards: list[dict[str, Any]] = self.manifest["shards"]
@@ -197,10 +189,6 @@ class TokenStore:
     @property
     def tokenizer_identity(self) -> str:
         return self.manifest["tokenizer"]
-
-    @property
-    def digest(self) -> str:
-        return self.manifest["digest"]
 
     def _refuse(self, shard: int, why: str) -> BadInput:
         name = self.shards[shard]["name"]
