@@ -27,11 +27,8 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
-import sys
 import sysconfig
 import tempfile
-import time
 
 import report
 from absl import app, flags
@@ -85,25 +82,7 @@ def code_corpus(directory: str) -> list[str]:
 def train(workdir: str, overrides: dict) -> float:
     """`launch/train.py` with tiny_cpu and `overrides`; its wall time."""
     args = [f"--config.{k}={v}" for k, v in {**MODEL, **overrides}.items()]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    start = time.perf_counter()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "launch/train.py",
-            "--config=configs/tiny_cpu.py",
-            f"--workdir={workdir}",
-            *args,
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    if done.returncode:
-        raise SystemExit(f"{workdir}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return time.perf_counter() - start
+    return report.run_trainer(["--config=configs/tiny_cpu.py", *args], workdir, timeout_s=3600)
 
 
 def eval_curve(workdir: str) -> list[dict]:

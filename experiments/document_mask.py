@@ -35,7 +35,6 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
@@ -193,22 +192,11 @@ def train_run(run_flags: list[str], workdir: str, on: bool, seed: int) -> dict[s
         "--config.checkpoint.local_dir=",
     ]
     mask = [f"--config.data.document_mask={str(on).lower()}", f"--config.seed={seed}"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    start = time.perf_counter()
-    done = subprocess.run(
-        [sys.executable, "launch/train.py", *run_flags, f"--workdir={workdir}", *quiet, *mask],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if done.returncode:
-        raise SystemExit(f"{workdir}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    wall_s = report.run_trainer([*run_flags, *quiet, *mask], workdir, timeout_s=1800)
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     return {
-        "wall_s": time.perf_counter() - start,
+        "wall_s": wall_s,
         "eval_loss": {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r},
         "final_train_loss": rows[-1]["loss"],
         "median_step_time_s": statistics.median(

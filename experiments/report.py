@@ -1,6 +1,7 @@
-"""What the experiments share: a RAM-disk folder that a killed run does not leave behind, and at
-their end the result file under experiments/results/, the description of the machine it was
-measured on, and a matplotlib that draws into files.
+"""What the experiments share: a RAM-disk folder that a killed run does not leave behind, a
+training run of `launch/train.py` on one CPU device, and at their end the result file under
+experiments/results/, the description of the machine it was measured on, and a matplotlib that
+draws into files.
 
 Scripts import it as `report` (an experiment runs as `python experiments/<name>.py`, which puts
 this folder on the path).
@@ -15,7 +16,12 @@ import math
 import os
 import platform
 import shutil
+import subprocess
+import sys
+import time
 from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 RAM_DISK = "/dev/shm"
 _ram_disk_dirs = itertools.count(1)  # this process's folders, numbered
@@ -34,6 +40,24 @@ def ram_disk_dir(prefix: str) -> str:
         if pid.isdigit() and int(pid) != os.getpid() and process_gone(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     return os.path.join(RAM_DISK, f"{prefix}_{os.getpid()}_{next(_ram_disk_dirs)}")
+
+
+def run_trainer(flags: list[str], workdir: str, timeout_s: float) -> float:
+    """`python launch/train.py FLAGS --workdir=WORKDIR` on one CPU device, to its end; its wall
+    seconds. A failed run ends the experiment with the run's last output."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "launch/train.py", *flags, f"--workdir={workdir}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    if done.returncode:
+        raise SystemExit(f"{workdir}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return time.perf_counter() - start
 
 
 def write_json(path: str, result: Any, indent: int = 2) -> None:
