@@ -141,6 +141,7 @@ def completed_shards(directory: str, group: int) -> list[dict[str, Any]]:
     of the group an interrupted run left (a temporary file, a shard without its record)."""
     records = []
     part = 0
+    itemsize = np.dtype(store.read_json(os.path.join(directory, store.PLAN))["dtype"]).itemsize
     while True:
         tokens_path, record_path = store.shard_paths(directory, store.shard_name(group, part))
         if not os.path.exists(record_path) or not os.path.exists(tokens_path):
@@ -149,7 +150,7 @@ def completed_shards(directory: str, group: int) -> list[dict[str, Any]]:
             record = store.read_json(record_path)
         except ValueError:  # a record is written atomically: only a damaged disk gets here
             break
-        if os.path.getsize(tokens_path) != record["tokens"] * _itemsize(directory):
+        if os.path.getsize(tokens_path) != record["tokens"] * itemsize:
             break
         records.append(record)
         part += 1
@@ -159,10 +160,6 @@ def completed_shards(directory: str, group: int) -> list[dict[str, Any]]:
         if leftover not in kept:
             os.remove(leftover)
     return records
-
-
-def _itemsize(directory: str) -> int:
-    return np.dtype(store.read_json(os.path.join(directory, store.PLAN))["dtype"]).itemsize
 
 
 def resume_point(records: list[dict[str, Any]]) -> Cursor:

@@ -18,31 +18,8 @@ from resilient_jax.config import ConfigError, parse_mixture
 from resilient_jax.data import corpus, store
 from resilient_jax.data import tokenizer as tokenizer_lib
 from resilient_jax.data.mixture import Mixture
+from resilient_jax.data.store import TOKEN_DTYPE, TokenStreamSource
 from resilient_jax.data.tokenizer import Tokenizer
-
-TOKEN_DTYPE = np.int32
-
-
-class TokenStreamSource:
-    """Consecutive, non-overlapping windows of one token stream."""
-
-    def __init__(self, tokens: np.ndarray, seq_len: int, key: str = "config.data.seq_len") -> None:
-        self._tokens = tokens
-        self._window = seq_len + 1
-        self._len = (len(tokens) - 1) // seq_len
-        if self._len < 1:
-            raise ConfigError(f"{key}={seq_len} is invalid: the text has only {len(tokens)} tokens")
-        self._seq_len = seq_len
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        start = (index % self._len) * self._seq_len
-        return self._tokens[start : start + self._window].astype(TOKEN_DTYPE)
-
-    def __repr__(self) -> str:
-        return f"TokenStreamSource(examples={self._len}, window={self._window})"
 
 
 class ArrayRecordSource:

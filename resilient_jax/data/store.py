@@ -236,6 +236,14 @@ class TokenStore:
             with self._lock:
                 self._verified.add((index, block))
 
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, window: slice) -> np.ndarray:
+        """Tokens `window` of the stream (a slice with a step of 1), as `read` gives them."""
+        start, stop, _ = window.indices(self.num_tokens)
+        return self.read(start, stop)
+
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens `[start, stop)` of the stream as int32 (they may span shards)."""
         pieces = []
@@ -253,28 +261,42 @@ class TokenStore:
         return out.astype(TOKEN_DTYPE)
 
 
-class StoreSource:
-    """Consecutive windows of `seq_len + 1` tokens of a store's stream (Grain random access)."""
+class TokenStreamSource:
+    """Consecutive windows of `seq_len + 1` tokens of one token stream (Grain random access):
+    an array held in memory, or a `TokenStore` (sliced alike). Consecutive windows overlap by one
+    token: the next window's first input is this one's last target."""
 
-    def __init__(self, store: TokenStore, seq_len: int) -> None:
-        self.store = store
-        self._seq_len = seq_len
-        self._len = (store.num_tokens - 1) // seq_len
+    def __init__(
+        self,
+        tokens: Any,
+        seq_len: int,
+        key: str = "config.data.seq_len",
+        what: str = "the text",  # the stream, for the error on too few tokens
+    ) -> None:
+        self._tokens = tokens
+        self._window = seq_len + 1
+        self._len = (len(tokens) - 1) // seq_len
         if self._len < 1:
-            raise ConfigError(
-                f"config.data.seq_len={seq_len} is invalid: the token store {store.directory} "
-                f"has only {store.num_tokens} tokens"
-            )
+            raise ConfigError(f"{key}={seq_len} is invalid: {what} has only {len(tokens)} tokens")
+        self._seq_len = seq_len
 
     def __len__(self) -> int:
         return self._len
 
     def __getitem__(self, index: int) -> np.ndarray:
         start = (index % self._len) * self._seq_len
-        return self.store.read(start, start + self._seq_len + 1)
+        return np.asarray(self._tokens[start : start + self._window], dtype=TOKEN_DTYPE)
 
     def __repr__(self) -> str:
-        return f"StoreSource({self.store.directory}, examples={self._len})"
+        return f"{type(self).__name__}(examples={self._len}, window={self._window})"
+
+
+class StoreSource(TokenStreamSource):
+    """The windows of a store's stream."""
+
+    def __init__(self, store: TokenStore, seq_len: int) -> None:
+        super().__init__(store, seq_len, what=f"the token store {store.directory}")
+        self.store = store
 
 
 def open_source(directory: str, seq_len: int, tokenizer: Any, key: str) -> StoreSource:
