@@ -27,6 +27,7 @@ Stages (each adds its rows to experiments/results/data_pipeline.json; run any su
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import random
@@ -82,17 +83,12 @@ def _source_tree() -> str:
     done = os.path.join(base, ".unpacked")
     if os.path.exists(done):
         return base
-    tarballs = (
-        sorted(f for f in os.listdir("/usr/src") if f.startswith("linux-source-"))
-        if (os.path.isdir("/usr/src"))
-        else []
-    )
-    tarballs = [t for t in tarballs if t.endswith(".tar.xz")]
-    if not tarballs:
+    pattern = "/usr/src/linux-source-*.tar.xz"
+    if not glob.glob(pattern):
         subprocess.run(["apt-get", "install", "-y", "-qq", "linux-source"], check=True)
-        tarballs = sorted(f for f in os.listdir("/usr/src") if f.endswith(".tar.xz"))
+    tarball = sorted(glob.glob(pattern))[-1]
     os.makedirs(base, exist_ok=True)
-    subprocess.run(["tar", "xJf", os.path.join("/usr/src", tarballs[-1]), "-C", base], check=True)
+    subprocess.run(["tar", "xJf", tarball, "-C", base], check=True)
     with open(done, "w"):
         pass
     return base
@@ -339,7 +335,6 @@ ds.save_to_disk(sys.argv[3])
         measured = run_measured(
             [sys.executable, "-c", code, corpus_dir(size), cache, saved], check=False
         )
-        text_bytes = results["prepare"].get(f"{size}GB_w2", {}).get("tokens")
         row = {
             "recipe": "load_dataset('json') + map(batched, num_proc=cores) + save_to_disk",
             "wall_s": measured["wall_s"],
@@ -351,7 +346,7 @@ ds.save_to_disk(sys.argv[3])
             # died": the kernel's OOM killer, dmesg says; the peak is the last sample before it).
             row["failed"] = measured["out"].strip().splitlines()[-1][:300]
         prepared = results["prepare"].get(f"{size}GB_w2")
-        if prepared and text_bytes and not measured["exit_code"]:
+        if prepared and not measured["exit_code"]:  # the same text, over this recipe's time
             row["text_mb_per_s"] = prepared["text_mb_per_s"] * prepared["wall_s"] / row["wall_s"]
         rows[f"{size}GB"] = row
         print(f"datasets recipe {size} GB: {_short(row)}", flush=True)
