@@ -24,7 +24,7 @@ def get_config():
     config.model.d_ff = 8192
     config.model.max_seq_len = 2048
     config.model.rope_theta = 500_000.0
-    config.model.remat = True
+    config.model.remat = "full"
     config.model.compute_dtype = "bfloat16"
     config.data.seq_len = 2048
     config.optimizer.learning_rate = 3e-4

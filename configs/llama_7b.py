@@ -67,7 +67,7 @@ def get_config():
     m.max_seq_len = 4096
     m.rope_theta = 10_000.0
     m.norm_eps = 1e-5
-    m.remat = True
+    m.remat = "full"
     m.compute_dtype = "bfloat16"  # float32 master weights and optimizer state, bf16 matmuls
     m.tie_embeddings = False
 

@@ -92,7 +92,7 @@ COMMON: dict[str, Any] = {
 SMOKE: dict[str, Any] = {
     **small_cpu.MODEL,
     "model.num_layers": 1,
-    "model.remat": False,
+    "model.remat": "none",
     "model.compute_dtype": "float32",
     "global_batch_size": 4,
     "per_device_batch_size": 2,
@@ -429,7 +429,9 @@ def print_figures(result: dict[str, Any]) -> None:
         setup = result["setup"]
         lines.append(
             f"state {setup['state_bytes'] / 1e9:.2f} GB; train step compiled in "
-            f"{setup['compile_s']:.1f} s, state initialised in {setup['init_s']:.1f} s"
+            f"{setup['compile_s']:.1f} s ({setup.get('num_layers', '?')} layers scanned, unroll "
+            f"{setup.get('scan_unroll', '?')}, remat {setup.get('remat', '?')}), state "
+            f"initialised in {setup['init_s']:.1f} s"
         )
     if "throughput" in result:
         t = result["throughput"]

@@ -239,6 +239,10 @@ def main(argv: list[str]) -> None:
         return {
             "compile_s": compile_s,
             "compile_cache": compile_event.get("cache"),
+            # The layers are scanned: this compile is one layer's program whatever the depth.
+            "num_layers": compile_config.model.num_layers,
+            "scan_unroll": compile_config.model.scan_unroll,
+            "remat": compile_config.model.remat,
             "init_s": init_s,
             "state_bytes": state_bytes,
             "tokens_per_step": tokens,

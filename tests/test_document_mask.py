@@ -77,7 +77,7 @@ def _model_and_params(**overrides):
 
 
 @pytest.mark.parametrize(
-    "overrides", [{}, {"model.remat": True, "model.num_kv_heads": 1}], ids=["plain", "remat-gqa"]
+    "overrides", [{}, {"model.remat": "full", "model.num_kv_heads": 1}], ids=["plain", "remat-gqa"]
 )
 def test_a_document_in_a_packed_row_has_the_logits_it_has_alone(overrides):
     model, params = _model_and_params(**overrides)

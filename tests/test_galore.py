@@ -140,12 +140,21 @@ def test_state_is_sharded_like_its_weights_and_at_most_half_of_adamw(tmp_path):
     galore_state = ctx.abstract_state.opt_state[1][0]
     assert "embed" not in galore_state.projections  # embeddings keep full Adam
     specs = {k: tuple(v.sharding.spec) for k, v in galore_state.projections.items()}
-    assert specs["layer_0__mlp__w_gate"] == ("fsdp", None)  # [d_model, r]: rows of [64, 128]
-    assert specs["layer_0__mlp__w_down"] == ("fsdp", None)  # [d_model, r]: cols of [128, 64]
-    assert specs["layer_0__attn__wo"] == (None, None)  # rows are heads x head_dim: replicated
-    mu = galore_state.inner.mu["layer_0"]["mlp"]
-    assert (mu["w_gate"].shape, tuple(mu["w_gate"].sharding.spec)) == ((16, 128), (None, "tensor"))
-    assert (mu["w_down"].shape, tuple(mu["w_down"].sharding.spec)) == ((128, 16), ("tensor", None))
+    # A basis per layer: [layers, d_model, r], the stacked axis unsharded.
+    layers = ctx.config.model.num_layers
+    assert galore_state.projections["layers__mlp__w_gate"].shape == (layers, 64, 16)
+    assert specs["layers__mlp__w_gate"] == (None, "fsdp", None)  # rows of [64, 128]
+    assert specs["layers__mlp__w_down"] == (None, "fsdp", None)  # cols of [128, 64]
+    assert specs["layers__attn__wo"] == (None, None, None)  # rows are heads x head_dim
+    mu = galore_state.inner.mu["layers"]["mlp"]
+    assert (mu["w_gate"].shape, tuple(mu["w_gate"].sharding.spec)) == (
+        (layers, 16, 128),
+        (None, None, "tensor"),
+    )
+    assert (mu["w_down"].shape, tuple(mu["w_down"].sharding.spec)) == (
+        (layers, 128, 16),
+        (None, "tensor", None),
+    )
     adamw = run_context(tiny_config(**small_vocab), str(tmp_path)).abstract_state
     assert _opt_state_bytes(ctx.abstract_state) <= _opt_state_bytes(adamw) / 2
 
@@ -157,18 +166,20 @@ MOE_GALORE = {**GALORE, "model.moe.num_experts": 4, "mesh.expert": 2}
 def test_expert_weights_get_a_basis_per_expert_sharded_like_them(tmp_path):
     ctx = run_context(tiny_config(**MOE_GALORE), str(tmp_path), devices=4)
     galore_state = ctx.abstract_state.opt_state[1][0]
-    assert "layer_0__moe__router" not in galore_state.projections  # [64, 4]: full Adam
+    assert "layers__moe__router" not in galore_state.projections  # [64, 4]: full Adam
+    n = ctx.config.model.num_layers
     for name in ("w_gate", "w_up", "w_down"):  # [64, 128] or [128, 64]: the 64 side projected
-        proj = galore_state.projections[f"layer_0__moe__{name}"]
-        assert (proj.shape, tuple(proj.sharding.spec)) == ((4, 64, 16), ("expert", "fsdp", None))
-    mu = galore_state.inner.mu["layer_0"]["moe"]
+        proj = galore_state.projections[f"layers__moe__{name}"]
+        spec = (None, "expert", "fsdp", None)
+        assert (proj.shape, tuple(proj.sharding.spec)) == ((n, 4, 64, 16), spec)
+    mu = galore_state.inner.mu["layers"]["moe"]
     assert (mu["w_up"].shape, tuple(mu["w_up"].sharding.spec)) == (
-        (4, 16, 128),
-        ("expert", None, "tensor"),
+        (n, 4, 16, 128),
+        (None, "expert", None, "tensor"),
     )
     assert (mu["w_down"].shape, tuple(mu["w_down"].sharding.spec)) == (
-        (4, 128, 16),
-        ("expert", "tensor", None),
+        (n, 4, 128, 16),
+        (None, "expert", "tensor", None),
     )
 
 
@@ -178,8 +189,9 @@ def test_moe_galore_checkpoint_restores_and_resumes_bitwise_on_the_same_mesh(tmp
     ctx = run_context(config, str(tmp_path), devices=4)
     state, _ = train_steps(ctx, init_state(ctx.config, ctx.mesh), 1, 2)
     saved = jax.tree.map(np.asarray, state)
-    experts = saved.opt_state[1][0].projections["layer_0__moe__w_gate"]
-    assert not np.allclose(experts[0], experts[1])  # each expert's own basis
+    bases = saved.opt_state[1][0].projections["layers__moe__w_gate"]  # [layers, experts, ...]
+    assert not np.allclose(bases[0, 0], bases[0, 1])  # each expert's own basis
+    assert not np.allclose(bases[0, 0], bases[1, 0])  # and each layer's
     ck = Checkpointer(ctx, handle_sigterm=False)
     ck.on_start(ctx, state)
     ck.after_step(ctx, state, StepInfo(2, 1, data_position(2), 0.01))

@@ -218,8 +218,8 @@ def test_import_on_two_and_four_devices_gives_the_same_model(tmp_path):
     exporter.write(config, random_params(config), out, "float32")
     toks = tokens(config, batch=4)
     on_two, on_four = import_params(config, out, 2), import_params(config, out, 4)
-    assert on_two["layer_0"]["attn"]["wq"].sharding.mesh.size == 2
-    assert on_four["layer_0"]["attn"]["wq"].sharding.mesh.size == 4
+    assert on_two["layers"]["attn"]["wq"].sharding.mesh.size == 2
+    assert on_four["layers"]["attn"]["wq"].sharding.mesh.size == 4
     for a, b in zip(jax.tree.leaves(on_two), jax.tree.leaves(on_four), strict=True):
         assert np.array_equal(jax.device_get(a), jax.device_get(b))
     logits_two, logits_four = our_logits(config, on_two, toks), our_logits(config, on_four, toks)

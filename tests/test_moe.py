@@ -137,13 +137,14 @@ def test_experts_are_sharded_over_the_expert_axis_with_fsdp_and_tensor_inside(tm
     ctx = run_context(config, str(tmp_path))
     assert dict(ctx.mesh.shape) == {"replica": 1, "expert": 2, "fsdp": 2, "tensor": 2}
     params = ctx.abstract_state.params
-    assert "mlp" in params["layer_0"] and "moe" in params["layer_1"]  # every 2nd layer
-    moe = params["layer_1"]["moe"]
-    assert tuple(moe["w_gate"].sharding.spec) == ("expert", "fsdp", "tensor")
-    assert tuple(moe["w_down"].sharding.spec) == ("expert", "tensor", "fsdp")
-    assert moe["w_up"].shape == (4, 64, 128)
-    adam_mu = ctx.abstract_state.opt_state[1][0].mu["layer_1"]["moe"]["w_gate"]
-    assert tuple(adam_mu.sharding.spec) == ("expert", "fsdp", "tensor")
+    group = params["layers"]  # every 2nd layer: groups of two layers, the second with experts
+    assert "mlp" in group["block_0"] and "moe" in group["block_1"]
+    moe = group["block_1"]["moe"]  # [groups, experts, ...]: the stacked axis is never sharded
+    assert tuple(moe["w_gate"].sharding.spec) == (None, "expert", "fsdp", "tensor")
+    assert tuple(moe["w_down"].sharding.spec) == (None, "expert", "tensor", "fsdp")
+    assert moe["w_up"].shape == (1, 4, 64, 128)  # two layers: one group
+    adam_mu = ctx.abstract_state.opt_state[1][0].mu["layers"]["block_1"]["moe"]["w_gate"]
+    assert tuple(adam_mu.sharding.spec) == (None, "expert", "fsdp", "tensor")
 
 
 def test_the_default_router_keeps_every_expert_within_2x_of_uniform(tmp_path):
@@ -215,8 +216,8 @@ def test_checkpoint_restores_onto_half_the_devices_with_every_expert(saved_run):
     restored = ck.restore_latest(ctx)
     ck.close()
     assert_bitwise(restored.state, saved)  # every expert, verified and placed on 4 devices
-    w_gate = restored.state.params["layer_0"]["moe"]["w_gate"]
-    assert w_gate.shape[0] == 4 and len(w_gate.sharding.device_set) == 4
+    w_gate = restored.state.params["layers"]["moe"]["w_gate"]  # [layers, experts, ...]
+    assert w_gate.shape[1] == 4 and len(w_gate.sharding.device_set) == 4
     state, _ = train_steps(
         ctx, restored.state, 4, 4
     )  # two microbatches now: same routing per sequence

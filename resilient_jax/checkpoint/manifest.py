@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -88,15 +89,44 @@ def shape_mismatches(
     return problems
 
 
+# The first layer's parameters in a checkpoint written before the layers were stacked.
+PER_LAYER_PARAMS = ".params['layer_0']"
+
+
+def stores_layers_separately(saved: Iterable[str], wanted: Iterable[str]) -> bool:
+    """Whether leaf paths `saved` are a checkpoint's from before the decoder's layers were
+    stacked (`.params['layer_0']`) and `wanted` those of the stacked model (`.params['layers']`,
+    or only `.params['tail']` when the layers are fewer than a group): a checkpoint that the
+    `stack-layers` command converts, not another model."""
+    return any(p.startswith(PER_LAYER_PARAMS) for p in saved) and any(
+        p.startswith((".params['layers']", ".params['tail']")) for p in wanted
+    )
+
+
+def per_layer_refusal(where: str, directory: str) -> str:
+    return (
+        f"checkpoint {where} stores each layer's parameters separately (written before layers "
+        "were stacked): convert it with: python -m resilient_jax.checkpoint stack-layers "
+        f"{directory}"
+    )
+
+
 def check_compatible(
     meta: dict[str, Any],
     fingerprint: str,
     wanted: dict[str, dict[str, Any]],
     where: str,
     allow_other_config: bool,
+    directory: str = "",
 ) -> None:
-    """Raises `ForeignCheckpoint` unless the checkpoint at `where` was written by this model."""
-    problems = shape_mismatches(meta.get("leaves", {}), wanted)
+    """Raises `ForeignCheckpoint` unless the checkpoint at `where` was written by this model.
+
+    `directory` (default: `where`) is the persistent directory, for the command that converts a
+    checkpoint written before the layers were stacked."""
+    saved = meta.get("leaves", {})
+    if stores_layers_separately(saved, wanted):
+        raise ForeignCheckpoint(per_layer_refusal(where, directory or where))
+    problems = shape_mismatches(saved, wanted)
     if problems:
         more = f"; +{len(problems) - 3} more" if len(problems) > 3 else ""
         shown = "; ".join(problems[:3]) + more

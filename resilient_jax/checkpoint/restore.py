@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from resilient_jax.checkpoint import checksum, manifest
-from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
+from resilient_jax.checkpoint.errors import CheckpointError, ForeignCheckpoint, InvalidCheckpoint
 from resilient_jax.checkpoint.local import LocalTier, StepFiles
 from resilient_jax.checkpoint.peer_fetch import PeerCopy, PeerFetcher
 from resilient_jax.checkpoint.persistent import PersistentTier
@@ -106,7 +106,7 @@ def check_persistent_dir(
         except InvalidCheckpoint:
             continue
         manifest.check_compatible(
-            meta, fingerprint, wanted, f"{where} (step {step})", accept_other_config
+            meta, fingerprint, wanted, f"{where} (step {step})", accept_other_config, where
         )
         return
 
@@ -303,6 +303,7 @@ class Restorer:
             wanted,
             f"{self.persistent_dir} (step {step})",
             self.accept_other_config,
+            self.persistent_dir,
         )
         state = _read_retrying(lambda: persistent.restore_state(step, ctx.abstract_state), step)
         position = DataPosition.from_json(
@@ -338,6 +339,9 @@ class Restorer:
 def _load_params(ctx: RunContext, source: PersistentTier, step: int, wanted: LeafSpecs) -> _Loaded:
     """Parameters from another run's step, on a freshly initialised state (step 0)."""
     meta = source.read_meta(step)
+    if manifest.stores_layers_separately(meta.get("leaves", {}), wanted):
+        where = f"{source.directory} (step {step})"
+        raise ForeignCheckpoint(manifest.per_layer_refusal(where, str(source.directory)))
     problems = manifest.shape_mismatches(meta.get("leaves", {}), wanted, only=".params")
     if problems:
         raise CheckpointError(

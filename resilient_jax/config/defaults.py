@@ -32,7 +32,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.max_seq_len = 512  # longest sequence the model is meant for; >= data.seq_len
     c.model.rope_theta = 10000.0  # rotary base; larger reaches further
     c.model.norm_eps = 1e-6  # RMSNorm epsilon
-    c.model.remat = False  # recompute each block in the backward pass: less memory, more compute
+    # What the backward pass keeps of each layer (resilient_jax.model.layers): "none" (every
+    # activation: fastest, most memory), "full" (each layer's input only; the rest is recomputed:
+    # least memory, about a third more compute), "save_dots" (also the outputs of the products
+    # with weights: most of full's saving on long sequences, little recompute).
+    c.model.remat = "none"
+    # Layers are stacked and scanned: one layer is compiled whatever the depth. Units (layers, or
+    # groups of moe.every layers) unrolled per scan iteration; num_layers unrolls them all.
+    c.model.scan_unroll = 1
     c.model.compute_dtype = "float32"  # activations' dtype; parameters stay float32
     # False: an output layer of its own, zero at initialisation (a first loss of exactly ln V);
     # True: the output projection reuses the input embedding (fewer parameters, a first loss

@@ -14,6 +14,8 @@ import ml_collections
 from resilient_jax.config.errors import ConfigError
 
 COMPUTE_DTYPES = ("float32", "bfloat16")
+# `model.remat`'s policies (resilient_jax.model.layers gives each its meaning).
+REMAT_POLICIES = ("none", "full", "save_dots")
 DATA_SOURCES = ("text", "arrayrecord", "synthetic")
 RECONFIGURATION_POLICIES = ("cost", "reshape", "wait")  # control.reconfigure
 REHEARSAL_MODES = ("", "replay", "synthetic")
@@ -59,6 +61,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
     m = config.model
     if m.compute_dtype not in COMPUTE_DTYPES:
         _fail("model.compute_dtype", m.compute_dtype, f"allowed: {', '.join(COMPUTE_DTYPES)}")
+    if m.remat not in REMAT_POLICIES:
+        hint = " (True is now 'full')" if str(m.remat).lower() in ("true", "false") else ""
+        _fail("model.remat", m.remat, f"allowed: {', '.join(REMAT_POLICIES)}{hint}")
+    if m.scan_unroll < 1:
+        _fail("model.scan_unroll", m.scan_unroll, "must be >= 1 (num_layers unrolls every layer)")
     if m.num_heads % m.num_kv_heads:
         _fail("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
     if m.head_dim % 2:

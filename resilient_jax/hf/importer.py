@@ -84,7 +84,7 @@ def derived_model_section(hf_dir: str) -> dict[str, Any]:
     section = hf_config.model_section(hf)
     weights = _weights_class()(hf_dir)
     hf_tied = bool(hf.get("tie_word_embeddings", False)) or layout.LM_HEAD not in weights
-    m = ModelConfig(**section, remat=False, compute_dtype="float32", tie_embeddings=hf_tied)
+    m = ModelConfig(**section, remat="none", compute_dtype="float32", tie_embeddings=hf_tied)
     problems = layout.shape_problems(weights.shapes, m, hf_tied)
     if problems:
         unlike = f"has weights unlike its {hf_config.CONFIG_FILE}"

@@ -11,8 +11,9 @@ import numpy as np
 
 from resilient_jax.config import BadInput
 from resilient_jax.model import ModelConfig
+from resilient_jax.model import layers as layers_lib
 
-Path = tuple[str, ...]  # a leaf's keys in our params tree, e.g. ("layer_0", "attn", "wq")
+Path = tuple[str, ...]  # a leaf's keys in our params tree, e.g. ("layers", "attn", "wq")
 EMBED, LM_HEAD, FINAL_NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
 # Buffers some checkpoints carry that are recomputed, not learned.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -21,6 +22,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     ours: Path
+    index: int | None  # the layer's index on a stacked leaf's leading axis (None: not stacked)
     hf: str
     hf_shape: tuple[int, ...]
     to_hf: Callable[[np.ndarray], np.ndarray]
@@ -53,17 +55,19 @@ def _projection_in(d: int, heads: int, e: int) -> tuple[Callable, Callable, tupl
 
 def _layer_tensors(m: ModelConfig, i: int) -> list[Tensor]:
     d, f, e = m.d_model, m.d_ff, m.head_dim
-    ours, hf = f"layer_{i}", f"model.layers.{i}"
+    place, hf = layers_lib.locate(m, i), f"model.layers.{i}"
+    ours, at = place.path, place.index
     projections = [("wq", "q", m.num_heads), ("wk", "k", m.num_kv_heads)]
     projections.append(("wv", "v", m.num_kv_heads))
     out = []
     for name, proj, heads in projections:
         to_hf, from_hf, shape = _projection_in(d, heads, e)
         hf_name = f"{hf}.self_attn.{proj}_proj.weight"
-        out.append(Tensor((ours, "attn", name), hf_name, shape, to_hf, from_hf))
+        out.append(Tensor((*ours, "attn", name), at, hf_name, shape, to_hf, from_hf))
     out.append(
         Tensor(
-            (ours, "attn", "wo"),
+            (*ours, "attn", "wo"),
+            at,
             f"{hf}.self_attn.o_proj.weight",
             (d, m.num_heads * e),
             lambda w: w.reshape(m.num_heads * e, d).T,
@@ -73,14 +77,15 @@ def _layer_tensors(m: ModelConfig, i: int) -> list[Tensor]:
     # The MLP kernels are [in, out]: a transpose each.
     for name, proj, shape in (("w_gate", "gate", (f, d)), ("w_up", "up", (f, d))):
         hf_name = f"{hf}.mlp.{proj}_proj.weight"
-        out.append(Tensor((ours, "mlp", name), hf_name, shape, _transposed, _transposed))
+        out.append(Tensor((*ours, "mlp", name), at, hf_name, shape, _transposed, _transposed))
     hf_name = f"{hf}.mlp.down_proj.weight"
-    out.append(Tensor((ours, "mlp", "w_down"), hf_name, (d, f), _transposed, _transposed))
+    out.append(Tensor((*ours, "mlp", "w_down"), at, hf_name, (d, f), _transposed, _transposed))
     for norm, theirs in (
         ("attn_norm", "input_layernorm"),
         ("mlp_norm", "post_attention_layernorm"),
     ):
-        out.append(Tensor((ours, norm, "scale"), f"{hf}.{theirs}.weight", (d,), _same, _same))
+        weight = f"{hf}.{theirs}.weight"
+        out.append(Tensor((*ours, norm, "scale"), at, weight, (d,), _same, _same))
     return out
 
 
@@ -93,24 +98,24 @@ def tensors(m: ModelConfig) -> list[Tensor]:
             f"model.moe.num_experts={m.moe.num_experts} is invalid here: Hugging Face Llama "
             "export and import cover dense models only (num_experts=0)"
         )
-    out = [Tensor(("embed",), EMBED, (m.vocab_size, m.d_model), _same, _same)]
+    out = [Tensor(("embed",), None, EMBED, (m.vocab_size, m.d_model), _same, _same)]
     for i in range(m.num_layers):
         out += _layer_tensors(m, i)
-    out.append(Tensor(("final_norm", "scale"), FINAL_NORM, (m.d_model,), _same, _same))
+    out.append(Tensor(("final_norm", "scale"), None, FINAL_NORM, (m.d_model,), _same, _same))
     return out
 
 
-def _leaf(params: Mapping[str, Any], path: Path) -> np.ndarray:
+def _leaf(params: Mapping[str, Any], path: Path, index: int | None = None) -> np.ndarray:
     node: Any = params
     for key in path:
         node = node[key]
-    return np.asarray(node, dtype=np.float32)
+    return np.asarray(node if index is None else node[index], dtype=np.float32)
 
 
 def to_hf(params: Mapping[str, Any], m: ModelConfig) -> dict[str, np.ndarray]:
     """HF tensors (float32) from our params tree (host arrays). A tied model's output layer is
     written as the untied `lm_head` our model computes with."""
-    out = {t.hf: t.to_hf(_leaf(params, t.ours)) for t in tensors(m)}
+    out = {t.hf: t.to_hf(_leaf(params, t.ours, t.index)) for t in tensors(m)}
     if m.tie_embeddings:
         out[LM_HEAD] = _leaf(params, ("embed",)) * output_scale(m)
     else:
@@ -160,8 +165,11 @@ def from_hf(
     `where`), and a tied HF model's plain `embed.T` output gets our scale undone in the final
     norm.
     """
+    by_leaf: dict[Path, list[Tensor]] = {}
+    for t in tensors(m):
+        by_leaf.setdefault(t.ours, []).append(t)
     loaders: dict[Path, Callable[[], np.ndarray]] = {
-        t.ours: lambda t=t: t.from_hf(read(t.hf)) for t in tensors(m)
+        path: lambda stack=stack: _load(read, stack) for path, stack in by_leaf.items()
     }
     if not m.tie_embeddings:
         source = EMBED if hf_tied else LM_HEAD
@@ -174,6 +182,14 @@ def from_hf(
     else:
         loaders[("embed",)] = lambda: _tied_embedding(read, m, where)
     return loaders
+
+
+def _load(read: Callable[[str], np.ndarray], stack: list[Tensor]) -> np.ndarray:
+    """One leaf of ours: a single tensor, or a stacked leaf's layers in index order."""
+    if stack[0].index is None:
+        return stack[0].from_hf(read(stack[0].hf))
+    ordered = sorted(stack, key=lambda t: t.index)
+    return np.stack([t.from_hf(read(t.hf)) for t in ordered])
 
 
 def _tied_embedding(read: Callable[[str], np.ndarray], m: ModelConfig, where: str) -> np.ndarray:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from resilient_jax.model import layers as layers_lib
 from resilient_jax.model.moe import DENSE, MoeConfig, MoeMlp
 from resilient_jax.model.segments import Documents
 from resilient_jax.perf import model_size
@@ -46,10 +47,11 @@ class ModelConfig:
     max_seq_len: int
     rope_theta: float
     norm_eps: float
-    remat: bool
+    remat: str  # a policy of `layers.REMAT_POLICIES`
     compute_dtype: str
     tie_embeddings: bool
     moe: MoeConfig = DENSE  # a dense model unless the config's model.moe says otherwise
+    scan_unroll: int = 1  # scanned units per iteration of the scan over layers
 
     @classmethod
     def from_config(cls, model: ml_collections.ConfigDict) -> ModelConfig:
@@ -72,7 +74,8 @@ class ModelConfig:
 
 @flax.struct.dataclass
 class LayerCache:
-    """Keys and values of one layer, position t at index t (after rotary positions)."""
+    """Keys and values of one layer (or, with leading axes, of a stack of layers), position t at
+    index t (after rotary positions)."""
 
     keys_BTKE: jax.Array
     values_BTKE: jax.Array
@@ -80,28 +83,50 @@ class LayerCache:
 
 @flax.struct.dataclass
 class KVCache:
-    """The keys and values of the positions decoded so far, in buffers of a fixed length.
+    """The keys and values of the positions decoded so far, in buffers of a fixed length, every
+    layer's stacked on a leading axis N (layer order).
 
     Positions `0..length-1` are filled; the next tokens go at `length`. Writing past the buffer's
     end is not detected inside the jitted step (XLA clamps the write): callers check that prompt
     and new tokens fit `max_len` before decoding.
     """
 
-    layers: tuple[LayerCache, ...]
+    keys_NBTKE: jax.Array
+    values_NBTKE: jax.Array
     length: jax.Array  # int32 scalar
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-        layers = tuple(
-            LayerCache(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
-            for _ in range(cfg.num_layers)
-        )
-        return cls(layers, jnp.zeros((), jnp.int32))
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        zeros = jnp.zeros(shape, cfg.dtype)
+        return cls(zeros, zeros, jnp.zeros((), jnp.int32))
 
     @property
     def max_len(self) -> int:
-        return self.layers[0].keys_BTKE.shape[1]
+        return self.keys_NBTKE.shape[2]
+
+    def layers(self, start: int, stop: int, group: int) -> LayerCache:
+        """Layers `start..stop-1` as a stack of `(stop - start) // group` groups (group 1: a
+        plain stack of layers), the slices a scan over groups takes one by one."""
+
+        def cut(x: jax.Array) -> jax.Array:
+            x = x[start:stop]
+            return x if group == 1 else x.reshape(-1, group, *x.shape[1:])
+
+        return LayerCache(cut(self.keys_NBTKE), cut(self.values_NBTKE))
+
+
+def _joined(stacks: list[tuple[LayerCache, int]]) -> tuple[jax.Array, jax.Array]:
+    """Keys and values of every layer in layer order again, from the (stack, group size) pairs
+    `KVCache.layers` cut."""
+
+    def join(parts: list[jax.Array]) -> jax.Array:
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    flat = lambda x, group: x if group == 1 else x.reshape(-1, *x.shape[2:])
+    keys = join([flat(c.keys_BTKE, group) for c, group in stacks])
+    values = join([flat(c.values_BTKE, group) for c, group in stacks])
+    return keys, values
 
 
 # Initialisation: PaLM's (Chowdhery et al. 2022, section 5) for the body, kernels N(0, 1/fan_in)
@@ -238,8 +263,11 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
+    """One decoder layer: attention and an MLP (a mixture of experts if `moe`), each after its
+    RMSNorm, each added to the residual stream."""
+
     cfg: ModelConfig
-    layer: int  # its index: whether its MLP is a mixture of experts
+    moe: bool = False
 
     @nn.compact
     def __call__(
@@ -255,11 +283,37 @@ class Block(nn.Module):
         )
         x_BLD = x_BLD + attn_BLD
         mlp_in_BLD = RMSNorm(c.norm_eps, c.dtype, name="mlp_norm")(x_BLD)
-        if c.moe.is_moe_layer(self.layer):
+        if self.moe:
             x_BLD = x_BLD + MoeMlp(c.moe, c.d_model, c.dtype, name="moe")(mlp_in_BLD)
         else:
             x_BLD = x_BLD + Mlp(c, name="mlp")(mlp_in_BLD)
         return nn.with_logical_constraint(x_BLD, ("batch", "seq", "embed")), cache
+
+
+class BlockGroup(nn.Module):
+    """`layers.group_size` consecutive layers, the last one a mixture of experts: the unit a
+    model with experts in every k-th layer scans (`block_0` .. `block_{k-1}`)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        x_BLD: jax.Array,
+        caches: LayerCache | None = None,  # [k, ...]: one per layer of the group
+        start: jax.Array | None = None,
+        documents: Documents | None = None,
+    ) -> tuple[jax.Array, LayerCache | None]:
+        k = layers_lib.group_size(self.cfg)
+        written = []
+        for j in range(k):
+            cache = None if caches is None else jax.tree.map(lambda a, j=j: a[j], caches)
+            block = Block(self.cfg, moe=j == k - 1, name=f"block_{j}")
+            x_BLD, cache = block(x_BLD, cache, start, documents)
+            written.append(cache)
+        if caches is None:
+            return x_BLD, None
+        return x_BLD, jax.tree.map(lambda *a: jnp.stack(a), *written)
 
 
 class Transformer(nn.Module):
@@ -287,15 +341,7 @@ class Transformer(nn.Module):
         )
         x_BLD = embed_VD.astype(c.dtype)[tokens_BL]
         x_BLD = nn.with_logical_constraint(x_BLD, ("batch", "seq", "embed"))
-        layers = []
-        if cache is None:
-            block = nn.remat(Block) if c.remat else Block
-            for i in range(c.num_layers):
-                x_BLD, _ = block(c, i, name=f"layer_{i}")(x_BLD, documents=documents)
-        else:  # decoding keeps no activations for a backward pass: nothing to rematerialise
-            for i in range(c.num_layers):
-                x_BLD, layer = Block(c, i, name=f"layer_{i}")(x_BLD, cache.layers[i], cache.length)
-                layers.append(layer)
+        x_BLD, cache = self._layers(x_BLD, cache, documents)
         x_BLD = RMSNorm(c.norm_eps, c.dtype, name="final_norm")(x_BLD)
         if c.tie_embeddings:
             out_DV = embed_VD.T * c.d_model**-0.5
@@ -308,4 +354,32 @@ class Transformer(nn.Module):
         logits_BLV = jnp.einsum("bld,dv->blv", x_BLD, out_DV.astype(c.dtype)).astype(jnp.float32)
         if cache is None:
             return logits_BLV
-        return logits_BLV, KVCache(tuple(layers), cache.length + tokens_BL.shape[1])
+        return logits_BLV, cache
+
+    def _layers(
+        self, x_BLD: jax.Array, cache: KVCache | None, documents: Documents | None
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Every layer, as one scan over the stacked groups and one over the dense layers left
+        over (`layers` module docstring); decoding keeps no activations for a backward pass, so
+        it rematerialises nothing."""
+        c = self.cfg
+        k = layers_lib.group_size(c)
+        groups, left = divmod(c.num_layers, k)
+        remat = "none" if cache is not None else c.remat
+        start = None if cache is None else cache.length
+        # (unit, its fields, stack name, units, layers per unit, first layer)
+        unit: type[nn.Module] = BlockGroup if k > 1 else Block
+        fields = {} if k > 1 else {"moe": c.moe.num_experts > 0}
+        stacks = [(unit, fields, layers_lib.STACK, groups, k, 0)]
+        if left:  # dense layers after the last group
+            stacks.append((Block, {}, layers_lib.TAIL, left, 1, groups * k))
+        written = []
+        for unit, fields, name, length, group, first in stacks:
+            scan = layers_lib.scan_over_layers(unit, length, remat, c.scan_unroll)
+            caches = None if cache is None else cache.layers(first, first + length * group, group)
+            x_BLD, caches = scan(c, **fields, name=name)(x_BLD, caches, start, documents)
+            written.append((caches, group))
+        if cache is None:
+            return x_BLD, None
+        keys, values = _joined(written)
+        return x_BLD, KVCache(keys, values, cache.length + x_BLD.shape[1])

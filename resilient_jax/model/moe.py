@@ -166,18 +166,20 @@ class MoeMlp(nn.Module):
 
 
 def router_sums(intermediates: dict, moe: MoeConfig, num_moe_layers: int) -> RouterSums:
-    """The sums every MoE layer sowed in one `apply`, added up (loads stacked by layer)."""
+    """The sums every MoE layer sowed in one `apply`, added up (loads stacked by layer). A scan
+    over layers sows one `RouterSums` per stack position with a leading axis of the layers it
+    covers, in layer order."""
     sown = jax.tree.leaves(intermediates, is_leaf=lambda x: isinstance(x, RouterSums))
-    assert len(sown) == num_moe_layers, f"{len(sown)} MoE layers sowed, {num_moe_layers} expected"
-    total = RouterSums.zeros(0, moe.num_experts)
-    for layer in sown:
-        total = RouterSums(
-            total.balance + layer.balance,
-            total.z + layer.z,
-            total.dropped + layer.dropped,
-            jnp.concatenate([total.load_NE, layer.load_NE]),
-        )
-    return total
+    loads = [s.load_NE.reshape(-1, moe.num_experts) for s in sown]
+    assert sum(len(x) for x in loads) == num_moe_layers, (
+        f"{sum(len(x) for x in loads)} MoE layers sowed, {num_moe_layers} expected"
+    )
+    return RouterSums(
+        balance=sum(jnp.sum(s.balance) for s in sown),
+        z=sum(jnp.sum(s.z) for s in sown),
+        dropped=sum(jnp.sum(s.dropped) for s in sown),
+        load_NE=jnp.concatenate(loads),
+    )
 
 
 def loss_terms(sums: RouterSums, moe: MoeConfig, seq_len: int) -> jax.Array:

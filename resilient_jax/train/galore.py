@@ -6,7 +6,7 @@ rank-r subspace (left, P^T G of shape [r, n], when m <= n; right, G P of shape [
 the smaller side is the one projected), the inner transformation runs on the projected gradient,
 and its update is projected back and multiplied by `scale`. P holds the top-r singular vectors of
 the gradient, recomputed every `update_interval` updates (the first update included). Every other
-leaf, and those `exclude` names by path ("layer_0__mlp__w_up"), goes through the inner
+leaf, and those `exclude` names by path ("layers__mlp__w_up"), goes through the inner
 transformation unchanged. The inner state of a projected leaf has the projected shape, which is
 where the memory goes: Adam's two moments of an [m, n] weight shrink from 2mn to 2r*max(m, n),
 plus the m*r or n*r of P.
@@ -105,7 +105,7 @@ class _Plan:
         return jnp.einsum("...mj,...ij->...mi", low, rotation)
 
 
-def _path_key(path: tuple[Any, ...]) -> str:
+def path_key(path: tuple[Any, ...]) -> str:
     # "__" rather than "/" or ".": checkpoint writers give those a meaning of their own.
     return "__".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
@@ -158,7 +158,7 @@ def galore(
         inner_params, projections = [], {}
         for path, leaf in flat:
             value = leaf.value if _is_box(leaf) else leaf
-            plan = plan_of(_path_key(path), value.shape)
+            plan = plan_of(path_key(path), value.shape)
             if plan is None:
                 inner_params.append(leaf)
                 continue
@@ -173,7 +173,7 @@ def galore(
                 )
                 proj = leaf.replace(value=proj, names=(*stacked, rows if plan.left else cols, None))
             inner_params.append(low)
-            projections[_path_key(path)] = proj
+            projections[path_key(path)] = proj
         return GaLoreState(
             count=jnp.zeros((), jnp.int32),
             refreshed_at=jnp.zeros((), jnp.int32),
@@ -188,7 +188,7 @@ def galore(
         plans: dict[str, _Plan] = {}
         matrices, projections = {}, {}
         for path, grad in flat:
-            key = _path_key(path)
+            key = path_key(path)
             if key not in state.projections:
                 continue
             plan = plans[key] = plan_of(key, grad.shape)
@@ -210,14 +210,14 @@ def galore(
             )
         low_rank = [
             plans[key].project(projections[key], matrices[key]).astype(grad.dtype)
-            if (key := _path_key(path)) in plans
+            if (key := path_key(path)) in plans
             else grad
             for path, grad in flat
         ]
         inner_updates, inner_state = inner.update(treedef.unflatten(low_rank), inner_state)
         out = []
         for (path, grad), low in zip(flat, jax.tree.leaves(inner_updates), strict=True):
-            key = _path_key(path)
+            key = path_key(path)
             if key not in plans:
                 out.append(low)
                 continue
@@ -237,8 +237,27 @@ def galore(
 def _top_singular_vectors(matrix: jax.Array, plan: _Plan) -> jax.Array:
     """The rank-r basis of the side `plan` projects: left singular vectors for rows, right for
     columns (of every matrix of a stack)."""
-    u, _, vt = jnp.linalg.svd(matrix, full_matrices=False)
+    u, vt = jax.lax.platform_dependent(matrix, cpu=_svd_one_by_one, default=_svd_batched)
     return u[..., : plan.rank] if plan.left else jnp.swapaxes(vt[..., : plan.rank, :], -1, -2)
+
+
+def _svd_batched(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
+    u, _, vt = jnp.linalg.svd(matrix, full_matrices=False)
+    return u, vt
+
+
+def _svd_one_by_one(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The stack's matrices decomposed one at a time. jaxlib's CPU LAPACK kernel splits a batch
+    over XLA's intra-op thread pool and blocks its own thread until the parts are done: with
+    several devices of one process each doing so (8 simulated devices on 2 cores), every thread
+    of the pool ends up waiting and the step never finishes."""
+    if matrix.ndim == 2:
+        return _svd_batched(matrix)
+    flat = matrix.reshape(-1, *matrix.shape[-2:])
+    u, vt = jax.lax.map(_svd_batched, flat)
+    return u.reshape(*matrix.shape[:-2], *u.shape[-2:]), vt.reshape(
+        *matrix.shape[:-2], *vt.shape[-2:]
+    )
 
 
 def _rotate(
@@ -253,7 +272,7 @@ def _rotate(
     longest_first = sorted(plans.items(), key=lambda item: -len(item[0]))  # "a__w" before "w"
 
     def carry(path: tuple[Any, ...], leaf: Any) -> Any:
-        names = _path_key(path).split("__")
+        names = path_key(path).split("__")
         second_moment = any(getattr(k, "name", None) == "nu" for k in path)
         for key, plan in longest_first:
             parts = key.split("__")

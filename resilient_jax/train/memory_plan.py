@@ -13,8 +13,9 @@ device, for each candidate mesh:
 - **weights**: FSDP gathers a layer's weights (sharded over `tensor` only) in the compute dtype
   before using them; XLA keeps the next layer's in flight while one computes: two layers.
 - **activations**, per microbatch of `rows_per_device` sequences (`_activation_bytes`): with
-  `model.remat` each block keeps only its input for the backward pass and recomputes the rest, one
-  block's full working set at a time; without it every block keeps its working set. The working
+  `model.remat="full"` each layer keeps only its input for the backward pass and recomputes the
+  rest, one layer's full working set at a time; "save_dots" keeps the products with weights too;
+  with "none" every layer keeps its working set. The working
   set per token counts the tensors a block saves (norm outputs, q/k/v, the attention
   probabilities, one row of seq_len per head, as XLA's attention materialises them; a fused flash
   kernel would not, so the estimate is high on such a backend), the attention output, the
@@ -221,10 +222,20 @@ def _activation_bytes(m: ModelConfig, seq_len: int, rows: int, tensor: int) -> i
         masks = (2 + moe.top_k) * moe.num_experts * moe.capacity(seq_len)  # [E, C] per token
         mlp[True] = 4 * moe.d_ff * slots / t + 2 * d * slots + masks
     working_sets = [attention + mlp[kind] for kind in _mlp_kinds(m)]
-    if m.remat:
-        per_token = (m.num_layers * d + max(working_sets)) * m.dtype.itemsize
-    else:
+    if m.remat == "none":
         per_token = sum(working_sets) * m.dtype.itemsize
+    else:
+        # Each layer keeps its input (the scan's carry) and, with "save_dots", the products with
+        # weights: q, k, v, the attention output projection, and the MLP's gate, up and down (a
+        # mixture of experts' expert products batch over experts and are recomputed; its router
+        # logits are kept). One layer's whole working set exists again while it is recomputed.
+        kept = {False: d, True: d}
+        if m.remat == "save_dots":
+            projections = (m.num_heads + 2 * m.num_kv_heads) * e / t + d
+            kept = {False: d + projections + 2 * m.d_ff / t + d}
+            kept[True] = d + projections + moe.num_experts
+        per_token = sum(kept[kind] for kind in _mlp_kinds(m)) + max(working_sets)
+        per_token *= m.dtype.itemsize
     per_token += 2 * 4 * m.vocab_size / t  # float32 logits and their gradient
     return int(rows * seq_len * per_token)
 

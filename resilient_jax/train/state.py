@@ -22,7 +22,8 @@ from jax.sharding import Mesh
 from resilient_jax import executables
 from resilient_jax import mesh as mesh_lib
 from resilient_jax.model import ModelConfig, Transformer
-from resilient_jax.train.galore import galore
+from resilient_jax.model import layers as layers_lib
+from resilient_jax.train.galore import galore, path_key
 from resilient_jax.train.in_band import HealthStats
 from resilient_jax.train.outer import with_outer_state
 
@@ -49,7 +50,16 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def _decay_mask(params: Any) -> Any:
-    return jax.tree.map(lambda p: p.ndim > 1, params)  # no decay on norms
+    """Decay on matrices, none on norms (a stacked layer's norm is [layers, d_model])."""
+
+    def matrix(path: tuple[Any, ...], p: Any) -> bool:
+        return p.ndim - _is_stacked_layer(path_key(path)) > 1
+
+    return jax.tree_util.tree_map_with_path(matrix, params)
+
+
+def _is_stacked_layer(path: str) -> bool:
+    return path.split("__", 1)[0] in (layers_lib.STACK, layers_lib.TAIL)
 
 
 def _is_expert_weight(path: str) -> bool:
@@ -84,8 +94,9 @@ def _galore_adamw(config: ml_collections.ConfigDict) -> optax.GradientTransforma
             min_size=g.min_size,
             rotate_state=g.rotate_state,
             matrix_split=matrix_split,
-            # A mixture of experts' [experts, d_model, d_ff] weights: one matrix per expert.
-            batch_dims=lambda path: 1 if _is_expert_weight(path) else 0,
+            # Stacked layers [layers, ...] and a mixture of experts' [experts, d_model, d_ff]
+            # weights: one matrix per layer and per expert, each with its own projection.
+            batch_dims=lambda path: _is_stacked_layer(path) + _is_expert_weight(path),
             exclude=_keeps_full_adam,
         ),
         optax.add_decayed_weights(o.weight_decay, _decay_mask),
