@@ -4,10 +4,10 @@
 
 The bundled English corpus, tokenized with the byte-level BPE shipped for it (data.tokenizer =
 "bundled", 2.9 characters per token), so losses are per subword token. Expected (measured on a
-quiet 2-core CPU: 147 s in all, about 0.7 s per step): exit 0; the training loss falls from 6.93
-(ln 1024: the output layer starts at zero) at step 1 to 6.38, 5.04, 4.04 and 3.32 at steps 10, 50,
+quiet 2-core CPU: 80 s in all, about 0.35 s per step): exit 0; the training loss falls from 6.93
+(ln 1024: the output layer starts at zero) at step 1 to 6.38, 4.80, 3.97 and 3.26 at steps 10, 50,
 100 and 200 (tests/golden/tiny_cpu.json holds steps 10/50/100), and the held-out eval_loss from
-5.14 at step 50 to 4.01, 3.67 and 3.54 at steps 100, 150 and 200 (perplexity 34); the last line
+4.96 at step 50 to 3.95, 3.60 and 3.46 at steps 100, 150 and 200 (perplexity 32); the last line
 printed is the run's goodput. `/tmp/run` then holds config.json, events.jsonl, metrics.jsonl,
 tensorboard/ and checkpoints/ (steps 100 and 200).
 """

@@ -6,7 +6,10 @@ The golden losses were first made before the layout redesign (which reproduced t
 then made again when the default run moved to the bundled 1024-token BPE with a held-out
 evaluation split (losses per subword token), again when the token stream began ending every
 document with end-of-text (the same initialisation as before), and again when the default model
-got an untied output layer initialised to zero (a first loss of ln V). The comparison allows a
+got an untied output layer initialised to zero (a first loss of ln V), and again when the layers
+were stacked and scanned (each layer's initial weights now come from its own split of the
+parameter key; the scanned and the unrolled program of that layout agree far inside the
+tolerance: experiments/compile_depth.py). The comparison allows a
 relative 1e-4: far below what any change in what is computed moves a loss (1e-2 and more by step
 10), and above the float32 reduction-order noise another CPU's vectorisation or another XLA
 version may add over 100 steps."""
