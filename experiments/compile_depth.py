@@ -40,11 +40,18 @@ from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _DEPTHS = flags.DEFINE_list("depths", ["4", "8", "16", "32"], "Layer counts of the depth part.")
-_SHAPES = flags.DEFINE_list("shapes", ["gpt2_small", "llama_1b", "llama_7b"], "Configs compiled.")
+_SHAPES = flags.DEFINE_list(
+    "shapes", ["tiny_cpu", "gpt2_small", "llama_1b", "llama_7b"], "Configs compiled, not run."
+)
+_SHAPE_DTYPE = flags.DEFINE_string(
+    "shape_dtype", "float32", "Compute dtype of the shapes part (the configs': 'config')."
+)
 _POLICIES = flags.DEFINE_list("policies", ["none", "full", "save_dots"], "Remat policies.")
 _PARITY = flags.DEFINE_integer("parity_steps", 100, "Steps of the scanned/unrolled loss parity.")
 _BLOCKS = flags.DEFINE_integer("blocks", 10, "Timed blocks per side, alternating.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Steps per timed block.")
+_PARTS = flags.DEFINE_list("parts", ["depth", "steps", "shapes"], "Which parts to run.")
+_UNROLLS = flags.DEFINE_list("unrolls", ["1", "2"], "Scan unrolls timed against the unrolled step.")
 _CHILD = flags.DEFINE_string("child", "", "Internal: run one part and print its JSON.")
 _OUT = flags.DEFINE_string("out", "experiments/results/compile_depth.json", "Result file.")
 _TIMEOUT_S = 1800
@@ -116,9 +123,10 @@ def child_depth(layers: int, unrolled: bool) -> dict[str, Any]:
     return out
 
 
-def child_steps(blocks: int, steps: int, parity_steps: int) -> dict[str, Any]:
-    """tiny_cpu's step time scanned and unrolled (alternating blocks), and the losses of
-    `parity_steps` steps of each from the same state on the same batches."""
+def child_steps(blocks: int, steps: int, parity_steps: int, unrolls: list[int]) -> dict[str, Any]:
+    """tiny_cpu's step time with the layers scanned (each of `unrolls`) and unrolled, alternating
+    blocks, and the losses of `parity_steps` steps of the scanned and the unrolled step from the
+    same state on the same batches."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -131,7 +139,8 @@ def child_steps(blocks: int, steps: int, parity_steps: int) -> dict[str, Any]:
     one = jnp.float32(1.0)
     layers = _config("tiny_cpu", {}).model.num_layers
     sides: dict[str, Any] = {}
-    for side, unroll in (("scanned", 1), ("unrolled", layers)):
+    for unroll in [*unrolls, layers]:
+        side = "unrolled" if unroll == layers else f"unroll_{unroll}"
         config = _config("tiny_cpu", {"model.scan_unroll": unroll})
         ctx = _context(config, 1)
         step = make_train_step(config, ctx.mesh)
@@ -152,25 +161,40 @@ def child_steps(blocks: int, steps: int, parity_steps: int) -> dict[str, Any]:
             state, seconds = bare_block(compiled, state, batch, steps)
             sides[side]["run"][1] = state
             sides[side]["block_s"].append(seconds)
-    scanned, unrolled = sides["scanned"], sides["unrolled"]
-    a, b = np.asarray(scanned["losses"]), np.asarray(unrolled["losses"])
-    ratios = [s / u for s, u in zip(scanned["block_s"], unrolled["block_s"], strict=True)]
+    unrolled = sides["unrolled"]
+    b = np.asarray(unrolled["losses"])
+    a = np.asarray(sides[f"unroll_{unrolls[0]}"]["losses"])
+    ratios = {
+        side: statistics.median(
+            s / u for s, u in zip(v["block_s"], unrolled["block_s"], strict=True)
+        )
+        for side, v in sides.items()
+        if side != "unrolled"
+    }
     return {
         "median_step_s": {k: statistics.median(v["block_s"]) for k, v in sides.items()},
-        "block_ratios": ratios,
-        "ratio_scanned_unrolled": statistics.median(ratios),
+        "block_s": {k: v["block_s"] for k, v in sides.items()},
+        "ratio_to_unrolled": ratios,
         "parity_steps": parity_steps,
         "max_relative_loss_difference": float(np.max(np.abs(a - b) / np.abs(b))),
-        "losses_at": {str(s): [a[s - 1], b[s - 1]] for s in (1, 10, 50, parity_steps)},
+        "losses_at": {
+            str(s): [a[s - 1], b[s - 1]] for s in (1, 10, 50, parity_steps) if s <= parity_steps
+        },
     }
 
 
-def child_shape(name: str, policy: str) -> dict[str, Any]:
-    """One config's train step compiled on 8 CPU devices (not run), against the plan."""
+def child_shape(name: str, policy: str, dtype: str) -> dict[str, Any]:
+    """One config's train step compiled on 8 CPU devices (not run), against the plan. `dtype`
+    replaces the config's compute dtype ("config": kept): XLA's CPU backend computes bfloat16
+    element-wise work and products in float32, so a bfloat16 program's CPU buffers are not the
+    ones an accelerator allocates."""
     from resilient_jax.train import memory_plan
     from resilient_jax.train.compile import train_lowering
 
-    config = _config(name, {"model.remat": policy})
+    overrides: dict[str, Any] = {"model.remat": policy}
+    if dtype != "config":
+        overrides["model.compute_dtype"] = dtype
+    config = _config(name, overrides)
     ctx = _context(config, 8)
     start = time.perf_counter()
     lowered = train_lowering(ctx)()
@@ -191,6 +215,7 @@ def child_shape(name: str, policy: str) -> dict[str, Any]:
     return {
         "config": name,
         "remat": policy,
+        "compute_dtype": config.model.compute_dtype,
         "mesh": f"{p.replica}x{p.expert}x{p.fsdp}x{p.tensor}",
         "microbatches": p.microbatches,
         "rows_per_device": p.rows_per_device,
@@ -284,49 +309,68 @@ def main(argv: list[str]) -> None:
     if _CHILD.value:
         print(json.dumps(_child(json.loads(_CHILD.value))))
         return
-    result: dict[str, Any] = {"host": report.host_line(), "load_start": _load(), "depth": []}
+    result: dict[str, Any] = {"host": report.host_line(), "load_start": _load()}
+    if "depth" in _PARTS.value:
+        result["depth"] = depth_part()
+        result["depth_ratios"] = _ratio_table(result["depth"])
+    if "steps" in _PARTS.value:
+        result["steps"] = steps = _run_child(
+            {
+                "kind": "steps",
+                "blocks": _BLOCKS.value,
+                "steps": _STEPS.value,
+                "parity_steps": _PARITY.value,
+                "unrolls": [int(u) for u in _UNROLLS.value],
+            },
+            1,
+        )
+        print(
+            f"step time against the unrolled step {steps['ratio_to_unrolled']}; losses over "
+            f"{steps['parity_steps']} steps within {steps['max_relative_loss_difference']:.2e} "
+            "relative",
+            flush=True,
+        )
+    if "shapes" in _PARTS.value:
+        result["shapes"] = []
+        for name in _SHAPES.value:
+            for policy in _POLICIES.value:
+                spec = {
+                    "kind": "shape",
+                    "name": name,
+                    "policy": policy,
+                    "dtype": _SHAPE_DTYPE.value,
+                }
+                row = _run_child(spec, 8)
+                result["shapes"].append(row)
+                print(_shape_line(row), flush=True)
+    result["load_end"] = _load()
+    report.write_json(_OUT.value, result)
+    if "depth" in result:
+        _figure(result["depth"], _OUT.value.replace(".json", ".png"))
+        print(_table(result))
+
+
+def depth_part() -> list[dict[str, Any]]:
+    rows = []
     for layers in (int(d) for d in _DEPTHS.value):
         for unrolled in (False, True):
             row = _run_child({"kind": "depth", "layers": layers, "unrolled": unrolled}, 1)
-            result["depth"].append(row)
+            rows.append(row)
             form = "unrolled" if unrolled else "scanned"
             print(
                 f"{layers:>3} layers {form:>8}: compile {row['train_compile_s']:6.1f} s, "
                 f"twin {row['twin_compile_s']:6.1f} s",
                 flush=True,
             )
-    result["depth_ratios"] = _ratio_table(result["depth"])
-    spec = {
-        "kind": "steps",
-        "blocks": _BLOCKS.value,
-        "steps": _STEPS.value,
-        "parity_steps": _PARITY.value,
-    }
-    result["steps"] = _run_child(spec, 1)
-    steps = result["steps"]
-    print(
-        f"step time scanned/unrolled {steps['ratio_scanned_unrolled']:.3f}; "
-        f"losses over {steps['parity_steps']} steps within "
-        f"{steps['max_relative_loss_difference']:.2e} relative",
-        flush=True,
-    )
-    result["shapes"] = []
-    for name in _SHAPES.value:
-        for policy in _POLICIES.value:
-            row = _run_child({"kind": "shape", "name": name, "policy": policy}, 8)
-            result["shapes"].append(row)
-            print(_shape_line(row), flush=True)
-    result["load_end"] = _load()
-    report.write_json(_OUT.value, result)
-    _figure(result["depth"], _OUT.value.replace(".json", ".png"))
-    print(_table(result))
+    return rows
 
 
 def _shape_line(row: dict[str, Any]) -> str:
     xla, plan = row["xla"], row["plan"]
     temp_plan = plan["gradients"] + plan["weights"] + plan["activations"]
     return (
-        f"{row['config']:>10} remat={row['remat']:<9} mesh {row['mesh']} compile "
+        f"{row['config']:>10} {row['compute_dtype']} remat={row['remat']:<9} "
+        f"mesh {row['mesh']} compile "
         f"{row['compile_s']:5.1f} s; XLA temp {xla['temp'] / 1e9:6.2f} GB vs plan grads+weights"
         f"+activations {temp_plan / 1e9:6.2f} GB ({temp_plan / max(xla['temp'], 1):.2f}x); "
         f"args {xla['argument'] / 1e9:6.2f} GB vs plan params+optimizer "

@@ -28,9 +28,11 @@ GRAD_BYTES = 2 * PARAM_BYTES  # running sum over microbatches + one microbatch's
 WEIGHT_BYTES = 2 * (4 * D * HEADS * HEAD_DIM + 3 * D * FF) * 2
 # One row of 4096 tokens, bf16, rematerialised blocks: each block keeps its input (D per token);
 # one block's working set at a time (4 D + q, k, v, attention output 4 x 4096 + attention
-# probabilities 32 heads x 4096 + 4 x MLP 11008); float32 logits and their gradient.
-WORKING_SET = 4 * D + 4 * HEADS * HEAD_DIM + HEADS * SEQ + 4 * FF
-ACTIVATION_BYTES = SEQ * ((LAYERS * D + WORKING_SET) * 2 + 2 * 4 * VOCAB)
+# probabilities 32 heads x 4096 in float32 and in bf16, and the causal mask's byte + 4 x MLP 11008);
+# float32 logits and their gradient.
+WORKING_SET = (4 * D + 4 * HEADS * HEAD_DIM + 4 * FF) * 2 + HEADS * SEQ * (4 + 2 + 1)
+BACKWARD = HEADS * SEQ * 4  # the backward pass's gradient of one layer's probabilities, float32
+ACTIVATION_BYTES = SEQ * (LAYERS * D * 2 + WORKING_SET + BACKWARD + 2 * 4 * VOCAB)
 
 
 def close(actual: float, expected: float, rel: float = 0.02) -> bool:

@@ -209,21 +209,27 @@ def _activation_bytes(m: ModelConfig, seq_len: int, rows: int, tensor: int) -> i
     A mixture-of-experts layer's MLP tensors are per routed slot (top_k x capacity_factor per
     token), the tokens in and out of the experts, and its dispatch, combine and per-choice masks
     ([experts, capacity] per token each)."""
-    d, e, t, moe = m.d_model, m.head_dim, tensor, m.moe
+    d, e, t, moe, size = m.d_model, m.head_dim, tensor, m.moe, m.dtype.itemsize
     attention = (
         4 * d  # block input, attention norm output, residual after attention, MLP norm output
         + (m.num_heads + 2 * m.num_kv_heads) * e / t  # q, k, v
-        + m.num_heads * seq_len / t  # attention probabilities: a row of seq_len per head
         + m.num_heads * e / t  # attention output before its projection
-    )
-    mlp = {False: 4 * m.d_ff / t}  # gate pre-activation, its silu, up projection, their product
+    ) * size + m.num_heads * seq_len / t * (4 + size + 1)
+    # The attention probabilities, a row of seq_len per head, twice: XLA's attention
+    # (`jax.nn.dot_product_attention`) keeps its float32 softmax output for the softmax's backward
+    # pass and the copy in the compute dtype that multiplies the values; and the causal mask,
+    # broadcast to every row and head, one byte each, for the masking's backward pass.
+    mlp = {False: 4 * m.d_ff / t * size}  # gate pre-activation, its silu, up, their product
     if moe.num_experts:
         slots = moe.num_experts * moe.capacity(seq_len) / seq_len  # expert slots per token
         masks = (2 + moe.top_k) * moe.num_experts * moe.capacity(seq_len)  # [E, C] per token
-        mlp[True] = 4 * moe.d_ff * slots / t + 2 * d * slots + masks
+        mlp[True] = (4 * moe.d_ff * slots / t + 2 * d * slots + masks) * size
     working_sets = [attention + mlp[kind] for kind in _mlp_kinds(m)]
+    # The layer whose backward pass runs also holds the gradient of its attention probabilities,
+    # in float32: the largest of its gradients on long sequences.
+    backward = m.num_heads * seq_len / t * 4
     if m.remat == "none":
-        per_token = sum(working_sets) * m.dtype.itemsize
+        per_token = sum(working_sets) + backward
     else:
         # Each layer keeps its input (the scan's carry) and, with "save_dots", the products with
         # weights: q, k, v, the attention output projection, and the MLP's gate, up and down (a
@@ -234,8 +240,8 @@ def _activation_bytes(m: ModelConfig, seq_len: int, rows: int, tensor: int) -> i
             projections = (m.num_heads + 2 * m.num_kv_heads) * e / t + d
             kept = {False: d + projections + 2 * m.d_ff / t + d}
             kept[True] = d + projections + moe.num_experts
-        per_token = sum(kept[kind] for kind in _mlp_kinds(m)) + max(working_sets)
-        per_token *= m.dtype.itemsize
+        per_token = sum(kept[kind] for kind in _mlp_kinds(m)) * size + max(working_sets)
+        per_token += backward
     per_token += 2 * 4 * m.vocab_size / t  # float32 logits and their gradient
     return int(rows * seq_len * per_token)
 
