@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -875,3 +876,44 @@ def persistent_base(request, tmp_path) -> str:
         return str(tmp_path / "store")
     emulator = request.getfixturevalue("gcs")
     return emulator.gs_url(uuid.uuid4().hex[:12])
+
+
+class MemoryKeyValueStore:
+    """The four methods of jax.distributed's key-value client, in memory."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self._changed = threading.Condition()
+
+    def key_value_set(self, key: str, value: str) -> None:
+        with self._changed:
+            self.values[key] = value
+            self._changed.notify_all()
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        with self._changed:
+            if not self._changed.wait_for(lambda: key in self.values, timeout_ms / 1000):
+                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+            return self.values[key]
+
+    def key_value_delete(self, key: str) -> None:
+        with self._changed:
+            self.values.pop(key, None)
+
+
+def in_threads(*fns):
+    """Each function in a thread of its own, together; their results (or exceptions) in order."""
+    results: list = [None] * len(fns)
+
+    def run(i, fn):
+        try:
+            results[i] = fn()
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return results

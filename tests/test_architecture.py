@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "resilient_jax.mesh": 4,
     "resilient_jax.model": 4,
     "resilient_jax.executables": 4,
+    "resilient_jax.agreement": 4,
     "resilient_jax.data": 5,
     "resilient_jax.decode": 5,
     "resilient_jax.train": 6,

@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import jax
 import numpy as np
 import pytest
-from conftest import assert_bitwise, run_context, tiny_config
+from conftest import MemoryKeyValueStore, assert_bitwise, in_threads, run_context, tiny_config
 
 from resilient_jax.control import elastic_state
 from resilient_jax.control.elastic_slice import SliceProcesses, output_file, runtime_env
@@ -86,46 +85,6 @@ def test_a_state_file_of_single_process_slices_is_still_read(tmp_path):
     assert state.standby == (elastic_state.SliceRecord(33, 44),)
 
 
-class _Store:
-    """The four methods of jax.distributed's key-value client, in memory."""
-
-    def __init__(self) -> None:
-        self.values: dict[str, str] = {}
-        self._changed = threading.Condition()
-
-    def key_value_set(self, key: str, value: str) -> None:
-        with self._changed:
-            self.values[key] = value
-            self._changed.notify_all()
-
-    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
-        with self._changed:
-            if not self._changed.wait_for(lambda: key in self.values, timeout_ms / 1000):
-                raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
-            return self.values[key]
-
-    def key_value_delete(self, key: str) -> None:
-        with self._changed:
-            self.values.pop(key, None)
-
-
-def _in_threads(*fns):
-    results: list = [None] * len(fns)
-
-    def run(i, fn):
-        try:
-            results[i] = fn()
-        except Exception as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return results
-
-
 class _Exchange:
     store_address = "h:1"
 
@@ -142,26 +101,28 @@ class _Exchange:
 
 def test_the_processes_of_a_slice_share_quorums_and_agree_on_every_exchange():
     from resilient_jax.elastic.exchange import ExchangeError
-    from resilient_jax.elastic.slice_link import SliceExchange, SliceLink, SliceLost
+    from resilient_jax.elastic.slice_link import SliceExchange, SliceLost, slice_agreement
 
-    store = _Store()
-    links = [SliceLink(store, p, 2, timeout_s=5.0) for p in (0, 1)]
-    assert _in_threads(lambda: links[0].share("q1"), lambda: links[1].share(None)) == ["q1"] * 2
+    store = MemoryKeyValueStore()
+    links = [slice_agreement(5.0, store, p, 2) for p in (0, 1)]
+    shared = in_threads(lambda: links[0].share("q", "q1"), lambda: links[1].share("q", None))
+    assert shared == ["q1"] * 2
     # Process 1's exchange failed where process 0's completed: both treat it as failed.
     exchanges = [SliceExchange(_Exchange(fails=p == 1), links[p]) for p in (0, 1)]
     buffer = np.zeros(3, np.float32)
-    results = _in_threads(*(lambda e=e: e.allreduce_sum(buffer) for e in exchanges))
+    results = in_threads(*(lambda e=e: e.allreduce_sum(buffer) for e in exchanges))
     assert all(isinstance(r, ExchangeError) for r in results), results
     assert "another process of this slice" in str(results[0])
-    # Both completed: agreed; the keys of the calls before are deleted as they go.
+    # Both completed: agreed; each process's key of a call is deleted two calls later.
     exchanges = [SliceExchange(_Exchange(fails=False), link) for link in links]
-    results = _in_threads(*(lambda e=e: e.allreduce_sum(buffer) for e in exchanges))
+    results = in_threads(*(lambda e=e: e.allreduce_sum(buffer) for e in exchanges))
     assert all(np.array_equal(r, buffer + 1) for r in results)
-    assert sorted(store.values) == ["rj_elastic/3/0", "rj_elastic/3/1"]
+    rounds = sorted(store.values)
+    assert rounds == [f"rj_elastic/allreduce/{r}/{p}" for r in (2, 3) for p in (0, 1)], rounds
     # A process of the slice that stays silent: the slice is lost, within the bound.
-    alone = SliceLink(_Store(), 1, 2, timeout_s=0.2)
+    alone = slice_agreement(0.2, MemoryKeyValueStore(), 1, 2)
     with pytest.raises(SliceLost, match="process 0 of this slice silent"):
-        alone.share(None)
+        alone.share("q", None)
 
 
 def test_state_bytes_are_this_process_pieces_and_heal_bitwise(tmp_path):

@@ -42,7 +42,7 @@ from resilient_jax.checkpoint.preemption import PreemptionNotice
 from resilient_jax.checkpoint.restore import Restored, Restorer, check_persistent_dir
 from resilient_jax.checkpoint.save_method import SaveMethod, choose
 from resilient_jax.checkpoint.snapshot import PersistentWriter, saved_state
-from resilient_jax.checkpoint.sync import ProcessSync
+from resilient_jax.checkpoint.sync import process_sync
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
@@ -79,7 +79,7 @@ class Checkpointer(Hook):
         c = ctx.config.checkpoint
         self._events = ctx.events
         self._fingerprint = config_lib.fingerprint(ctx.config)
-        self._sync = ProcessSync(
+        self._sync = process_sync(
             f"resilient_jax/checkpoint/g{ctx.generation}/i{next(_instance_counter)}",
             c.sync_timeout_s,
         )
@@ -93,7 +93,7 @@ class Checkpointer(Hook):
         # Both None while the persistent tier has been unreachable since the start (then restore
         # uses the local tier, and the tier is opened at the first scheduled save that reaches it).
         self._persistent: PersistentTier | None = None
-        self._writer_sync = ProcessSync(f"{self._sync.namespace}/writer", c.sync_timeout_s)
+        self._writer_sync = process_sync(f"{self._sync.namespace}/writer", c.sync_timeout_s)
         unreachable = self._agreed_cause(self._probe.unreachable(c.persistent_timeout_s))
         if unreachable is None:
             self._persistent = self._open_persistent(ctx)

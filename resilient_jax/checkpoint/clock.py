@@ -9,8 +9,8 @@ published by the one it abandoned.
 
 from __future__ import annotations
 
+from resilient_jax.agreement import Agreement
 from resilient_jax.checkpoint.policy import SavePolicy, SaveReason
-from resilient_jax.checkpoint.sync import ProcessSync
 
 # Process 0 decides wall-clock saves this many steps ahead.
 _CLOCK_LAG = 2
@@ -19,7 +19,7 @@ _CLOCK_KEY_RETENTION = 1000
 
 
 class ClockDecisions:
-    def __init__(self, policy: SavePolicy, sync: ProcessSync) -> None:
+    def __init__(self, policy: SavePolicy, sync: Agreement) -> None:
         self._policy = policy
         self._sync = sync
         self._epoch = 0  # restores so far

@@ -21,9 +21,9 @@ import os
 
 import ml_collections
 
+from resilient_jax.agreement import Agreement
 from resilient_jax.checkpoint.local import LocalTier
 from resilient_jax.checkpoint.policy import SavePolicy, local_interval_steps
-from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
@@ -38,7 +38,7 @@ class LocalCadence:
         self,
         local: LocalTier,
         policy: SavePolicy,
-        sync: ProcessSync,
+        sync: Agreement,
         events: EventLog,
         checkpoint: ml_collections.ConfigDict,
     ) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import uuid
 
+from resilient_jax.agreement import Agreement
 from resilient_jax.checkpoint.local import LocalTier
 from resilient_jax.checkpoint.persistent import PersistentTier
-from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.events import EventLog
@@ -23,7 +23,7 @@ def retire_after(
     step: int | None,
     persistent: PersistentTier | None,
     local: LocalTier | None,
-    sync: ProcessSync,
+    sync: Agreement,
     events: EventLog,
 ) -> str:
     """Quarantines persistent steps newer than `step` and drops newer local copies (with `step`

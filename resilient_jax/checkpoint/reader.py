@@ -25,7 +25,7 @@ from resilient_jax import topology as topology_lib
 from resilient_jax.checkpoint.local import LocalTier, run_dir
 from resilient_jax.checkpoint.persistent import PersistentTier, persistent_dir
 from resilient_jax.checkpoint.restore import Restored, Restorer
-from resilient_jax.checkpoint.sync import ProcessSync
+from resilient_jax.checkpoint.sync import process_sync
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.config import BadInput
 from resilient_jax.contracts.event_types import EventType
@@ -140,7 +140,7 @@ def restore_newest(config: ml_collections.ConfigDict, workdir: str) -> Restored:
         persistent=persistent,
         persistent_dir=directory,
         local=local,
-        sync=ProcessSync("resilient_jax/checkpoint/reader", c.sync_timeout_s),
+        sync=process_sync("resilient_jax/checkpoint/reader", c.sync_timeout_s),
         events=ctx.events,
         fingerprint=config_lib.fingerprint(config),
         run_id=persistent.run_id(create=False) or "",

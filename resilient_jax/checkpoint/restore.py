@@ -27,13 +27,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from resilient_jax.agreement import Agreement
 from resilient_jax.checkpoint import checksum, manifest
 from resilient_jax.checkpoint.errors import CheckpointError, ForeignCheckpoint, InvalidCheckpoint
 from resilient_jax.checkpoint.local import LocalTier, StepFiles
 from resilient_jax.checkpoint.peer_fetch import PeerCopy, PeerFetcher
 from resilient_jax.checkpoint.persistent import PersistentTier
 from resilient_jax.checkpoint.quarantine import retire_after
-from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data.position import DataPosition
@@ -122,7 +122,7 @@ class Restorer:
     persistent: PersistentTier | None  # None: unreachable since the start (local tier only)
     persistent_dir: str  # as the user gave it, for messages
     local: LocalTier | None
-    sync: ProcessSync
+    sync: Agreement
     events: EventLog
     fingerprint: str  # of this run's config: local copies of other configs are not candidates
     run_id: str  # of the persistent directory: local copies of earlier runs are not candidates

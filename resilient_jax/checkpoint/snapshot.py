@@ -31,11 +31,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from resilient_jax.agreement import Agreement
 from resilient_jax.checkpoint import checksum
 from resilient_jax.checkpoint.background import BackgroundThread, Job
 from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.persistent import PendingSave, PersistentTier
-from resilient_jax.checkpoint.sync import ProcessSync
 from resilient_jax.train.keep import StateKeeper
 from resilient_jax.train.shard_list import list_shards
 
@@ -80,7 +80,7 @@ class _Save:
 class PersistentWriter:
     """Starts persistent saves in a thread; reports them like `PersistentTier` does."""
 
-    def __init__(self, tier: PersistentTier, sync: ProcessSync) -> None:
+    def __init__(self, tier: PersistentTier, sync: Agreement) -> None:
         self.tier = tier
         self._sync = sync  # used by the writer thread only
         self._thread = BackgroundThread("persistent-ckpt")

@@ -26,7 +26,7 @@ from resilient_jax.elastic.data import StepIndex
 from resilient_jax.elastic.diloco import SyncIntervalStep
 from resilient_jax.elastic.exchange import Exchange, make_exchange
 from resilient_jax.elastic.quorum_client import QuorumClient
-from resilient_jax.elastic.slice_link import SliceExchange, SliceLink
+from resilient_jax.elastic.slice_link import SliceExchange, slice_agreement
 from resilient_jax.elastic.trainer import ElasticStep, Programs, compile_programs
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.hooks import Hook
@@ -103,9 +103,9 @@ def start(
     warm = warm or warm_up(ctx)
     exchange: Exchange = warm.exchange
     # A slice of several processes: process 0 alone asks for quorums; every exchange is agreed on.
-    link = SliceLink.of_runtime(float(e.quorum_timeout_s) + 2 * float(e.timeout_s) + 30.0)
+    link = slice_agreement(float(e.quorum_timeout_s) + 2 * float(e.timeout_s) + 30.0)
     client = None
-    if link is None or link.process == 0:
+    if link is None or link.process_index == 0:
         token = environ.get(env_vars.RUN_TOKEN, "")
         client = QuorumClient(environ[env_vars.QUORUM_ADDRESS], token, this_slice)
     if link is not None:

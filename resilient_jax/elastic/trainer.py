@@ -37,13 +37,13 @@ import numpy as np
 
 from resilient_jax import executables
 from resilient_jax import mesh as mesh_lib
+from resilient_jax.agreement import Agreement
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data.position import DataPosition
 from resilient_jax.elastic import step as elastic_step
 from resilient_jax.elastic.data import PartRows, StepIndex, owned_parts
 from resilient_jax.elastic.exchange import NO_STATE, Exchange, ExchangeError, Quorum, Transfer
 from resilient_jax.elastic.quorum_client import QuorumClient
-from resilient_jax.elastic.slice_link import SliceLink
 from resilient_jax.train.context import RunContext
 from resilient_jax.train.keep import KeepingProgram
 from resilient_jax.train.state import TrainState
@@ -139,7 +139,7 @@ class ElasticStep:
         client: QuorumClient | None,
         slice_id: int,
         programs: Programs | None = None,
-        link: SliceLink | None = None,
+        link: Agreement | None = None,
     ) -> None:
         # In a slice of several processes (`link`), only process 0 has a quorum client.
         self._ctx, self._exchange, self._client, self._link = ctx, exchange, client, link
@@ -256,15 +256,15 @@ class ElasticStep:
             return self._decided[1]
         if self._link is None:
             quorum, decided = self._ask(step)
-        elif self._link.process == 0:  # asks, and hands the answer to the slice's others
+        elif self._link.process_index == 0:  # asks, and hands the answer to the slice's others
             try:
                 quorum, decided = self._ask(step)
             except NoQuorum as e:
-                self._link.share(json.dumps({"error": str(e)}))
+                self._link.share("quorum", json.dumps({"error": str(e)}))
                 raise
-            self._link.share(json.dumps({"quorum": quorum.to_json(), "decided": decided}))
+            self._link.share("quorum", json.dumps({"quorum": quorum.to_json(), "decided": decided}))
         else:
-            answer = json.loads(self._link.share(None))
+            answer = json.loads(self._link.share("quorum", None))
             if "error" in answer:
                 raise NoQuorum(answer["error"])
             quorum, decided = Quorum.from_json(answer["quorum"]), answer["decided"]
