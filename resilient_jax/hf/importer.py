@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import ml_collections
+import numpy as np
 
 from resilient_jax.config import BadInput
 from resilient_jax.data import tokenizer as tokenizer_lib
@@ -67,13 +68,16 @@ class HFSource:
         leaves = []
         for keys, target in flat:
             path = tuple(str(k.key) for k in keys)
-            value = loaders[path]().astype(target.dtype)
-            assert value.shape == target.shape, (path, value.shape, target.shape)
-            leaves.append(
-                jax.make_array_from_callback(
-                    target.shape, target.sharding, lambda index, value=value: value[index]
-                )
-            )
+            load = loaders.pop(path)  # its kept tensor, if any, goes with it once placed
+
+            def block(index: tuple[slice, ...], load=load, target=target, path=path) -> np.ndarray:
+                value = load(index).astype(target.dtype)
+                shape = target.shape
+                wanted = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape, strict=True))
+                assert value.shape == wanted, (path, value.shape, wanted)
+                return value
+
+            leaves.append(jax.make_array_from_callback(target.shape, target.sharding, block))
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
