@@ -68,10 +68,12 @@ class HFSource:
         leaves = []
         for keys, target in flat:
             path = tuple(str(k.key) for k in keys)
-            load = loaders.pop(path)  # its kept tensor, if any, goes with it once placed
+            # The blocks of this host's devices, each HF tensor read once for all of them.
+            indices = list(target.sharding.addressable_devices_indices_map(target.shape).values())
+            blocks = dict(zip(map(_block_key, indices), loaders[path](indices), strict=True))
 
-            def block(index: tuple[slice, ...], load=load, target=target, path=path) -> np.ndarray:
-                value = load(index).astype(target.dtype)
+            def block(index: layout.Index, blocks=blocks, target=target, path=path) -> np.ndarray:
+                value = blocks[_block_key(index)].astype(target.dtype)
                 shape = target.shape
                 wanted = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape, strict=True))
                 assert value.shape == wanted, (path, value.shape, wanted)
@@ -79,6 +81,11 @@ class HFSource:
 
             leaves.append(jax.make_array_from_callback(target.shape, target.sharding, block))
         return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _block_key(index: layout.Index) -> tuple[tuple[int | None, ...], ...]:
+    """A hashable stand-in for an index (slices are not hashable before Python 3.12)."""
+    return tuple((i.start, i.stop, i.step) for i in index)
 
 
 def derived_model_section(hf_dir: str) -> dict[str, Any]:

@@ -154,18 +154,18 @@ def shape_problems(
     return problems
 
 
-# A leaf's loader: the block of the leaf at an index (a tuple of slices, as
-# `jax.make_array_from_callback` asks for one device's shard).
-Loader = Callable[[tuple[slice, ...]], np.ndarray]
+Index = tuple[slice, ...]  # one device's block of a leaf, as `jax.make_array_from_callback` asks
+# A leaf's loader: its blocks at several indices (this host's devices'), each tensor read once.
+Loader = Callable[[list[Index]], list[np.ndarray]]
 
 
 def from_hf(
     read: Callable[[str], np.ndarray], m: ModelConfig, hf_tied: bool, where: str
 ) -> dict[Path, Loader]:
     """A loader per leaf of our params tree (each reads its tensors when called). A stacked
-    leaf's loader reads one layer at a time and keeps only the block asked for, so the host
-    never holds a whole stack (a 7B model's [32, 4096, 11008] float32 gate is 5.8 GB); any
-    other leaf is read once, at its first block.
+    leaf's loader reads one layer at a time and keeps only the blocks asked for, so the host
+    never holds a whole stack it does not hold shards of (a 7B model's [32, 4096, 11008]
+    float32 gate is 5.8 GB).
 
     `read(name)` returns an HF tensor in its stored dtype; `hf_tied`: the HF model has no
     separate output layer. A tied config takes the input embedding; an untied HF output layer
@@ -197,26 +197,24 @@ def from_hf(
 
 
 def _whole(load: Callable[[], np.ndarray]) -> Loader:
-    """A leaf read whole at its first block and kept for the others."""
-    kept: list[np.ndarray] = []
-
-    def block(index: tuple[slice, ...]) -> np.ndarray:
-        if not kept:
-            kept.append(load())
-        return kept[0][index]
-
-    return block
+    """A leaf read whole, cut into the blocks asked for."""
+    return lambda indices: [value[index] for value in (load(),) for index in indices]
 
 
 def _stacked(read: Callable[[str], np.ndarray], layers: list[Tensor]) -> Loader:
-    """A stacked leaf's block: the layers `index[0]` selects, each read and cut to the rest."""
+    """A stacked leaf's blocks: each layer read once, and its part of every block (the layers a
+    block's first slice selects, cut to the rest of the index) kept."""
 
-    def block(index: tuple[slice, ...]) -> np.ndarray:
-        chosen = layers[index[0]] if index else layers
-        rest = tuple(index[1:])
-        return np.stack([t.from_hf(read(t.hf))[rest] for t in chosen])
+    def blocks(indices: list[Index]) -> list[np.ndarray]:
+        parts: list[list[np.ndarray]] = [[] for _ in indices]
+        for position, t in enumerate(layers):
+            tensor = t.from_hf(read(t.hf))
+            for part, index in zip(parts, indices, strict=True):
+                if position in range(len(layers))[index[0]]:
+                    part.append(tensor[index[1:]])
+        return [np.stack(part) for part in parts]
 
-    return block
+    return blocks
 
 
 def _tied_embedding(read: Callable[[str], np.ndarray], m: ModelConfig, where: str) -> np.ndarray:
