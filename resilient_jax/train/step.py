@@ -208,7 +208,7 @@ def make_train_step(
             nn.logical_axis_rules(mesh_lib.LOGICAL_AXIS_RULES),
         ):
             loss, grads, router_metrics = loss_and_grads(state.params, batch)
-            new_state, metrics = update(state, loss, grads, fault_scale)
+        new_state, metrics = update(state, loss, grads, fault_scale)
         return new_state, {**metrics, **router_metrics}
 
     shardings = state_shardings(config, mesh)
