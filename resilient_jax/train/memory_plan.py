@@ -15,11 +15,12 @@ device, for each candidate mesh:
 - **activations**, per microbatch of `rows_per_device` sequences (`_activation_bytes`): with
   `model.remat="full"` each layer keeps only its input for the backward pass and recomputes the
   rest, one layer's full working set at a time; "save_dots" keeps the products with weights too;
-  with "none" every layer keeps its working set. The working
-  set per token counts the tensors a block saves (norm outputs, q/k/v, the attention
-  probabilities, one row of seq_len per head, as XLA's attention materialises them; a fused flash
-  kernel would not, so the estimate is high on such a backend), the attention output, the
-  residual, the MLP's four [d_ff] tensors; plus the float32 logits and their gradient.
+  with "none" every layer keeps its working set. The working set per token counts the tensors a
+  layer saves (norm outputs, q/k/v, the attention probabilities, one row of seq_len per head in
+  float32 and again in the compute dtype, and the causal mask's byte, as XLA's attention
+  materialises them; a fused flash kernel would not, so the estimate is high on such a backend),
+  the attention output, the residual, the MLP's four [d_ff] tensors; plus the backward pass's
+  float32 gradient of one layer's probabilities, and the float32 logits and their gradient.
 - **checkpoint**: the device's shards of params and optimizer state, what it writes per save
   (host RAM for the local tier, storage for the persistent one).
 - **save peak**: the device memory of a save step when the state is kept for the tiers
