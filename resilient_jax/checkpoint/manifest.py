@@ -117,15 +117,15 @@ def check_compatible(
     wanted: dict[str, dict[str, Any]],
     where: str,
     allow_other_config: bool,
-    directory: str = "",
+    directory: str,
 ) -> None:
     """Raises `ForeignCheckpoint` unless the checkpoint at `where` was written by this model.
 
-    `directory` (default: `where`) is the persistent directory, for the command that converts a
-    checkpoint written before the layers were stacked."""
+    `directory` is the persistent directory, which the command converting a checkpoint written
+    before the layers were stacked takes."""
     saved = meta.get("leaves", {})
     if stores_layers_separately(saved, wanted):
-        raise ForeignCheckpoint(per_layer_refusal(where, directory or where))
+        raise ForeignCheckpoint(per_layer_refusal(where, directory))
     problems = shape_mismatches(saved, wanted)
     if problems:
         more = f"; +{len(problems) - 3} more" if len(problems) > 3 else ""
