@@ -334,3 +334,14 @@ def test_a_run_resumes_from_the_converted_checkpoint_and_refuses_the_unconverted
     assert err.strip().splitlines()[-1] == "error: " + manifest.per_layer_refusal(
         f"{stale} (step 4)", stale
     )
+
+
+def test_a_run_config_saved_with_a_boolean_remat_reads_as_its_policy(tmp_path):
+    from resilient_jax.checkpoint.reader import load_run_config
+
+    for saved, policy in ((True, "full"), (False, "none")):
+        (tmp_path / "config.json").write_text(json.dumps({"model": {"remat": saved}}))
+        assert load_run_config(str(tmp_path)).model.remat == policy
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"remmat": True}}))
+    with pytest.raises(BadInput, match=r"config\.model\.remmat is not a known config key"):
+        load_run_config(str(tmp_path))

@@ -47,20 +47,33 @@ def load_run_config(workdir: str) -> ml_collections.ConfigDict:
             saved = json.load(f)
     except (OSError, ValueError) as e:
         raise BadInput(f"{path} is invalid: {e}") from None
+    return merged_config(saved, path)
+
+
+def merged_config(saved: Any, where: str, drop_unknown: bool = False) -> ml_collections.ConfigDict:
+    """Today's defaults updated by a saved config (`where` names it in a BadInput). A key this
+    code base does not know is refused, or skipped with `drop_unknown` (a key removed since).
+    `model.remat` was a bool before it named a policy: False is "none", True "full"."""
     config = config_lib.default_config()
-    _merge(config, saved, path, "config")
+    _merge(config, saved, where, "config", drop_unknown)
     return config
 
 
-def _merge(config: ml_collections.ConfigDict, saved: Any, path: str, prefix: str) -> None:
+def _merge(
+    config: ml_collections.ConfigDict, saved: Any, path: str, prefix: str, drop_unknown: bool
+) -> None:
     if not isinstance(saved, dict):
         raise BadInput(f"{path} is invalid: {prefix} is not a mapping")
     for key, value in saved.items():
         if key not in config:
+            if drop_unknown:
+                continue
             raise BadInput(f"{path} is invalid: {prefix}.{key} is not a known config key")
         if isinstance(config[key], ml_collections.ConfigDict):
-            _merge(config[key], value, path, f"{prefix}.{key}")
+            _merge(config[key], value, path, f"{prefix}.{key}", drop_unknown)
             continue
+        if f"{prefix}.{key}" == "config.model.remat" and isinstance(value, bool):
+            value = "full" if value else "none"
         try:
             config[key] = value
         except (TypeError, ValueError) as e:

@@ -29,6 +29,7 @@ from resilient_jax.checkpoint.checksum import host_digest
 from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
 from resilient_jax.checkpoint.manifest import PER_LAYER_PARAMS
 from resilient_jax.checkpoint.persistent import ITEMS, RUN_ID_FILE, PersistentTier, read_run_id
+from resilient_jax.checkpoint.reader import merged_config
 from resilient_jax.checkpoint.report import canonical_path, locate
 from resilient_jax.config import BadInput
 from resilient_jax.model import ModelConfig
@@ -47,7 +48,12 @@ def _stack_of(m: ModelConfig, layer: int) -> tuple[str, ...]:
 
 def model_of(meta: dict[str, Any]) -> ModelConfig:
     """The model a step's saved config describes, as this code base reads it."""
-    return ModelConfig.from_config(rebuilt_config(meta["config"]).model)
+    return ModelConfig.from_config(_saved_config(meta).model)
+
+
+def _saved_config(meta: dict[str, Any]) -> ml_collections.ConfigDict:
+    """A step's saved config as this code base reads it (keys removed since are dropped)."""
+    return merged_config(meta["config"], "the saved config", drop_unknown=True)
 
 
 def stack_tree(tree: Any, m: ModelConfig) -> Any:
@@ -118,29 +124,6 @@ def stacked_path(path: str, m: ModelConfig) -> str:
     return _PATH_TOKEN.sub(replace, path)
 
 
-def rebuilt_config(saved: dict[str, Any]) -> ml_collections.ConfigDict:
-    """This code base's config for a saved one: its defaults, updated by every saved key it
-    still has. `model.remat` was a bool before it named a policy: False is "none", True "full"."""
-    config = config_lib.default_config()
-    _update(config, saved, "")
-    return config
-
-
-def _update(node: ml_collections.ConfigDict, saved: dict[str, Any], prefix: str) -> None:
-    for key, value in saved.items():
-        if key not in node:
-            continue  # a key this code base no longer has
-        if isinstance(node[key], ml_collections.ConfigDict):
-            _update(node[key], value, f"{prefix}{key}.")
-            continue
-        if isinstance(value, bool) and isinstance(node[key], str) and prefix + key == "model.remat":
-            value = "full" if value else "none"
-        try:
-            node[key] = value
-        except (TypeError, ValueError) as e:
-            raise BadInput(f"saved config key {prefix}{key}={value!r} does not fit: {e}") from e
-
-
 def stacked_meta(meta: dict[str, Any], tree: Any, m: ModelConfig) -> dict[str, Any]:
     """`meta` for the stacked `tree` (Orbax's nested dicts and lists): leaves and digests under
     the paths the run's own state gives them, the config and fingerprint recomputed."""
@@ -154,7 +137,7 @@ def stacked_meta(meta: dict[str, Any], tree: Any, m: ModelConfig) -> dict[str, A
     if set(names) != set(arrays):
         odd = sorted(set(names) ^ set(arrays))[:3]
         raise BadInput(f"the state and its meta list different arrays: {odd}")
-    config = rebuilt_config(meta["config"])
+    config = _saved_config(meta)
     return {
         **meta,
         "leaves": {
