@@ -62,38 +62,26 @@ def _load() -> list[float]:
 
 
 def _config(name: str, overrides: dict[str, Any]) -> Any:
-    import importlib
+    """`configs/<name>.py` with `overrides`, quiet: no progress bar, TensorBoard, eval or local
+    tier."""
+    from cluster_runs import load_config
 
-    sys.path.insert(0, REPO)
-    config = importlib.import_module(f"configs.{name}").get_config()
-    config.log.progress_bar = False
-    config.log.tensorboard = False
-    config.eval.every_steps = 0
-    config.checkpoint.local_dir = ""
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
-        node[leaf] = value
-    return config
+    quiet = {
+        "log.progress_bar": False,
+        "log.tensorboard": False,
+        "eval.every_steps": 0,
+        "checkpoint.local_dir": "",
+    }
+    return load_config(f"configs/{name}.py", quiet | overrides)
 
 
-def _context(config: Any, devices: int) -> Any:
-    import jax
-
-    from resilient_jax import mesh as mesh_lib
-    from resilient_jax import topology as topology_lib
+def _context(config: Any) -> Any:
+    """The config prepared on the devices this child process has (1 or 8, from XLA_FLAGS)."""
     from resilient_jax.events import EventLog
-    from resilient_jax.train.context import RunContext
-    from resilient_jax.train.state import abstract_state
+    from resilient_jax.train.context import prepare
 
-    topology = mesh_lib.discover(jax.devices()[:devices])
-    plan = topology_lib.plan_mesh(config, topology)
-    mesh = mesh_lib.make_mesh(plan, topology)
     workdir = tempfile.mkdtemp(prefix="compile-depth-")
-    state = abstract_state(config, mesh)
-    return RunContext(config, workdir, topology, plan, mesh, EventLog(workdir), state)
+    return prepare(config, workdir, EventLog(workdir))
 
 
 def _memory(compiled: Any) -> dict[str, int] | None:
@@ -110,7 +98,7 @@ def child_depth(layers: int, unrolled: bool) -> dict[str, Any]:
 
     unroll = layers if unrolled else 1
     config = _config("tiny_cpu", {"model.num_layers": layers, "model.scan_unroll": unroll})
-    ctx = _context(config, 1)
+    ctx = _context(config)
     out: dict[str, Any] = {"layers": layers, "unrolled": unrolled}
     for program, donate in (("train", True), ("twin", False)):
         start = time.perf_counter()
@@ -142,7 +130,7 @@ def child_steps(blocks: int, steps: int, parity_steps: int, unrolls: list[int]) 
     for unroll in [*unrolls, layers]:
         side = "unrolled" if unroll == layers else f"unroll_{unroll}"
         config = _config("tiny_cpu", {"model.scan_unroll": unroll})
-        ctx = _context(config, 1)
+        ctx = _context(config)
         step = make_train_step(config, ctx.mesh)
         state = init_state(config, ctx.mesh)
         loader = BatchLoader(config, ctx.mesh, ctx.plan, make_source(config))
@@ -195,7 +183,7 @@ def child_shape(name: str, policy: str, dtype: str) -> dict[str, Any]:
     if dtype != "config":
         overrides["model.compute_dtype"] = dtype
     config = _config(name, overrides)
-    ctx = _context(config, 8)
+    ctx = _context(config)
     start = time.perf_counter()
     lowered = train_lowering(ctx)()
     lowered_at = time.perf_counter()
