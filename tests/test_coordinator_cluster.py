@@ -314,6 +314,9 @@ def test_cost_aware_supervisor_waits_for_a_slice_back_soon(cluster_dir):
     # The simulated step takes as long on one slice as on two, so a calibration where compute
     # is all (two slices step twice as fast) stands for devices that do not share a CPU: then
     # waiting for the slice beats reshaping now and training at half speed or restarting again.
+    # The slice goes at step 24: the supervisor measures a generation's step time from 5 steps
+    # past the first step a heartbeat reports (step 4 or so; later under load). Lost before that,
+    # the plan would price the model's step time for the real model, not the simulated 0.05 s.
     calibration = cluster_dir.parent / "calibration.json"
     calibration.write_text(
         json.dumps(
@@ -328,7 +331,7 @@ def test_cost_aware_supervisor_waits_for_a_slice_back_soon(cluster_dir):
             }
         )
     )
-    lose = SupervisorAction("lose_slice", slice=1, at_step=8, duration_s=1.0)
+    lose = SupervisorAction("lose_slice", slice=1, at_step=24, duration_s=1.0)
     result, events, output, state = run(
         cluster_dir,
         ClusterSpec(2, 1, 1),
@@ -341,7 +344,9 @@ def test_cost_aware_supervisor_waits_for_a_slice_back_soon(cluster_dir):
         },
     )
     assert result.exit_code == 0, result.reason
-    (plan,) = of_type(events, "reconfigure")
+    plans = of_type(events, "reconfigure")
+    assert len(plans) == 1, plans
+    (plan,) = plans
     assert (plan["trigger"], plan["policy"], plan["plan"], plan["slices"]) == (
         "slice_lost",
         "cost",
