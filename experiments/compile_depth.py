@@ -111,10 +111,12 @@ def child_depth(layers: int, unrolled: bool) -> dict[str, Any]:
     return out
 
 
-def child_steps(blocks: int, steps: int, parity_steps: int, unrolls: list[int]) -> dict[str, Any]:
-    """tiny_cpu's step time with the layers scanned (each of `unrolls`) and unrolled, alternating
-    blocks, and the losses of `parity_steps` steps of the scanned and the unrolled step from the
-    same state on the same batches."""
+def child_steps(
+    blocks: int, steps: int, parity_steps: int, unrolls: list[int], policies: list[str]
+) -> dict[str, Any]:
+    """tiny_cpu's step time with the layers scanned (each of `unrolls`; and with each remat policy
+    of `policies` other than none, unroll 1) and unrolled, alternating blocks, and the losses of
+    `parity_steps` steps of each from the same state on the same batches."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -127,9 +129,11 @@ def child_steps(blocks: int, steps: int, parity_steps: int, unrolls: list[int]) 
     one = jnp.float32(1.0)
     layers = _config("tiny_cpu", {}).model.num_layers
     sides: dict[str, Any] = {}
-    for unroll in [*unrolls, layers]:
-        side = "unrolled" if unroll == layers else f"unroll_{unroll}"
-        config = _config("tiny_cpu", {"model.scan_unroll": unroll})
+    variants = [(f"unroll_{u}", u, "none") for u in unrolls]
+    variants += [(f"scanned_{p}", 1, p) for p in policies if p != "none"]
+    variants.append(("unrolled", layers, "none"))
+    for side, unroll, policy in variants:
+        config = _config("tiny_cpu", {"model.scan_unroll": unroll, "model.remat": policy})
         ctx = _context(config)
         step = make_train_step(config, ctx.mesh)
         state = init_state(config, ctx.mesh)
@@ -159,12 +163,18 @@ def child_steps(blocks: int, steps: int, parity_steps: int, unrolls: list[int]) 
         for side, v in sides.items()
         if side != "unrolled"
     }
+    differences = {
+        side: float(np.max(np.abs(np.asarray(v["losses"]) - b) / np.abs(b)))
+        for side, v in sides.items()
+        if side != "unrolled"
+    }
     return {
         "median_step_s": {k: statistics.median(v["block_s"]) for k, v in sides.items()},
         "block_s": {k: v["block_s"] for k, v in sides.items()},
         "ratio_to_unrolled": ratios,
         "parity_steps": parity_steps,
         "max_relative_loss_difference": float(np.max(np.abs(a - b) / np.abs(b))),
+        "relative_loss_difference_by_side": differences,
         "losses_at": {
             str(s): [a[s - 1], b[s - 1]] for s in (1, 10, 50, parity_steps) if s <= parity_steps
         },
@@ -309,6 +319,7 @@ def main(argv: list[str]) -> None:
                 "steps": _STEPS.value,
                 "parity_steps": _PARITY.value,
                 "unrolls": [int(u) for u in _UNROLLS.value],
+                "policies": _POLICIES.value,
             },
             1,
         )

@@ -346,11 +346,17 @@ def config_to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return json.loads(config.to_json())
 
 
+# Model keys that say how the layers are computed, not what: left out of the fingerprint.
+_HOW_LAYERS_RUN = ("remat", "scan_unroll")
+
+
 def fingerprint(config: ml_collections.ConfigDict) -> str:
     """Hash of what defines the trained function: model shapes, data (with the held-out share) and
-    seed (not logging)."""
+    seed (not logging, and not how the layers are computed: `model.remat` and `model.scan_unroll`
+    change memory and speed, not the parameters, so a run may change them and resume)."""
     d = config_to_dict(config)
     keep = {k: d[k] for k in ("model", "seed", "global_batch_size") if k in d}
+    keep["model"] = {k: v for k, v in keep["model"].items() if k not in _HOW_LAYERS_RUN}
     data_keys = ("source", "path", "seq_len", "tokenizer", "mixture")
     keep["data"] = {k: d["data"].get(k) for k in data_keys}
     keep["eval_fraction"] = d["eval"]["fraction"]  # the held-out share is not trained on
