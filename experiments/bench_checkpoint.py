@@ -368,7 +368,9 @@ def compare_backends() -> None:
             return StepInfo(step, step - 1, DataPosition(next_batch=step), 0.0)
 
         # Save: blocking time and commit, interleaved round by round (round 0 warms up).
-        checkpointers = {b: Checkpointer(ctx, handle_sigterm=False) for b, ctx in ctxs.items()}
+        checkpointers = {
+            b: Checkpointer(ctx, handle_sigterm=False).open() for b, ctx in ctxs.items()
+        }
         for backend, ck in checkpointers.items():
             ck.on_start(ctxs[backend], state)
         save_s: dict[str, list[float]] = {b: [] for b in dirs}
@@ -396,7 +398,7 @@ def compare_backends() -> None:
         for _ in range(3):
             for backend in dirs:
                 ctx = context(backend)
-                ck = Checkpointer(ctx, handle_sigterm=False)
+                ck = Checkpointer(ctx, handle_sigterm=False).open()
                 start = time.perf_counter()
                 restored = ck.restore_latest(ctx)
                 jax.block_until_ready(restored.state)
@@ -417,7 +419,7 @@ def compare_backends() -> None:
                 "checkpoint.persistent_timeout_s": timeout_s,
             },
         )
-        ck = Checkpointer(ctx, handle_sigterm=False)
+        ck = Checkpointer(ctx, handle_sigterm=False).open()
         ck.on_start(ctx, state)
         healthy_s = []
         while step % 4 != 3 or len(healthy_s) < 8:

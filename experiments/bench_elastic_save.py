@@ -107,7 +107,7 @@ def main(argv: list[str]) -> None:
         loader = StepIndex(position)
         state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
         checkpointers = {
-            kind: Checkpointer(c, handle_sigterm=False) for kind, c in contexts.items()
+            kind: Checkpointer(c, handle_sigterm=False).open() for kind, c in contexts.items()
         }
         for kind, ck in checkpointers.items():
             ck.on_start(contexts[kind], state)

@@ -81,7 +81,7 @@ def main(argv: list[str]) -> None:
         ctx = context(peer_root)
         state = init_state(base, ctx.mesh)
         state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-        ck = Checkpointer(ctx, handle_sigterm=False)
+        ck = Checkpointer(ctx, handle_sigterm=False).open()
         ck.on_start(ctx, state)
         ck.after_step(ctx, state, StepInfo(1, 0, DataPosition(next_batch=1), 0.0))
         ck.wait_until_finished()
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> None:
                 root = peer_root if kind == "local" else ""
                 os.environ.pop(env_vars.LOCAL_TIER_PEERS, None)
             ctx = context(root)
-            ck = Checkpointer(ctx, handle_sigterm=False)
+            ck = Checkpointer(ctx, handle_sigterm=False).open()
             start = time.perf_counter()
             restored = ck.restore_latest(ctx)
             jax.block_until_ready(restored.state)

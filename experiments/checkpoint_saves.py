@@ -109,7 +109,7 @@ class SaveKinds:
         )
         ctx_local.keeper = ctx_persistent.keeper = keeper  # the one step keeps what both read
         self.tiers: dict[str, tuple[Checkpointer, RunContext]] = {
-            name: (Checkpointer(ctx, handle_sigterm=False), ctx)
+            name: (Checkpointer(ctx, handle_sigterm=False).open(), ctx)
             for name, ctx in (
                 ("local", ctx_local),
                 ("persistent", ctx_persistent),
@@ -203,7 +203,7 @@ class SaveKinds:
         ctx = context(
             base, os.path.join(self.root, name), self.local_root, tier == "local", 0, devices
         )
-        ck = Checkpointer(ctx, handle_sigterm=False)
+        ck = Checkpointer(ctx, handle_sigterm=False).open()
         try:
             start = time.perf_counter()
             restored = ck.restore_latest(ctx)

@@ -77,7 +77,7 @@ def _measure(name: str, config, root: str) -> dict:
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(state.params))
 
     steps = config.total_steps
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state)
     start = time.perf_counter()
     ck.after_step(ctx, state, StepInfo(steps, steps - 1, DataPosition(next_batch=steps), 0.0))
@@ -86,7 +86,7 @@ def _measure(name: str, config, root: str) -> dict:
     ck.close()
     checkpoint_bytes = _dir_bytes(os.path.join(workdir, "checkpoints", str(steps)))
 
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     start = time.perf_counter()
     restored = ck.restore_latest(ctx)
     jax.block_until_ready(restored.state)

@@ -330,7 +330,7 @@ def main(argv: list[str]) -> None:
         steps = _STEPS.value
         clock = StepClock()
         watchdog = Watchdog.from_config(config.health, ctx.events)
-        checkpointer = Checkpointer(ctx, handle_sigterm=False)
+        checkpointer = Checkpointer(ctx, handle_sigterm=False).open()
         hooks = [*build_hooks(ctx, checkpointer=checkpointer, watchdog=watchdog), clock]
         start_step = int(jax.device_get(state.step))
         ctx.config.total_steps = start_step + 2 + steps  # 2 warm-up steps, then measured
@@ -478,7 +478,7 @@ def main(argv: list[str]) -> None:
         watchdog = Watchdog.from_config(ctx.config.health, ctx.events)
         hooks = [
             *build_hooks(
-                ctx, checkpointer=Checkpointer(ctx, handle_sigterm=False), watchdog=watchdog
+                ctx, checkpointer=Checkpointer(ctx, handle_sigterm=False).open(), watchdog=watchdog
             ),
             KillAfterSave(time.time()),
         ]

@@ -19,6 +19,7 @@ checkpoints): fatal, exit 2, never restarted. `RunError` carries the code of a c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -53,7 +54,6 @@ from resilient_jax.train.context import RunContext, prepare
 from resilient_jax.train.deferred import DeferredProgram
 from resilient_jax.train.eval import EvalStepFn, Evaluator
 from resilient_jax.train.hooks import Hook, StopTraining
-from resilient_jax.train.keep import KeepingProgram
 from resilient_jax.train.loop import Loop
 from resilient_jax.train.metrics import MetricsLogger
 from resilient_jax.train.profile import Profiler
@@ -208,153 +208,213 @@ def train(config: ml_collections.ConfigDict, workdir: str, chaos: str = "") -> i
     read_env()  # a launcher's worker environment that does not add up is refused here, early
     check_workdir(workdir)
     events = EventLog(workdir, pid=os.getpid())
-    opened: list[Hook] = []  # closed on the way out, in this order
-    try:
+    # What the run opens is closed on the way out, the last opened first.
+    with contextlib.ExitStack() as lifetime:
         # Heartbeats to the supervisor (if one started us) begin before the slow JAX start-up.
         client = SupervisorClient.from_env(config.coordinator, workdir=workdir)
-        if client is not None and client.fence is not None:
-            events.fence_with(client.fence)  # a superseded generation appends nothing
         if client is not None:
-            opened.append(client)
+            lifetime.callback(client.close)
+            if client.fence is not None:
+                events.fence_with(client.fence)  # a superseded generation appends nothing
         watchdog = Watchdog.from_config(config.health, events)
         watchdog.start()  # from here on a hang anywhere (init, restore, a collective) ends us
-        opened.append(watchdog)
+        lifetime.callback(watchdog.close)
+        if faults is not None:
+            lifetime.callback(faults.close)
         env = initialize_from_env(config.coordinator, events)
         generation = env.generation if env is not None else 0
         events.update_common(generation=generation)
         candidates = None
         if env is not None and candidates_lib.eligible(config, env):
             candidates = CandidateCompiler(env)
+            lifetime.callback(candidates.close)
         return _train(
-            config, workdir, events, opened, faults, client, watchdog, generation, candidates
+            config, workdir, events, lifetime, faults, client, watchdog, generation, candidates
         )
-    finally:
-        for hook in opened:
-            hook.close()
+
+
+@dataclasses.dataclass
+class _Inputs:
+    """What the run reads, each refused here if unusable, before anything is written."""
+
+    source: Any  # the training examples, the held-out share taken out
+    held_out: Any
+    eval_datasets: dict[str, Any]
+    replay: Any  # rehearsal's old data (None without rehearsal)
+    hf_source: HFSource | None  # checkpoint.init_from_hf
+
+
+def _open_inputs(config: ml_collections.ConfigDict) -> _Inputs:
+    # The validation split is held out of training whether or not evaluation runs.
+    source, held_out = holdout(make_source(config), config.eval.fraction)
+    # data.document_mask without an end-of-text token: refused here, before anything is written
+    # (the step that needs the token may come from the executable cache, never traced).
+    document_eos_id(config)
+    return _Inputs(
+        source,
+        held_out,
+        _eval_datasets(config),
+        rehearsal.open_replay(config),
+        HFSource.from_config(config),
+    )
 
 
 def _train(
     config: ml_collections.ConfigDict,
     workdir: str,
     events: EventLog,
-    opened: list[Hook],
+    lifetime: contextlib.ExitStack,
     faults: ChaosHook | None,
     client: SupervisorClient | None,
     watchdog: Watchdog,
     generation: int,
     candidates: CandidateCompiler | None,
 ) -> int:
-    def phase(name: str):
-        return client.phase(name) if client is not None else contextlib.nullcontext()
-
     ctx = prepare(config, workdir, events, generation)
     standby = config.elastic.enabled and elastic_standby.is_standby()
     if config.elastic.enabled and not standby:  # the job's slice, not the runtime's (always 0)
         events.update_common(slice=elastic_runtime.slice_id())
-    # The validation split is held out of training whether or not evaluation runs.
-    source, held_out = holdout(make_source(config), config.eval.fraction)
-    # data.document_mask without an end-of-text token: refused here, before anything is written
-    # (the step that needs the token may come from the executable cache, never traced).
-    document_eos_id(config)
-    eval_datasets = _eval_datasets(config)
-    replay = rehearsal.open_replay(config)  # unusable old data is refused here, before writing
-    # checkpoint.init_from_hf: refused here if unusable, before anything is written.
-    hf_source = HFSource.from_config(config)
+    inputs = _open_inputs(config)
+    # Elastic mode's exchange and programs close after the checkpointer, which saves through them.
+    elastic = lifetime.enter_context(contextlib.ExitStack())
     warm = None
     if standby:  # built ahead; then idle until given the identity of the slice it replaces
-        warm = elastic_runtime.warm_up(ctx, standby=True)
-        opened.append(warm)
+        warm = elastic.enter_context(contextlib.closing(elastic_runtime.warm_up(ctx, standby=True)))
         workdir = _become_slice(ctx, watchdog)
-    checkpointer = _checked(lambda: Checkpointer(ctx))
-    opened.append(checkpointer)
+    checkpointer = _checked(lambda: lifetime.enter_context(Checkpointer(ctx)))
     # The workdir is accepted: only from here on does the run write into it.
     if jax.process_index() == 0:
         write_config(config, workdir)
     events.emit(EventType.PROCESS_START, topology=ctx.topology.describe(), mesh=ctx.plan.describe())
+    with contextlib.ExitStack() as loop_scope:  # what only the loop uses ends with it
+        step_fn, loader, state, session = _start(
+            ctx, inputs, checkpointer, faults, client, warm, loop_scope
+        )
+        if session is not None:
+            elastic.enter_context(contextlib.closing(session))
+        # Not needed before the first evaluation: loaded beside training, not before it.
+        eval_step = None
+        if config.eval.every_steps:
+            eval_step = DeferredProgram(lambda: compile_eval_step(ctx, background=True))
+            loop_scope.callback(eval_step.join)
+        hooks = build_hooks(
+            ctx,
+            checkpointer=checkpointer,
+            watchdog=watchdog,
+            client=client,
+            chaos=faults,
+            held_out=inputs.held_out,
+            eval_step=eval_step,
+            eval_datasets=inputs.eval_datasets,
+            candidates=candidates,
+        )
+        # The hooks close in the loop's order (`build_hooks`), before what was opened ahead of
+        # them unwinds (closing twice is a no-op).
+        lifetime.callback(_close_all, hooks)
+        exit_code, reason = _run_loop(ctx, step_fn, loader, hooks, checkpointer, state)
+    events.emit(EventType.STOP, reason=reason, exit_code=exit_code)
+    if jax.process_index() == 0:
+        goodput.print_summary(workdir)
+    return exit_code
 
-    def restore(max_step: int | None = None) -> tuple[TrainState, DataPosition] | None:
-        restored = checkpointer.restore_latest(ctx, max_step=max_step)
-        if restored is None:
-            return None
-        return restored.state, restored.data_position
+
+def _start(
+    ctx: RunContext,
+    inputs: _Inputs,
+    checkpointer: Checkpointer,
+    faults: ChaosHook | None,
+    client: SupervisorClient | None,
+    warm: elastic_runtime.Warm | None,
+    loop_scope: contextlib.ExitStack,
+) -> tuple[StepFn, Any, TrainState, elastic_runtime.ElasticSession | None]:
+    """The step function, the loader and the state the loop starts from: restored (or initialised)
+    and compiled; in elastic mode, joined to the live slices (which may heal the state instead),
+    with the elastic session. What the loop alone uses (the loader, the compiled step) closes with
+    `loop_scope`."""
+    config = ctx.config
+
+    def phase(name: str) -> contextlib.AbstractContextManager[Any]:
+        return client.phase(name) if client is not None else contextlib.nullcontext()
 
     def load() -> tuple[TrainState, DataPosition]:
         """The newest verified checkpoint's state, or (none) a fresh one from the seed."""
         start = time.perf_counter()
         with phase(PHASE_RESTORE):
-            restored = _checked(restore)
+            restored = _checked(lambda: checkpointer.restore_latest(ctx))
         if restored is not None:
-            return restored
+            return restored.state, restored.data_position
         state = init_state(config, ctx.mesh)
-        if hf_source is not None:  # a fresh start: parameters from the HF directory
-            state = state.replace(params=hf_source.load_params(ctx.abstract_state.params))
-        events.emit(
+        if inputs.hf_source is not None:  # a fresh start: parameters from the HF directory
+            state = state.replace(params=inputs.hf_source.load_params(ctx.abstract_state.params))
+        ctx.events.emit(
             EventType.INIT,
             duration_s=time.perf_counter() - start,
             source=config.checkpoint.init_from_hf or None,
         )
         return state, DataPosition()
 
-    step_fn: StepFn
-    loader: Any
-    compiled: KeepingProgram | None = None
     if config.elastic.enabled and not config.rehearsal.mode:
         # Joins first: a slice that a live one heals receives its state and never loads one
         # (`load` runs only when no slice of the job has a state).
-        with phase(PHASE_COMPILE):
-            step_fn, loader, state, session = elastic_runtime.start(ctx, source, load, warm)
-        opened.append(session)
-    else:
-        state, position = load()
-        # Continual pretraining: the rehearsal share joins the data (a synthetic set is generated
-        # from the starting parameters first, if it is not complete yet).
-        source = rehearsal.training_source(
-            config, workdir, source, replay, state.params, int(state.step), events
-        )
-        if config.elastic.enabled:
-            loaded = state, position
-            with phase(PHASE_COMPILE):
-                step_fn, loader, state, session = elastic_runtime.start(ctx, source, lambda: loaded)
-            opened.append(session)
-        else:
-            loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
-            with phase(PHASE_COMPILE):
-                compiled = compile_step(ctx)
-            step_fn = (
-                wrap_step(compiled, faults) if faults is not None else without_fault_scale(compiled)
-            )
-    # Not needed before the first evaluation: loaded beside training, not before it.
-    eval_step = None
-    if config.eval.every_steps:
-        eval_step = DeferredProgram(lambda: compile_eval_step(ctx, background=True))
-    hooks = build_hooks(
-        ctx,
-        checkpointer=checkpointer,
-        watchdog=watchdog,
-        client=client,
-        chaos=faults,
-        held_out=held_out,
-        eval_step=eval_step,
-        eval_datasets=eval_datasets,
-        candidates=candidates,
+        return _join(ctx, inputs.source, load, warm, phase, loop_scope)
+    state, position = load()
+    # Continual pretraining: the rehearsal share joins the data (a synthetic set is generated
+    # from the starting parameters first, if it is not complete yet).
+    source = rehearsal.training_source(
+        config, ctx.workdir, inputs.source, inputs.replay, state.params, int(state.step), ctx.events
     )
-    opened[:] = hooks + [h for h in opened if isinstance(h, elastic_runtime.ElasticSession)]
+    if config.elastic.enabled:
+        loaded = state, position
+        return _join(ctx, source, lambda: loaded, None, phase, loop_scope)
+    loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
+    loop_scope.callback(loader.close)
+    with phase(PHASE_COMPILE):
+        compiled = compile_step(ctx)
+    # A process that exits while XLA compiles in a thread aborts: the loop's end waits for them.
+    loop_scope.callback(compiled.close)
+    step_fn = wrap_step(compiled, faults) if faults is not None else without_fault_scale(compiled)
+    return step_fn, loader, state, None
+
+
+def _join(
+    ctx: RunContext,
+    source: Any,
+    load: Callable[[], tuple[TrainState, DataPosition]],
+    warm: elastic_runtime.Warm | None,
+    phase: Callable[[str], contextlib.AbstractContextManager[Any]],
+    loop_scope: contextlib.ExitStack,
+) -> tuple[StepFn, Any, TrainState, elastic_runtime.ElasticSession]:
+    """Elastic mode's start: joins the quorum (healed by a live slice, or `load`ing)."""
+    with phase(PHASE_COMPILE):
+        step_fn, loader, state, session = elastic_runtime.start(ctx, source, load, warm)
+    loop_scope.callback(loader.close)
+    return step_fn, loader, state, session
+
+
+def _run_loop(
+    ctx: RunContext,
+    step_fn: StepFn,
+    loader: Any,
+    hooks: list[Hook],
+    checkpointer: Checkpointer,
+    state: TrainState,
+) -> tuple[int, str]:
+    """Trains until the end or a deliberate stop; (exit code, reason)."""
+
+    def restore(max_step: int | None = None) -> tuple[TrainState, DataPosition] | None:
+        restored = checkpointer.restore_latest(ctx, max_step=max_step)
+        return None if restored is None else (restored.state, restored.data_position)
+
     try:
         _checked(lambda: Loop(ctx, step_fn, loader, hooks, restore).run(state))
-        exit_code, reason = ExitCode.FINISHED, "finished"
+        return ExitCode.FINISHED, "finished"
     except StopTraining as stop:
-        exit_code, reason = stop.exit_code, stop.reason
+        return stop.exit_code, stop.reason
     except RunError as e:
-        events.emit(EventType.STOP, reason=str(e), exit_code=e.exit_code)
+        ctx.events.emit(EventType.STOP, reason=str(e), exit_code=e.exit_code)
         raise
-    finally:
-        loader.close()
-        # A process that exits while XLA compiles in a thread aborts: wait for those compiles.
-        if compiled is not None:
-            compiled.close()
-        if eval_step is not None:
-            eval_step.join()
-    events.emit(EventType.STOP, reason=reason, exit_code=exit_code)
-    if jax.process_index() == 0:
-        goodput.print_summary(workdir)
-    return exit_code
+
+
+def _close_all(hooks: list[Hook]) -> None:
+    for hook in hooks:
+        hook.close()

@@ -574,7 +574,7 @@ def restore_from_each_tier(config, workdir: str, step: int, devices: int = 8) ->
         reader_config = config.copy_and_resolve_references()
         reader_config.checkpoint.local_dir = local_dir
         ctx = run_context(reader_config, workdir, devices=devices)
-        reader = Checkpointer(ctx, handle_sigterm=False)
+        reader = Checkpointer(ctx, handle_sigterm=False).open()
         try:
             result = reader.restore_step(ctx, step)
         finally:

@@ -67,7 +67,7 @@ def _saved_run(workdir: str, local_root: str, state0, last: int = 4, **overrides
     overrides = {"checkpoint.every_steps": 2, **overrides}
     config = checkpoint_config(local_root, **overrides)
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     assert ck.restore_latest(ctx) is None
     ck.on_start(ctx, state0)
     state, host = step_through(ck, ctx, state0, 1, last)
@@ -107,7 +107,7 @@ def test_local_tier_round_trip_onto_other_meshes(
         **{"checkpoint.local_every_steps": 1, "checkpoint.every_steps": 0},
     )
     ctx = run_context(config, workdir, devices, replica, fsdp)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.LOCAL, 4)
@@ -129,7 +129,7 @@ def test_persistent_round_trip_onto_fewer_devices_and_replicas(tmp_path, state0)
     assert {e["step"] for e in events_of(workdir, EventType.SAVE_COMMITTED)} == {2, 4}
     for devices, replica, fsdp in [(4, -1, -1), (8, 2, 4)]:
         ctx = run_context(config, workdir, devices, replica, fsdp)
-        ck = Checkpointer(ctx, handle_sigterm=False)
+        ck = Checkpointer(ctx, handle_sigterm=False).open()
         restored = ck.restore_latest(ctx)
         ck.close()
         assert (restored.tier, restored.step) == (Tier.PERSISTENT, 4)
@@ -215,7 +215,7 @@ def test_corrupt_persistent_step_falls_back_and_quarantines(tmp_path, state0, ca
     assert rows[2]["status"] == "ok" and rows[2]["fingerprint"] == fingerprint(config)
     assert rows[4]["status"] != "ok"
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.PERSISTENT, 2)
@@ -254,7 +254,7 @@ def test_a_read_of_a_persistent_step_that_fails_once_is_read_again_not_passed_by
 
         monkeypatch.setattr(PersistentTier, name, failing_once)
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert failures == {"restore_state": 0, "read_meta": 0}  # each failed once
@@ -286,7 +286,7 @@ def test_corrupt_local_piece_falls_back_to_older_step(tmp_path, local_root, stat
     out = capsys.readouterr().out
     assert "bad piece" in out and "local step 2" in out
     ctx = run_context(config, workdir, 4)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.LOCAL, 2)
@@ -306,7 +306,7 @@ def test_local_copies_of_a_deleted_workdir_are_not_restored(tmp_path, local_root
     )
     shutil.rmtree(workdir)  # the user starts over in the same place; the RAM disk remembers
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     assert ck.restore_latest(ctx) is None
     ck.close()
     causes = [e["cause"] for e in events_of(workdir, EventType.CHECKPOINT_INVALID)]
@@ -321,10 +321,10 @@ def test_refuses_other_model_and_config_unless_init_from(tmp_path, state0):
     _, _, host = _saved_run(workdir, "", state0)
     wider = checkpoint_config(**{"model.d_model": 96})
     with pytest.raises(CheckpointError, match="different model"):
-        Checkpointer(run_context(wider, workdir), handle_sigterm=False)
+        Checkpointer(run_context(wider, workdir), handle_sigterm=False).open()
     reseeded = checkpoint_config(**{"seed": 7})
     with pytest.raises(CheckpointError, match="fingerprint"):
-        Checkpointer(run_context(reseeded, workdir), handle_sigterm=False)
+        Checkpointer(run_context(reseeded, workdir), handle_sigterm=False).open()
     assert persistent_step_dirs(workdir) == ["2", "4"]  # untouched
 
     # init_from naming this very directory accepts the other config and resumes from it.
@@ -332,7 +332,7 @@ def test_refuses_other_model_and_config_unless_init_from(tmp_path, state0):
         **{"seed": 7, "checkpoint.init_from": os.path.join(workdir, "checkpoints")}
     )
     ctx = run_context(same_dir, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     assert ck.restore_latest(ctx).step == 4
     ck.close()
 
@@ -342,7 +342,7 @@ def test_refuses_other_model_and_config_unless_init_from(tmp_path, state0):
         **{"seed": 7, "checkpoint.init_from": os.path.join(workdir, "checkpoints")}
     )
     ctx = run_context(fresh, other)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.INIT_FROM, 0)
@@ -354,10 +354,54 @@ def test_refuses_other_model_and_config_unless_init_from(tmp_path, state0):
         **{"model.d_model": 96, "checkpoint.init_from": os.path.join(workdir, "checkpoints")}
     )
     ctx = run_context(wider_from, str(tmp_path / "c"))
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     with pytest.raises(CheckpointError, match="different model"):
         ck.restore_latest(ctx)
     ck.close()
+
+
+def test_a_checkpointer_touches_nothing_until_opened_and_a_failed_open_leaves_nothing(
+    tmp_path, local_root, state0
+):
+    """Constructing does no I/O (no store probe, no directory, no event, no signal handler);
+    `open` does it all, and an open that refuses the directory closes what it had opened."""
+    workdir = str(tmp_path / "a")
+    config = checkpoint_config(local_root, **{"checkpoint.local_every_steps": 1})
+    idle = Checkpointer(run_context(config, workdir), handle_sigterm=True)
+    assert os.listdir(workdir) == [] and not os.path.exists(local_root)  # no store, no event
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    idle.close()  # never opened: nothing to release
+    assert os.listdir(workdir) == [] and not os.path.exists(local_root)
+
+    _saved_run(workdir, local_root, state0)
+    opened_before = len(events_of(workdir, EventType.SAVE_METHOD))
+    wider = checkpoint_config(local_root, **{"model.d_model": 96})
+    refused = Checkpointer(run_context(wider, workdir), handle_sigterm=True)
+    with pytest.raises(CheckpointError, match="different model"):
+        refused.open()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert len(events_of(workdir, EventType.SAVE_METHOD)) == opened_before
+    with Checkpointer(run_context(checkpoint_config(local_root), workdir)) as ck:
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert ck.latest_step() == 4
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_run_resumes_with_another_remat_policy_and_scan_unroll(tmp_path, state0):
+    """How the layers are computed is not what they compute: a run that changes `model.remat`
+    (to fit memory) or `model.scan_unroll` resumes from its own checkpoints, bit for bit."""
+    workdir = str(tmp_path / "a")
+    _, _, host = _saved_run(workdir, "", state0)
+    changed = checkpoint_config(**{"model.remat": "save_dots", "model.scan_unroll": 2})
+    assert fingerprint(changed) == fingerprint(checkpoint_config())
+    assert fingerprint(checkpoint_config(**{"model.num_layers": 3})) != fingerprint(changed)
+    ctx = run_context(changed, workdir)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
+    restored = ck.restore_latest(ctx)
+    ck.close()
+    assert (restored.tier, restored.step) == (Tier.PERSISTENT, 4)
+    assert_bitwise(restored.state.params, host[4].params)
+    assert_bitwise(restored.state.opt_state, host[4].opt_state)
 
 
 def test_rollback_restores_exact_step_and_quarantines_newer(tmp_path, local_root, state0):
@@ -370,7 +414,7 @@ def test_rollback_restores_exact_step_and_quarantines_newer(tmp_path, local_root
         **{"checkpoint.local_every_steps": 1, "checkpoint.local_keep": 2},
     )
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     assert ck.latest_step() == 6 and ck.latest_step(max_step=5) == 5
     restored = ck.restore_latest(ctx, max_step=5)
     assert (restored.tier, restored.step) == (Tier.LOCAL, 5)
@@ -455,7 +499,7 @@ def test_checkpointer_agrees_on_the_local_interval_after_three_saves(
         local_root, **{"checkpoint.local_every_steps": 4, "checkpoint.mtbf_s": 1e-6}
     )
     ctx = run_context(config, str(tmp_path / "run"))
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state0)
     step_through(ck, ctx, state0, 1, 16)
     ck.wait_until_finished()
@@ -470,7 +514,7 @@ def test_checkpointer_agrees_on_the_local_interval_after_three_saves(
     # A supervisor's observed failure rate wins over the configured one.
     monkeypatch.setenv(env_vars.OBSERVED_MTBF_S, "1e9")
     ctx = run_context(config, str(tmp_path / "observed"))
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state0)
     step_through(ck, ctx, state0, 1, 12)
     ck.close()
@@ -498,7 +542,7 @@ def test_wall_clock_save_is_temporary_and_deleted_once_superseded(tmp_path, stat
     clock = FakeClock()
     config = checkpoint_config(**{"checkpoint.every_steps": 10, "checkpoint.every_minutes": 1.0})
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, clock=clock, handle_sigterm=False)
+    ck = Checkpointer(ctx, clock=clock, handle_sigterm=False).open()
     ck.on_start(ctx, state0)
     state, _ = step_through(ck, ctx, state0, 1, 3)
     clock.now += 61  # a minute passes during step 4
@@ -517,7 +561,7 @@ def test_failed_background_save_raises_at_next_save(tmp_path, local_root, state0
     workdir = str(tmp_path)
     config = checkpoint_config(local_root, **{"checkpoint.local_every_steps": 1})
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state0)
     state, _ = step_through(ck, ctx, state0, 1, 1)
     ck.wait_until_finished()
@@ -536,7 +580,7 @@ def test_failed_background_save_raises_at_next_save(tmp_path, local_root, state0
 def test_failed_final_save_raises(tmp_path, state0):
     workdir = str(tmp_path)
     ctx = run_context(checkpoint_config(), workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state0)
     state, _ = step_through(ck, ctx, state0, 1, 1)
     directory = os.path.join(workdir, "checkpoints")
@@ -552,7 +596,7 @@ def test_sigterm_saves_and_stops_with_preempted_exit_code(tmp_path, state0):
     workdir = str(tmp_path)
     ctx = run_context(checkpoint_config(), workdir)
     before = signal.getsignal(signal.SIGTERM)
-    ck = Checkpointer(ctx, handle_sigterm=True)
+    ck = Checkpointer(ctx, handle_sigterm=True).open()
     try:
         ck.on_start(ctx, state0)
         state, _ = step_through(ck, ctx, state0, 1, 2)
@@ -579,7 +623,7 @@ def test_saves_leave_jax_preemption_sync_point_to_the_train_loop(tmp_path, state
     )
     workdir = str(tmp_path)
     ctx = run_context(checkpoint_config(**{"checkpoint.every_steps": 2}), workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     try:
         ck.on_start(ctx, state0)
         step_through(ck, ctx, state0, 1, 4)
@@ -598,7 +642,7 @@ def test_a_finished_run_gives_its_ram_disk_copies_back(tmp_path, local_root, sta
     config.total_steps = 4
     ctx = run_context(config, workdir)
     run = local.run_dir(local_root, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state0)
     state, _ = step_through(ck, ctx, state0, 1, 3)
     # Left by an earlier, killed instance of process 0 and by a bigger generation's process 3.
@@ -613,7 +657,7 @@ def test_a_finished_run_gives_its_ram_disk_copies_back(tmp_path, local_root, sta
     ck.close()
     assert not os.path.exists(run)
     assert persistent_step_dirs(workdir)[-1] == "4"  # the persistent tier keeps the final step
-    ck = Checkpointer(run_context(config, workdir), handle_sigterm=False)
+    ck = Checkpointer(run_context(config, workdir), handle_sigterm=False).open()
     restored = ck.restore_latest(run_context(config, workdir))
     assert (restored.step, restored.tier) == (4, Tier.PERSISTENT)
     assert_bitwise(restored.state, host[4])
@@ -678,7 +722,7 @@ def test_one_snapshot_feeds_both_tiers_while_the_next_steps_donate_the_state(
     overrides = {"checkpoint.every_steps": 2, "checkpoint.local_every_steps": 1}
     config = checkpoint_config(local_root, **overrides)
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state0)
     donate = jax.jit(
         lambda s: jax.tree.map(lambda x: x * 3 if x.dtype.kind == "f" else x + 7, s),
@@ -701,19 +745,19 @@ def test_one_snapshot_feeds_both_tiers_while_the_next_steps_donate_the_state(
         ("local", 3),
         ("persistent", 2),
     ]
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.LOCAL, 3)
     assert_bitwise(restored.state, host[3])
     (newest,) = [c for c in local.list_committed(local.run_dir(local_root, workdir)) if c.step == 3]
     _corrupt(os.path.join(newest.dir, local.DATA_FILE))
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert restored.step == 2
     assert_bitwise(restored.state, host[2])
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     assert_bitwise(ck.restore_step(ctx, 2).state, host[2])
     ck.close()
 
@@ -737,7 +781,7 @@ def test_a_local_save_due_while_the_previous_write_runs_is_skipped_not_waited_fo
     monkeypatch.setattr(local.LocalTier, "_write", slow_write)
     config = checkpoint_config(local_root, **{"checkpoint.local_every_steps": 1})
     ctx = run_context(config, str(tmp_path))
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state0)
     kept = []
     monkeypatch.setattr(ctx.keeper, "keep", lambda state: kept.append(state) or False)
@@ -782,7 +826,7 @@ def test_a_persistent_save_due_while_the_previous_one_commits_is_skipped_not_wai
     config = checkpoint_config(**{"checkpoint.every_steps": 1})
     config.total_steps = 7
     ctx = run_context(config, str(tmp_path))
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state0)
     state, _ = step_through(ck, ctx, state0, 1, 1)
     ck.wait_until_finished()

@@ -45,7 +45,7 @@ def test_save_resume_reshard_verify_fallback_quarantine_and_report(
     ckpt_dir = f"{persistent_base}/checkpoints"
     config = checkpoint_config(**{"checkpoint.every_steps": 2, "checkpoint.dir": ckpt_dir})
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     assert ck.restore_latest(ctx) is None
     ck.on_start(ctx, state0)
     _, host = step_through(ck, ctx, state0, 1, 4)
@@ -57,7 +57,7 @@ def test_save_resume_reshard_verify_fallback_quarantine_and_report(
 
     for devices, replica, fsdp in [(4, -1, -1), (8, 2, 4)]:
         ctx = run_context(config, workdir, devices, replica, fsdp)
-        ck = Checkpointer(ctx, handle_sigterm=False)
+        ck = Checkpointer(ctx, handle_sigterm=False).open()
         restored = ck.restore_latest(ctx)
         ck.close()
         assert (restored.tier, restored.step) == (Tier.PERSISTENT, 4)
@@ -78,7 +78,7 @@ def test_save_resume_reshard_verify_fallback_quarantine_and_report(
     assert rows[2]["status"] == "ok" and "mismatch" in rows[4]["status"]
 
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.PERSISTENT, 2)

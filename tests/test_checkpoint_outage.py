@@ -81,7 +81,7 @@ def test_emulator_killed_mid_save_training_goes_on_and_the_next_save_commits(
     workdir = str(tmp_path / "run")
     config = _config(local_root, gcs)
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     assert ck.restore_latest(ctx) is None
     ck.on_start(ctx, state0)
     # Persistent saves at 4 (committed before step 5) and 8.
@@ -127,7 +127,7 @@ def test_emulator_killed_mid_save_training_goes_on_and_the_next_save_commits(
     restore_config = config.copy_and_resolve_references()
     restore_config.checkpoint.local_dir = ""  # the persistent tier alone
     ctx = run_context(restore_config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx, max_step=committed)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.PERSISTENT, committed)
@@ -138,7 +138,7 @@ def test_bucket_unreachable_at_start_resumes_from_the_local_tier(tmp_path, local
     workdir = str(tmp_path / "run")
     config = _config(local_root, gcs)
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.restore_latest(ctx)
     ck.on_start(ctx, state0)
     _, host = step_through(ck, ctx, state0, 1, 6)  # persistent 4, local 5 and 6
@@ -147,7 +147,7 @@ def test_bucket_unreachable_at_start_resumes_from_the_local_tier(tmp_path, local
 
     gcs.kill()
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     assert (restored.tier, restored.step) == (Tier.LOCAL, 6)
     assert_bitwise(restored.state, host[6])
@@ -172,12 +172,12 @@ def test_bucket_unreachable_at_start_resumes_from_the_local_tier(tmp_path, local
     elsewhere = config.copy_and_resolve_references()
     elsewhere.checkpoint.local_dir = str(tmp_path / "empty-shm")
     ctx = run_context(elsewhere, str(tmp_path / "run"))
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     with pytest.raises(CheckpointError, match="unreachable and no valid local-tier step"):
         ck.restore_latest(ctx)
     ck.close()
     with pytest.raises(CheckpointError, match="unreachable at start"):
-        Checkpointer(run_context(elsewhere, str(tmp_path / "new")), handle_sigterm=False)
+        Checkpointer(run_context(elsewhere, str(tmp_path / "new")), handle_sigterm=False).open()
 
 
 def test_outage_past_its_limit_stops_after_a_local_save(tmp_path, local_root, gcs, state0):
@@ -188,7 +188,7 @@ def test_outage_past_its_limit_stops_after_a_local_save(tmp_path, local_root, gc
         **{"checkpoint.every_steps": 2, "checkpoint.persistent_outage_limit_s": 2.0},
     )
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.restore_latest(ctx)
     ck.on_start(ctx, state0)
     state, _ = step_through(ck, ctx, state0, 1, 2, writes_finish="local")
@@ -233,7 +233,7 @@ def _refusal_run(tmp_path, local_root, gcs, refusing, state0) -> tuple:
     workdir = str(tmp_path / "run")
     config = _config(local_root, gcs, **{"checkpoint.persistent_timeout_s": REFUSAL_TIMEOUT_S})
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.restore_latest(ctx)
     ck.on_start(ctx, state0)
     state, host = step_through(ck, ctx, state0, 1, 4)
@@ -261,7 +261,7 @@ def test_a_refused_save_costs_only_itself(tmp_path, local_root, gcs, refusing, s
     restore_config = config.copy_and_resolve_references()
     restore_config.checkpoint.local_dir = ""  # the persistent tier alone
     ctx = run_context(restore_config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     invalid = events_of(workdir, EventType.CHECKPOINT_INVALID)

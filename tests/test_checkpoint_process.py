@@ -115,7 +115,7 @@ def test_save_torn_by_sigkill_falls_back_and_cleans_temp_dirs(tmp_path, local_ro
         local_root, **{"checkpoint.every_steps": 2, "checkpoint.local_every_steps": 2}
     )
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.LOCAL, 2)
@@ -193,7 +193,7 @@ def _worker(mode: str, workdir: str, local_root: str, port: str = "0", procs: st
     def checkpointer(root: str):
         ctx = run_context(checkpoint_config(root, **overrides), workdir, len(jax.devices()))
         ctx.events = EventLog(workdir, process=jax.process_index())
-        return ctx, Checkpointer(ctx, handle_sigterm=False)
+        return ctx, Checkpointer(ctx, handle_sigterm=False).open()
 
     if mode == "restore":
         # With two processes, the persistent tier next: the same run without a local tier.

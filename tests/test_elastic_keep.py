@@ -84,7 +84,7 @@ def test_an_elastic_save_reads_the_kept_state_after_later_steps_donated_theirs(
     server = QuorumServer("t", join_timeout_s=0.5, expected=1, settle_s=0.0)
     exchange = make_exchange("gloo", "127.0.0.1", 5.0)
     client = QuorumClient(server.address, "t", 0)
-    checkpointer = Checkpointer(ctx, handle_sigterm=False)
+    checkpointer = Checkpointer(ctx, handle_sigterm=False).open()
     try:
         programs = compile_programs(ctx)
         programs.apply.load_keeping()  # in a run: loaded beside training from the first save

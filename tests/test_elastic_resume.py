@@ -59,7 +59,7 @@ def test_a_job_stopped_mid_round_resumes_to_the_undisturbed_bits(tmp_path):
 
         def slice_run(slice_id: int, exchange, client) -> None:
             ctx = run_context(config, f"{workdir}/slices/{slice_id}", devices=2)
-            checkpointer = Checkpointer(ctx, handle_sigterm=False)
+            checkpointer = Checkpointer(ctx, handle_sigterm=False).open()
             try:
                 step = SyncIntervalStep(
                     ctx,

@@ -192,7 +192,7 @@ def test_moe_galore_checkpoint_restores_and_resumes_bitwise_on_the_same_mesh(tmp
     bases = saved.opt_state[1][0].projections["layers__moe__w_gate"]  # [layers, experts, ...]
     assert not np.allclose(bases[0, 0], bases[0, 1])  # each expert's own basis
     assert not np.allclose(bases[0, 0], bases[1, 0])  # and each layer's
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state)
     ck.after_step(ctx, state, StepInfo(2, 1, data_position(2), 0.01))
     ck.wait_until_finished()
@@ -201,7 +201,7 @@ def test_moe_galore_checkpoint_restores_and_resumes_bitwise_on_the_same_mesh(tmp
     after = jax.tree.map(np.asarray, state)
 
     ctx = run_context(config, str(tmp_path), devices=4)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.PERSISTENT, 2)
@@ -218,7 +218,7 @@ def saved_run(tmp_path_factory):
     state = train_steps(ctx, init_state(ctx.config, ctx.mesh), 1, 3)[0]
     saved = jax.tree.map(np.asarray, state)
     assert int(saved.opt_state[1][0].refreshed_at) == 2  # a refreshed projection is saved
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state)
     ck.after_step(ctx, state, StepInfo(3, 2, data_position(3), 0.01))
     ck.wait_until_finished()
@@ -232,7 +232,7 @@ def saved_run(tmp_path_factory):
 
 def _restore(config, workdir: str, devices: int):
     ctx = run_context(config, workdir, devices)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.PERSISTENT, 3)

@@ -111,7 +111,7 @@ def test_nothing_is_kept_before_the_twin_is_loaded_nor_a_state_the_step_is_not_g
 def _save_step_2_of_5(ctx, step, batches, held_saves):
     """Five steps from a fresh state with a checkpointer saving step 2, whose writes are held
     until the fifth step has run; returns the state the save was given."""
-    checkpointer = Checkpointer(ctx, handle_sigterm=False)
+    checkpointer = Checkpointer(ctx, handle_sigterm=False).open()
     state = init_state(ctx.config, ctx.mesh)
     checkpointer.on_start(ctx, state)
     for i in range(5):

@@ -169,7 +169,7 @@ def saved_run(tmp_path_factory):
     ctx = run_context(config, workdir)
     state, metrics = train_steps(ctx, init_state(ctx.config, ctx.mesh), 1, 3)
     saved = jax.tree.map(np.asarray, state)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     ck.on_start(ctx, state)
     ck.after_step(ctx, state, StepInfo(3, 2, data_position(3), 0.01))
     ck.wait_until_finished()
@@ -198,7 +198,7 @@ def test_router_losses_are_in_the_loss_and_the_metrics(saved_run):
 def test_checkpoint_restores_and_resumes_bitwise_on_the_same_mesh(saved_run):
     config, workdir, saved, after, *_ = saved_run
     ctx = run_context(config, workdir, 8)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert (restored.tier, restored.step) == (Tier.PERSISTENT, 3)
@@ -212,7 +212,7 @@ def test_checkpoint_restores_onto_half_the_devices_with_every_expert(saved_run):
     config, workdir, saved, after, *_ = saved_run
     ctx = run_context(config, workdir, 4)  # a lost slice: 4 devices, expert axis still 2
     assert (ctx.plan.replica, ctx.plan.expert, ctx.plan.fsdp, ctx.plan.microbatches) == (1, 2, 2, 2)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     restored = ck.restore_latest(ctx)
     ck.close()
     assert_bitwise(restored.state, saved)  # every expert, verified and placed on 4 devices

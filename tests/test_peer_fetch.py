@@ -44,7 +44,7 @@ def saved(tmp_path_factory):
     root = f"/dev/shm/rj-peer-{uuid.uuid4().hex[:8]}"
     config = checkpoint_config(root, **{"checkpoint.local_every_steps": 1})
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     state0 = init_state(ctx.config, ctx.mesh)
     ck.on_start(ctx, state0)
     _, host = step_through(ck, ctx, state0, 1, LAST)
@@ -94,7 +94,7 @@ def restore_with_peers(workdir, root, peers, monkeypatch, timeout_s: float = 10.
         root, **{"checkpoint.local_every_steps": 1, "checkpoint.peer_timeout_s": timeout_s}
     )
     ctx = run_context(config, workdir)
-    ck = Checkpointer(ctx, handle_sigterm=False)
+    ck = Checkpointer(ctx, handle_sigterm=False).open()
     try:
         return ck.restore_latest(ctx)
     finally:

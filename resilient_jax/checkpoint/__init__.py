@@ -1,8 +1,8 @@
 """Checkpoint engine: local RAM-disk and persistent Orbax tiers, save policies, verified restore.
 
-The train loop constructs `Checkpointer(ctx)`, calls `restore_latest(ctx)` before the first step,
-and adds the checkpointer to its hooks; see `checkpointer` for the save order and `restore` for
-the resume order.
+The train loop enters `Checkpointer(ctx)` (which opens the tiers), calls `restore_latest(ctx)`
+before the first step, and adds the checkpointer to its hooks; see `checkpointer` for the save
+order and `restore` for the resume order.
 """
 
 from resilient_jax.checkpoint.checkpointer import Checkpointer

@@ -65,9 +65,10 @@ def _same_dir(a: str, b: str) -> bool:
 class Checkpointer(Hook):
     """Saves to the local and persistent tiers by policy; restores the newest valid step.
 
-    Construct one per generation (after `jax.distributed` is up and the mesh is planned) and
-    `close()` it before re-initialising JAX. Raises `CheckpointError` if the persistent directory
-    belongs to another model or config.
+    Construct one per generation (after `jax.distributed` is up and the mesh is planned), `open()`
+    it (or enter it: `with Checkpointer(ctx) as checkpointer:`) and `close()` it before
+    re-initialising JAX. Constructing touches nothing; `open` raises `CheckpointError` if the
+    persistent directory belongs to another model or config.
     """
 
     def __init__(
@@ -76,41 +77,62 @@ class Checkpointer(Hook):
         clock: Callable[[], float] = time.monotonic,
         handle_sigterm: bool = True,
     ) -> None:
-        c = ctx.config.checkpoint
+        self._ctx, self._clock_fn = ctx, clock
         self._events = ctx.events
         self._fingerprint = config_lib.fingerprint(ctx.config)
-        self._sync = process_sync(
-            f"resilient_jax/checkpoint/g{ctx.generation}/i{next(_instance_counter)}",
-            c.sync_timeout_s,
-        )
         self.persistent_dir = persistent_dir(ctx.config, ctx.workdir)
-        self._accept_other_config = _same_dir(c.init_from, self.persistent_dir)
+        c = ctx.config.checkpoint
         self._outage = Outage(self._events, self.persistent_dir)
         self._probe = StoreProbe(self.persistent_dir)
         self._commits = PersistentCommits(
             self._events, self._outage, self._probe, c.persistent_timeout_s
         )
-        # Both None while the persistent tier has been unreachable since the start (then restore
-        # uses the local tier, and the tier is opened at the first scheduled save that reaches it).
-        self._persistent: PersistentTier | None = None
-        self._writer_sync = process_sync(f"{self._sync.namespace}/writer", c.sync_timeout_s)
-        unreachable = self._agreed_cause(self._probe.unreachable(c.persistent_timeout_s))
-        if unreachable is None:
-            self._persistent = self._open_persistent(ctx)
-            self._commits.writer = PersistentWriter(self._persistent, self._writer_sync)
-            run_id = self._persistent.run_id(create=True) if self._sync.process_index == 0 else None
-        else:
-            self._outage.begin(None, unreachable)
-            run_id = read_cached_run_id(ctx.workdir) if self._sync.process_index == 0 else None
-        self._run_id: str | None = self._sync.all_gather("run_id", run_id)[0]
-        if unreachable is None and self._sync.process_index == 0:
-            cache_run_id(ctx.workdir, self._run_id)
-        elif unreachable is not None and (self._run_id is None or not c.local_dir):
-            raise CheckpointError(
-                f"persistent tier {self.persistent_dir} unreachable at start ({unreachable}) and "
-                "no local tier of this run to resume from: not starting over what it may hold"
-            )
+        self._preemption = PreemptionNotice(handle_sigterm)
+        # Opened by `open` (a failed open closes what it opened). Both tiers stay None while
+        # unusable: the local one when off; the persistent one while unreachable since the start
+        # (restore then uses the local tier, and the first scheduled save that reaches the store
+        # opens it).
         self._local: LocalTier | None = None
+        self._persistent: PersistentTier | None = None
+        self._deferred_error: CheckpointError | None = None
+        self._last_local_step: int | None = None
+        self._last_persistent_step: int | None = None  # saved by this checkpointer (maybe pending)
+        self._start_step = 0
+        self._timeline = uuid.uuid4().hex[:12]
+        # The state's leaf shapes and dtypes, the same at every save of this generation.
+        self._specs: dict[str, dict[str, Any]] | None = None
+        self._outage_limit_s = c.persistent_outage_limit_s
+        self._opened = self._ready = self._closed = False
+
+    def open(self) -> Checkpointer:
+        """Probes the persistent tier (every process agrees whether it answers), opens both tiers,
+        agrees on the run id and installs the SIGTERM handler. Returns self; on a failure closes
+        what it opened and raises (`CheckpointError`: another model's directory, or no tier to
+        resume from)."""
+        if not self._opened:
+            self._opened = True
+            try:
+                self._open(self._ctx)
+            except BaseException:
+                self.close()
+                raise
+        return self
+
+    def __enter__(self) -> Checkpointer:
+        return self.open()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _open(self, ctx: RunContext) -> None:
+        c = ctx.config.checkpoint
+        self._sync = process_sync(
+            f"resilient_jax/checkpoint/g{ctx.generation}/i{next(_instance_counter)}",
+            c.sync_timeout_s,
+        )
+        self._accept_other_config = _same_dir(c.init_from, self.persistent_dir)
+        self._writer_sync = process_sync(f"{self._sync.namespace}/writer", c.sync_timeout_s)
+        self._run_id = self._open_store(ctx)
         if c.local_dir and c.local_every_steps > 0:
             self._local = LocalTier(
                 run_dir(c.local_dir, ctx.workdir),
@@ -119,7 +141,9 @@ class Checkpointer(Hook):
                 on_commit=self._on_local_commit,
                 fence=ctx.events.fence,
             )
-        self._policy = SavePolicy(c, ctx.config.total_steps, clock, self._local is not None)
+        self._policy = SavePolicy(
+            c, ctx.config.total_steps, self._clock_fn, self._local is not None
+        )
         self._cadence = (
             LocalCadence(self._local, self._policy, self._sync, self._events, c)
             if self._local is not None
@@ -129,16 +153,7 @@ class Checkpointer(Hook):
         method = choose(ctx.config, ctx.plan)
         self._keep_state = method.method == SaveMethod.KEEP
         self._events.emit(EventType.SAVE_METHOD, **dataclasses.asdict(method))
-        self._preemption = PreemptionNotice(handle_sigterm)
-        self._deferred_error: CheckpointError | None = None
-        self._last_local_step: int | None = None
-        self._last_persistent_step: int | None = None  # saved by this checkpointer (maybe pending)
-        self._start_step = 0
-        self._timeline = uuid.uuid4().hex[:12]
-        self._closed = False
-        # The state's leaf shapes and dtypes, the same at every save of this generation.
-        self._specs: dict[str, dict[str, Any]] | None = None
-        self._outage_limit_s = c.persistent_outage_limit_s
+        self._preemption.install()
         self._restorer = Restorer(
             persistent=self._persistent,
             persistent_dir=self.persistent_dir,
@@ -151,6 +166,29 @@ class Checkpointer(Hook):
             on_new_timeline=self._start_timeline,
             peers=peer_fetcher(c, self._local, self._events, os.environ),
         )
+        self._ready = True
+
+    def _open_store(self, ctx: RunContext) -> str | None:
+        """Opens the persistent tier if every process reaches it, and returns the run id every
+        process agrees on (process 0's: the store's, else the one cached in the workdir)."""
+        c = ctx.config.checkpoint
+        unreachable = self._agreed_cause(self._probe.unreachable(c.persistent_timeout_s))
+        if unreachable is None:
+            self._persistent = self._open_persistent(ctx)
+            self._commits.writer = PersistentWriter(self._persistent, self._writer_sync)
+            run_id = self._persistent.run_id(create=True) if self._sync.process_index == 0 else None
+        else:
+            self._outage.begin(None, unreachable)
+            run_id = read_cached_run_id(ctx.workdir) if self._sync.process_index == 0 else None
+        agreed: str | None = self._sync.all_gather("run_id", run_id)[0]
+        if unreachable is None and self._sync.process_index == 0:
+            cache_run_id(ctx.workdir, agreed)
+        elif unreachable is not None and (agreed is None or not c.local_dir):
+            raise CheckpointError(
+                f"persistent tier {self.persistent_dir} unreachable at start ({unreachable}) and "
+                "no local tier of this run to resume from: not starting over what it may hold"
+            )
+        return agreed
 
     # ------------------------------------------------------------------------------ hook methods
 
@@ -193,12 +231,14 @@ class Checkpointer(Hook):
             self._local.release(ctx.topology.num_processes)
 
     def close(self) -> None:
-        """Waits for in-flight saves (reporting failures as events) and releases resources."""
+        """Waits for in-flight saves (reporting failures as events) and releases what `open`
+        opened (nothing if it never ran)."""
         if self._closed:
             return
         self._closed = True
         try:
-            self.wait_until_finished()
+            if self._ready:
+                self.wait_until_finished()
         except (CheckpointError, Fenced):
             # Already reported as a save_failed event, or this generation was given up (its
             # event log takes nothing more): close() must not mask the cause.
@@ -206,10 +246,13 @@ class Checkpointer(Hook):
         finally:
             if self._local is not None:
                 self._local.close()
-            if self._writer is not None:
-                if not self._writer.save_in_progress():
-                    self._writer.tier.close()  # Orbax's close waits for a save still retrying
-                self._writer.stop()
+            writer = self._writer
+            if writer is not None:
+                if not writer.save_in_progress():
+                    writer.tier.close()  # Orbax's close waits for a save still retrying
+                writer.stop()
+            elif self._persistent is not None:  # opened, then the open failed
+                self._persistent.close()
             self._probe.close()
             self._preemption.close()
 
@@ -450,13 +493,17 @@ class Checkpointer(Hook):
         persistent = PersistentTier(
             self.persistent_dir, c.keep, c.keep_period, fence=ctx.events.fence
         )
-        check_persistent_dir(
-            persistent,
-            self._fingerprint,
-            manifest.leaf_specs(ctx.abstract_state),
-            self.persistent_dir,
-            self._accept_other_config,
-        )
+        try:
+            check_persistent_dir(
+                persistent,
+                self._fingerprint,
+                manifest.leaf_specs(ctx.abstract_state),
+                self.persistent_dir,
+                self._accept_other_config,
+            )
+        except BaseException:
+            persistent.close()
+            raise
         return persistent
 
     def _reconnect(self, ctx: RunContext) -> str | None:

@@ -17,16 +17,24 @@ from jax.experimental import multihost_utils
 
 
 class PreemptionNotice:
+    """Constructed idle; `install` takes SIGTERM over where no sync manager does, `close` gives it
+    back."""
+
     def __init__(self, handle_sigterm: bool = True) -> None:
+        self._handle_sigterm = handle_sigterm
         self._requested = threading.Event()
         self._previous: Any = None
         self._installed = False
+        self._use_sync_manager = False
+
+    def install(self) -> None:
         self._use_sync_manager = (
             distributed.global_state.client is not None
             and distributed.global_state.preemption_sync_manager is not None
         )
         if (
-            handle_sigterm
+            self._handle_sigterm
+            and not self._installed
             and not self._use_sync_manager
             and threading.current_thread() is threading.main_thread()
         ):
