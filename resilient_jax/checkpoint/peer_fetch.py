@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,7 @@ _BATCH_BYTES = 64 << 20  # one request asks a peer for at most this much (a larg
 _STREAMS = 4  # requests in flight at once, each on a connection of its own
 
 _Item = tuple[str, Piece, list[Piece]]  # (leaf, the copy asked for, every copy of the piece)
+_Job = tuple[str, str, list[_Item]]  # (peer address, its copy, the items one request asks for)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,57 +203,18 @@ class PeerFetcher:
         # A copy whose manifest gives its piece another size would overrun its neighbour's slot.
         fits = {(leaf, p) for leaf, ps in needed for p in ps if p.nbytes == ps[0].nbytes}
         buffers = threading.local()
+        fetch_batch = functools.partial(self._fetch_batch, data=data, slots=slots, buffers=buffers)
 
-        def fetch_batch(job: tuple[str, str, list[_Item]]) -> tuple[list[_Item], str | None]:
-            """(items that failed, why the peer failed or None); writes the rest."""
-            address, copy_id, batch = job
-            ranges = [(piece.offset, piece.nbytes) for _, piece, _ in batch]
-            size = sum(n for _, n in ranges)
-            first = slots[(batch[0][0], batch[0][1].box)]
-            back_to_back = itertools.accumulate((n for _, n in ranges), initial=first)
-            in_place = all(
-                slots[(leaf, piece.box)] == at
-                for (leaf, piece, _), at in zip(batch, back_to_back, strict=False)
+        def usable(leaf: str, piece: Piece) -> bool:  # `bad` and `dead` grow from round to round
+            return (
+                (leaf, piece) in fits
+                and piece not in bad
+                and by_path[piece.path].address not in dead
             )
-            if in_place:
-                into = data[first : first + size]
-            else:
-                if len(getattr(buffers, "data", b"")) < size:
-                    buffers.data = memoryview(bytearray(max(size, _BATCH_BYTES)))
-                into = buffers.data
-            try:
-                received = read_ranges(
-                    address, self._token, self._run, copy_id, ranges, self._timeout_s, into
-                )
-            except PeerError as e:
-                return batch, str(e)
-            failed, offset = [], 0
-            for leaf, piece, alternatives in batch:
-                raw = received[offset : offset + piece.nbytes]
-                offset += piece.nbytes
-                if crc32(raw) != piece.crc32:
-                    failed.append((leaf, piece, alternatives))
-                    continue
-                if not in_place:
-                    slot = slots[(leaf, piece.box)]
-                    data[slot : slot + piece.nbytes] = raw
-            return failed, None
 
         pending = needed
         while pending:
-            batches: dict[tuple[str, str], list[_Item]] = {}
-            for leaf, pieces in pending:
-                usable = [
-                    p
-                    for p in pieces
-                    if (leaf, p) in fits and p not in bad and by_path[p.path].address not in dead
-                ]
-                if not usable:
-                    why = "; ".join(problems[-3:]) or "no peer holds it"
-                    raise InvalidCheckpoint(f"{leaf} box {list(pieces[0].box)}: {why}")
-                copy = by_path[usable[0].path]
-                batches.setdefault((copy.address, copy.copy), []).append((leaf, usable[0], pieces))
-            jobs = [(a, c, batch) for (a, c), items in batches.items() for batch in _split(items)]
+            jobs = _jobs(pending, by_path, usable, problems)
             pending = []
             for (address, copy_id, batch), (failed, peer_problem) in zip(
                 jobs, piece_io.parallel_map(fetch_batch, jobs, _STREAMS), strict=True
@@ -264,22 +227,93 @@ class PeerFetcher:
                         bad.add(piece)
                         problems.append(f"peer {address} {copy_id}: CRC mismatch in {leaf}")
                     pending.append((leaf, alternatives))
-                written = {(leaf, piece.box) for leaf, piece, _ in failed}
-                for leaf, piece, _ in batch:
-                    if (leaf, piece.box) in written:
-                        continue
+                arrived = _arrived_entries(batch, failed, slots)
+                if arrived:
                     sources.add(address)
-                    entries.append(
-                        {
-                            "leaf": leaf,
-                            "box": [list(b) for b in piece.box],
-                            "offset": slots[(leaf, piece.box)],
-                            "nbytes": piece.nbytes,
-                            "crc32": piece.crc32,
-                        }
-                    )
+                entries.extend(arrived)
         entries.sort(key=lambda entry: entry["offset"])
         return sources
+
+    def _fetch_batch(
+        self,
+        job: _Job,
+        data: memoryview,
+        slots: dict[tuple[str, Any], int],
+        buffers: threading.local,
+    ) -> tuple[list[_Item], str | None]:
+        """One request: (items that failed, why the peer failed or None); writes the rest to
+        their slots in `data`. It is received in place when its slots lie back to back, else
+        into this thread's buffer in `buffers` (kept for the thread's next request)."""
+        address, copy_id, batch = job
+        ranges = [(piece.offset, piece.nbytes) for _, piece, _ in batch]
+        size = sum(n for _, n in ranges)
+        first = slots[(batch[0][0], batch[0][1].box)]
+        back_to_back = itertools.accumulate((n for _, n in ranges), initial=first)
+        in_place = all(
+            slots[(leaf, piece.box)] == at
+            for (leaf, piece, _), at in zip(batch, back_to_back, strict=False)
+        )
+        if in_place:
+            into = data[first : first + size]
+        else:
+            if len(getattr(buffers, "data", b"")) < size:
+                buffers.data = memoryview(bytearray(max(size, _BATCH_BYTES)))
+            into = buffers.data
+        try:
+            received = read_ranges(
+                address, self._token, self._run, copy_id, ranges, self._timeout_s, into
+            )
+        except PeerError as e:
+            return batch, str(e)
+        failed, offset = [], 0
+        for leaf, piece, alternatives in batch:
+            raw = received[offset : offset + piece.nbytes]
+            offset += piece.nbytes
+            if crc32(raw) != piece.crc32:
+                failed.append((leaf, piece, alternatives))
+                continue
+            if not in_place:
+                slot = slots[(leaf, piece.box)]
+                data[slot : slot + piece.nbytes] = raw
+        return failed, None
+
+
+def _jobs(
+    pending: list[tuple[str, list[Piece]]],
+    by_path: dict[str, PeerCopy],
+    usable: Callable[[str, Piece], bool],
+    problems: list[str],
+) -> list[_Job]:
+    """One round's requests: each pending piece asked from the first of its copies still
+    `usable`, grouped by copy and split by `_split`. Raises `InvalidCheckpoint` for a piece
+    with no copy left, with the last `problems` as the reason."""
+    batches: dict[tuple[str, str], list[_Item]] = {}
+    for leaf, pieces in pending:
+        candidates = [p for p in pieces if usable(leaf, p)]
+        if not candidates:
+            why = "; ".join(problems[-3:]) or "no peer holds it"
+            raise InvalidCheckpoint(f"{leaf} box {list(pieces[0].box)}: {why}")
+        copy = by_path[candidates[0].path]
+        batches.setdefault((copy.address, copy.copy), []).append((leaf, candidates[0], pieces))
+    return [(a, c, batch) for (a, c), items in batches.items() for batch in _split(items)]
+
+
+def _arrived_entries(
+    batch: list[_Item], failed: list[_Item], slots: dict[tuple[str, Any], int]
+) -> list[dict[str, Any]]:
+    """The manifest entries of the pieces of `batch` that arrived (are not in `failed`)."""
+    failed_boxes = {(leaf, piece.box) for leaf, piece, _ in failed}
+    return [
+        {
+            "leaf": leaf,
+            "box": [list(b) for b in piece.box],
+            "offset": slots[(leaf, piece.box)],
+            "nbytes": piece.nbytes,
+            "crc32": piece.crc32,
+        }
+        for leaf, piece, _ in batch
+        if (leaf, piece.box) not in failed_boxes
+    ]
 
 
 def _missing(
