@@ -438,7 +438,19 @@ class Checkpointer(Hook):
         def meta_of(digests: dict[str, str]) -> dict[str, Any]:
             return manifest.build_meta(ctx, step, digests, specs, position, d.reason, d.temporary)
 
-        blocking = snapshot_s + time.perf_counter() - started
+        self._report_persistent_save(ctx, step, d, snapshot_s + time.perf_counter() - started)
+        # Handed to the writer thread last (a queue put): once it runs, digests and Orbax's
+        # main-thread part compete with this thread for the interpreter for as long as the
+        # state takes, so nothing of the save is left to do here by then. A store that went
+        # away since the probe fails the save in the writer thread: reported by
+        # `PersistentCommits.poll` as an outage, like a failed commit.
+        self._writer.start(step, snapshot, position, meta_of, d.temporary, started_mono)
+
+    def _report_persistent_save(
+        self, ctx: RunContext, step: int, d: Decision, blocking: float
+    ) -> None:
+        """Reports a persistent save that starts: its blocking time (`blocking`, seconds) to the
+        policy, and its `save` event, which counts the saves skipped since the last one."""
         self._policy.record_persistent_save(blocking)
         interval = self._policy.auto_interval_s() if ctx.config.checkpoint.auto_interval else None
         self._events.emit(
@@ -452,12 +464,6 @@ class Checkpointer(Hook):
             skipped=self._commits.skipped or None,
         )
         self._commits.skipped = 0
-        # Handed to the writer thread last (a queue put): once it runs, digests and Orbax's
-        # main-thread part compete with this thread for the interpreter for as long as the
-        # state takes, so nothing of the save is left to do here by then. A store that went
-        # away since the probe fails the save in the writer thread: reported by
-        # `PersistentCommits.poll` as an outage, like a failed commit.
-        self._writer.start(step, snapshot, position, meta_of, d.temporary, started_mono)
 
     def _skip_persistent(
         self,
