@@ -97,6 +97,51 @@ def _committed(directory: str, manifest: dict[str, Any], index: int) -> bool:
     return digest is not None and os.path.exists(path) and file_digest(path) == digest
 
 
+def _prompt_ids(config: ml_collections.ConfigDict, tokenizer: tokenizer_lib.Tokenizer) -> list[int]:
+    """`rehearsal.prompt`'s tokens; raises `BadInput` when they leave no room in a sequence."""
+    r, seq_len = config.rehearsal, config.data.seq_len
+    prompt_ids = tokenizer.encode(r.prompt)
+    if not 0 < len(prompt_ids) <= seq_len:
+        raise BadInput(
+            f"config.rehearsal.prompt={r.prompt!r} is invalid: it is {len(prompt_ids)} tokens, "
+            f"must be 1 to data.seq_len={seq_len}"
+        )
+    return prompt_ids
+
+
+def _manifest_to_complete(directory: str, wanted: dict[str, Any]) -> dict[str, Any] | None:
+    """The manifest of the set in `directory` (a fresh one when it has none), or None when the
+    set is complete; raises `BadInput` when it was made with another spec than `wanted`."""
+    manifest = read_manifest(directory)
+    if manifest is not None and manifest["spec"] != wanted:
+        raise BadInput(
+            f"the rehearsal set in {directory} was made with other settings ({manifest['spec']}):"
+            " use another workdir or delete it"
+        )
+    if manifest is not None and manifest.get("complete"):
+        return None
+    return manifest or {"spec": wanted, "chunks": {}, "complete": False}
+
+
+def _commit_chunk(
+    directory: str, manifest: dict[str, Any], index: int, tokens_BL: np.ndarray
+) -> None:
+    """Writes chunk `index`, then names it in the manifest: a chunk the manifest names is whole."""
+    path = os.path.join(directory, chunk_name(index))
+    _write_atomically(path, lambda f: np.save(f, tokens_BL))
+    manifest["chunks"][str(index)] = file_digest(path)
+    _write_manifest(directory, manifest)
+
+
+def _wait_for_writer(directory: str, wait_s: float) -> None:
+    """Returns once process 0 has marked the set complete; raises after `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while not (read_manifest(directory) or {}).get("complete"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process 0 did not complete the rehearsal set in {wait_s:.0f} s")
+        time.sleep(_POLL_S)
+
+
 def generate(
     config: ml_collections.ConfigDict,
     directory: str,
@@ -110,22 +155,10 @@ def generate(
     made with other settings, or when the prompt leaves no room in a sequence."""
     r, seq_len = config.rehearsal, config.data.seq_len
     tokenizer = tokenizer_lib.from_config(config)
-    prompt_ids = tokenizer.encode(r.prompt)
-    if not 0 < len(prompt_ids) <= seq_len:
-        raise BadInput(
-            f"config.rehearsal.prompt={r.prompt!r} is invalid: it is {len(prompt_ids)} tokens, "
-            f"must be 1 to data.seq_len={seq_len}"
-        )
-    wanted = spec(config, prompt_ids)
-    manifest = read_manifest(directory)
-    if manifest is not None and manifest["spec"] != wanted:
-        raise BadInput(
-            f"the rehearsal set in {directory} was made with other settings ({manifest['spec']}):"
-            " use another workdir or delete it"
-        )
-    if manifest is not None and manifest.get("complete"):
+    prompt_ids = _prompt_ids(config, tokenizer)
+    manifest = _manifest_to_complete(directory, spec(config, prompt_ids))
+    if manifest is None:
         return
-    manifest = manifest or {"spec": wanted, "chunks": {}, "complete": False}
     if writer:
         os.makedirs(directory, exist_ok=True)
     sampling = Sampling(r.temperature, r.top_k, r.top_p)
@@ -145,10 +178,7 @@ def generate(
         if not writer:
             continue
         tokens_BL = np.concatenate([prompts_BP, new_BN], axis=1)[:rows].astype(np.int32)
-        path = os.path.join(directory, chunk_name(index))
-        _write_atomically(path, lambda f, tokens=tokens_BL: np.save(f, tokens))
-        manifest["chunks"][str(index)] = file_digest(path)
-        _write_manifest(directory, manifest)
+        _commit_chunk(directory, manifest, index, tokens_BL)
         events.emit(
             EventType.REHEARSAL,
             chunk=index,
@@ -160,11 +190,7 @@ def generate(
         _write_manifest(directory, manifest)
         events.emit(EventType.REHEARSAL, complete=True, sequences=r.sequences)
         return
-    deadline = time.monotonic() + wait_s
-    while not (read_manifest(directory) or {}).get("complete"):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"process 0 did not complete the rehearsal set in {wait_s:.0f} s")
-        time.sleep(_POLL_S)
+    _wait_for_writer(directory, wait_s)
 
 
 def open_replay(config: ml_collections.ConfigDict) -> Any:
