@@ -58,7 +58,22 @@ def validate(config: ml_collections.ConfigDict) -> None:
     )
     if config.per_device_batch_size < 0:
         _fail("per_device_batch_size", config.per_device_batch_size, "must be >= 0 (0 = automatic)")
-    m = config.model
+    _validate_model(config.model)
+    _validate_data(config)
+    _validate_optimizer(config.optimizer)
+    _validate_galore(config)
+    _validate_moe(config)
+    _validate_mesh(config)
+    _validate_health(config.health)
+    _validate_checkpoint(config.checkpoint)
+    _validate_coordinator(config.coordinator)
+    _validate_eval(config.eval, config.data.source)
+    _validate_rehearsal(config)
+    _validate_elastic(config)
+    profile_steps(config.profile.steps)
+
+
+def _validate_model(m: ml_collections.ConfigDict) -> None:
     if m.compute_dtype not in COMPUTE_DTYPES:
         _fail("model.compute_dtype", m.compute_dtype, f"allowed: {', '.join(COMPUTE_DTYPES)}")
     if m.remat not in REMAT_POLICIES:
@@ -70,24 +85,30 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _fail("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
     if m.head_dim % 2:
         _fail("model.head_dim", m.head_dim, "must be even (rotary positions rotate pairs)")
-    if config.data.seq_len > m.max_seq_len:
-        _fail("data.seq_len", config.data.seq_len, f"must be <= model.max_seq_len={m.max_seq_len}")
-    if config.data.source not in DATA_SOURCES:
-        _fail("data.source", config.data.source, f"allowed: {', '.join(DATA_SOURCES)}")
-    if config.data.source == "arrayrecord" and not (config.data.path or config.data.mixture):
-        _fail("data.path", config.data.path, "data.source='arrayrecord' needs a file or glob")
-    if config.data.source in ("text", "arrayrecord") and config.data.path:
-        _check_data_path("data.path", config.data.path)
-    if config.data.source == "synthetic" and config.data.path:
-        _fail("data.path", config.data.path, "data.source='synthetic' takes no path")
-    _validate_tokenizer_and_mixture(config.data)
+
+
+def _validate_data(config: ml_collections.ConfigDict) -> None:
+    d, max_seq_len = config.data, config.model.max_seq_len
+    if d.seq_len > max_seq_len:
+        _fail("data.seq_len", d.seq_len, f"must be <= model.max_seq_len={max_seq_len}")
+    if d.source not in DATA_SOURCES:
+        _fail("data.source", d.source, f"allowed: {', '.join(DATA_SOURCES)}")
+    if d.source == "arrayrecord" and not (d.path or d.mixture):
+        _fail("data.path", d.path, "data.source='arrayrecord' needs a file or glob")
+    if d.source in ("text", "arrayrecord") and d.path:
+        _check_data_path("data.path", d.path)
+    if d.source == "synthetic" and d.path:
+        _fail("data.path", d.path, "data.source='synthetic' takes no path")
+    _validate_tokenizer_and_mixture(d)
     # Whether the tokenizer has an end-of-text token to split at is known only once it is loaded:
     # the train step refuses one without (`train.step.document_eos_id`).
-    if not isinstance(config.data.document_mask, bool):
-        _fail("data.document_mask", config.data.document_mask, "must be true or false")
-    if config.data.prefetch < 0 or config.data.num_threads < 1:
-        _fail("data.prefetch", config.data.prefetch, "prefetch >= 0 and num_threads >= 1")
-    o = config.optimizer
+    if not isinstance(d.document_mask, bool):
+        _fail("data.document_mask", d.document_mask, "must be true or false")
+    if d.prefetch < 0 or d.num_threads < 1:
+        _fail("data.prefetch", d.prefetch, "prefetch >= 0 and num_threads >= 1")
+
+
+def _validate_optimizer(o: ml_collections.ConfigDict) -> None:
     if not o.learning_rate > 0:
         _fail("optimizer.learning_rate", o.learning_rate, "must be > 0")
     if o.warmup_steps < 0:
@@ -96,23 +117,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
         _fail("optimizer.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     if o.grad_clip_norm < 0:
         _fail("optimizer.grad_clip_norm", o.grad_clip_norm, "must be >= 0 (0 = no clipping)")
-    _validate_galore(config)
-    _validate_moe(config)
+
+
+def _validate_mesh(config: ml_collections.ConfigDict) -> None:
+    mesh, m = config.mesh, config.model
     for axis in ("replica", "fsdp", "tensor"):
-        value = config.mesh[axis]
+        value = mesh[axis]
         if value == 0 or value < -1:
             _fail(f"mesh.{axis}", value, "must be a positive integer or -1 (automatic)")
-    if config.mesh.tensor == -1:
+    if mesh.tensor == -1:
         _fail("mesh.tensor", -1, "must be a positive integer (never automatic)")
-    if m.num_heads % config.mesh.tensor or m.num_kv_heads % config.mesh.tensor:
-        _fail("mesh.tensor", config.mesh.tensor, "must divide num_heads and num_kv_heads")
-    _validate_health(config.health)
-    _validate_checkpoint(config.checkpoint)
-    _validate_coordinator(config.coordinator)
-    _validate_eval(config.eval, config.data.source)
-    _validate_rehearsal(config)
-    _validate_elastic(config)
-    profile_steps(config.profile.steps)
+    if m.num_heads % mesh.tensor or m.num_kv_heads % mesh.tensor:
+        _fail("mesh.tensor", mesh.tensor, "must divide num_heads and num_kv_heads")
 
 
 def _validate_galore(config: ml_collections.ConfigDict) -> None:
