@@ -31,7 +31,7 @@ from resilient_jax.contracts.faults import HOST_FAULT_KINDS, FaultKind
 from resilient_jax.control import protocol
 from resilient_jax.events import EventLog
 from resilient_jax.worker.client import SupervisorClient
-from resilient_jax.worker.distributed import initialize_from_env
+from resilient_jax.worker.distributed import WorkerEnv, initialize_from_env
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.", required=True)
@@ -90,6 +90,46 @@ def _step_time(slow: list[chaos_spec.Fault], process: int, num_processes: int, s
     return _STEP_TIME.value * factor
 
 
+def _restore(client: SupervisorClient | None, workdir: str, events: EventLog) -> dict:
+    """The last saved state, read between the restore and ready phases the supervisor watches."""
+    if client:
+        client.set_phase(protocol.PHASE_RESTORE)
+    state = _load(workdir)
+    events.emit(EventType.RESTORE, step=state["step"])
+    if client:
+        client.set_phase(protocol.PHASE_READY)
+    return state
+
+
+def _commit(workdir: str, events: EventLog, process: int, step: int, value: float) -> None:
+    """Saves the state at `step`; process 0 alone writes (the state is the same on every one)."""
+    if process == 0:
+        if events.fence is not None:  # the commit of a superseded generation: refused
+            events.fence.check()
+        _save(workdir, {"step": step, "value": value})
+        events.emit(EventType.SAVE, step=step)
+
+
+def _act_out_faults(step: int, env: WorkerEnv | None, events: EventLog) -> None:
+    """The --sim_* faults due before `step`, in the process and generation they hit."""
+    if step == _CRASH_AT.value:
+        if _LOSE_SLICE_FOR.value > 0:
+            slice_index = env.slice_index if env else 0
+            events.emit(
+                EventType.CHAOS,
+                kind=FaultKind.LOSE_SLICE,
+                slice=slice_index,
+                for_s=_LOSE_SLICE_FOR.value,
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+        if _CRASH_CODE.value:
+            os._exit(_CRASH_CODE.value)  # as a worker that stops the run on purpose does
+        raise RuntimeError(f"simulated software error before step {step}")
+    if step == _HANG_AT.value:
+        while True:  # the main thread is stuck; the client's thread keeps heartbeating
+            time.sleep(1.0)
+
+
 def main(argv: list[str]) -> int:
     del argv
     config = _CONFIG.value
@@ -112,40 +152,13 @@ def main(argv: list[str]) -> int:
     rows = batch // num_processes
     distributed = env is not None
 
-    if client:
-        client.set_phase(protocol.PHASE_RESTORE)
-    state = _load(workdir)
-    events.emit(EventType.RESTORE, step=state["step"])
-    if client:
-        client.set_phase(protocol.PHASE_READY)
-
-    def save(step: int) -> None:
-        if process == 0:
-            if events.fence is not None:  # the commit of a superseded generation: refused
-                events.fence.check()
-            _save(workdir, {"step": step, "value": state["value"]})
-            events.emit(EventType.SAVE, step=step)
-
+    state = _restore(client, workdir, events)
     generation = env.generation if env else 0
     faulty = process == _FAULT_PROCESS.value and _FAULT_GENERATION.value in (-1, generation)
     last = time.monotonic()
     for step in range(state["step"] + 1, config.total_steps + 1):
-        if faulty and step == _CRASH_AT.value:
-            if _LOSE_SLICE_FOR.value > 0:
-                slice_index = env.slice_index if env else 0
-                events.emit(
-                    EventType.CHAOS,
-                    kind=FaultKind.LOSE_SLICE,
-                    slice=slice_index,
-                    for_s=_LOSE_SLICE_FOR.value,
-                )
-                os.kill(os.getpid(), signal.SIGKILL)
-            if _CRASH_CODE.value:
-                os._exit(_CRASH_CODE.value)  # as a worker that stops the run on purpose does
-            raise RuntimeError(f"simulated software error before step {step}")
-        if faulty and step == _HANG_AT.value:
-            while True:  # the main thread is stuck; the client's thread keeps heartbeating
-                time.sleep(1.0)
+        if faulty:
+            _act_out_faults(step, env, events)
         first = (step - 1) * batch + process * rows
         partial = np.float64(np.arange(first, first + rows, dtype=np.float64).sum())
         if distributed:
@@ -158,14 +171,14 @@ def main(argv: list[str]) -> int:
         last = now
         every = config.checkpoint.every_steps
         if distributed and multihost_utils.reached_preemption_sync_point(step):
-            save(step)
+            _commit(workdir, events, process, step, state["value"])
             events.emit(EventType.STOP, reason="preempted", step=step)
             return ExitCode.PREEMPTED
         if every and step % every == 0:
-            save(step)
+            _commit(workdir, events, process, step, state["value"])
     if client:
         client.set_phase(protocol.PHASE_DONE)
-    save(config.total_steps)
+    _commit(workdir, events, process, config.total_steps, state["value"])
     if client:
         client.close()
     return ExitCode.FINISHED
