@@ -9,12 +9,13 @@ job trains, so their imports do not slow the start of the generation they would 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import processes
-from resilient_jax.control.hosts import HostRegistry, RemoteWorker
+from resilient_jax.control.hosts import HostRecord, HostRegistry, RemoteWorker
 from resilient_jax.control.worker_env import free_port, placement_env
 from resilient_jax.events import EventLog
 
@@ -52,17 +53,7 @@ class WorkerLauncher:
         the slice's hosts in name order, as many as each has slots) and writes a `process_start`
         event for each. Raises OSError when a start fails."""
         num_processes = len(slices) * processes_per_slice
-        places = []  # (process, slice, host)
-        for index, slice_id in enumerate(slices):
-            free = [(h, h.slots) for h in self._hosts.hosts_for(slice_id)]
-            for local in range(processes_per_slice):
-                while free and free[0][1] == 0:
-                    free.pop(0)
-                if not free:
-                    raise OSError(f"slice {slice_id} has too few worker slots on its hosts")
-                host, left = free[0]
-                free[0] = (host, left - 1)
-                places.append((index * processes_per_slice + local, slice_id, host))
+        places = self._places(slices, processes_per_slice)
         coordinator = places[0][2].address
         port = free_port()
         workers: list[RemoteWorker] = []
@@ -71,20 +62,9 @@ class WorkerLauncher:
                 placement = placement_env(
                     coordinator, port, num_processes, process, len(slices), slice_id, generation
                 )
-                if observed_mtbf_s is not None:  # the local checkpoint interval follows it
-                    placement[env_vars.OBSERVED_MTBF_S] = f"{observed_mtbf_s:.1f}"
-                # Where a restore finds the local-tier pieces this host's RAM disk lacks.
-                placement[env_vars.LOCAL_TIER_PEERS] = ",".join(self._hosts.tier_peers(host.name))
-                command = {
-                    "generation": generation,
-                    "process": process,
-                    "slice": slice_id,
-                    "argv": self._argv,
-                    "cwd": self._cwd,
-                    "placement": placement,
-                    "cache_env": self._cache_env,
-                    "devices": self._devices,
-                }
+                command = self._command(
+                    generation, process, slice_id, host, placement, observed_mtbf_s
+                )
                 workers.append(self._hosts.start(host, generation, process, command))
             self._hosts.await_started(workers)
         except BaseException:  # e.g. the command cannot start: leave no half generation behind
@@ -103,6 +83,50 @@ class WorkerLauncher:
                 standby=worker.from_standby,
             )
         return workers
+
+    def _places(
+        self, slices: Sequence[int], processes_per_slice: int
+    ) -> list[tuple[int, int, HostRecord]]:
+        """(process, slice, host) of every worker of a generation on `slices`: each slice's
+        processes on its hosts in name order, as many on each as it has slots. Raises OSError when
+        a slice's hosts have too few slots."""
+        places = []
+        for index, slice_id in enumerate(slices):
+            free = [(h, h.slots) for h in self._hosts.hosts_for(slice_id)]
+            for local in range(processes_per_slice):
+                while free and free[0][1] == 0:
+                    free.pop(0)
+                if not free:
+                    raise OSError(f"slice {slice_id} has too few worker slots on its hosts")
+                host, left = free[0]
+                free[0] = (host, left - 1)
+                places.append((index * processes_per_slice + local, slice_id, host))
+        return places
+
+    def _command(
+        self,
+        generation: int,
+        process: int,
+        slice_id: int,
+        host: HostRecord,
+        placement: dict[str, str],
+        observed_mtbf_s: float | None,
+    ) -> dict[str, Any]:
+        """The agent's start command for one worker, its `placement` environment completed."""
+        if observed_mtbf_s is not None:  # the local checkpoint interval follows it
+            placement[env_vars.OBSERVED_MTBF_S] = f"{observed_mtbf_s:.1f}"
+        # Where a restore finds the local-tier pieces this host's RAM disk lacks.
+        placement[env_vars.LOCAL_TIER_PEERS] = ",".join(self._hosts.tier_peers(host.name))
+        return {
+            "generation": generation,
+            "process": process,
+            "slice": slice_id,
+            "argv": self._argv,
+            "cwd": self._cwd,
+            "placement": placement,
+            "cache_env": self._cache_env,
+            "devices": self._devices,
+        }
 
     def refill_standbys(self) -> None:
         """Asks every agent, and each that joins later, to keep one standby per worker slot."""
