@@ -121,15 +121,9 @@ class FaultInjector:
         step any worker reported), on the generation running `workers` on `slices`. Returns the
         processes hit, with `now`: detection latency is measured from the fault, not the symptom.
         """
-        due = [
-            a
-            for a in self._pending
-            if (a.at_s is not None and elapsed_s >= a.at_s)
-            or (a.at_step is not None and (max_step or 0) >= a.at_step)
-        ]
         running = [s for s in slices if any(w.slice == s and w.running for w in workers)]
         hit_at: dict[int, float] = {}
-        for planned in due:
+        for planned in self._due(elapsed_s, max_step):
             if not running:
                 break  # between generations: faults wait for hardware that runs
             hit = planned.slice
@@ -139,37 +133,70 @@ class FaultInjector:
                 hit = running[planned.slice % len(running)]
             self._pending.remove(planned)
             action = dataclasses.replace(planned, slice=hit)
-            targets = action_targets(workers, action, self._processes_per_slice)
-            if action.kind == FaultKind.LOSE_SLICE:
-                duration = action.duration_s
-                if duration is None:
-                    duration = self._default_outage_s
-                if duration >= 0:
-                    self._announce_outage(action.slice, now + duration)
-            if action.kind in HOST_FAULT_KINDS:
-                assert self._host_fault is not None, "host faults need the hosts' agents"
-                if action.kind == FaultKind.LOSE_HOST and action.duration_s is not None:
-                    self._announce_outage(action.slice, now + action.duration_s)
-                self._host_fault(action.slice, action.kind, action.duration_s)
-                targets = [w for w in workers if w.slice == action.slice and w.running]
-                hit_at.update({w.process: now for w in targets})
-            for worker in targets if action.kind not in HOST_FAULT_KINDS else ():
-                # A preemption notice goes to the worker alone, as a scheduler would send it.
-                group = action.kind != SupervisorFaultKind.PREEMPT
-                worker.signal(ACTION_SIGNALS[action.kind], group=group)
-                hit_at[worker.process] = now
-            self._events.emit(
-                EventType.FAULT_INJECTED,
-                kind=action.kind,
-                slice=action.slice,
-                aimed_at=planned.slice if planned.slice != action.slice else None,
-                processes=[w.process for w in targets],
-                pids=[w.pid for w in targets],
-                generation=generation,
-                step=max_step,
-            )
-            self._say(
-                f"injected {action.kind} on slice {action.slice} "
-                f"(processes {[w.process for w in targets]})"
-            )
+            targets = self._carry_out(action, now, workers)
+            hit_at.update({w.process: now for w in targets})
+            self._report(planned, action, targets, generation, max_step)
         return hit_at
+
+    def _due(self, elapsed_s: float, max_step: int | None) -> list[SupervisorAction]:
+        """The pending actions due at `elapsed_s` seconds into the run or at `max_step`."""
+        return [
+            a
+            for a in self._pending
+            if (a.at_s is not None and elapsed_s >= a.at_s)
+            or (a.at_step is not None and (max_step or 0) >= a.at_step)
+        ]
+
+    def _carry_out(
+        self, action: SupervisorAction, now: float, workers: Sequence[RemoteWorker]
+    ) -> list[RemoteWorker]:
+        """Carries out `action`, aimed at a running slice; the workers it hits."""
+        if action.kind in HOST_FAULT_KINDS:
+            return self._fault_hosts(action, now, workers)
+        targets = action_targets(workers, action, self._processes_per_slice)
+        if action.kind == FaultKind.LOSE_SLICE:
+            duration = action.duration_s
+            if duration is None:
+                duration = self._default_outage_s
+            if duration >= 0:
+                self._announce_outage(action.slice, now + duration)
+        # A preemption notice goes to the worker alone, as a scheduler would send it.
+        group = action.kind != SupervisorFaultKind.PREEMPT
+        for worker in targets:
+            worker.signal(ACTION_SIGNALS[action.kind], group=group)
+        return targets
+
+    def _fault_hosts(
+        self, action: SupervisorAction, now: float, workers: Sequence[RemoteWorker]
+    ) -> list[RemoteWorker]:
+        """Has the agents of the slice's hosts carry out a host fault; the slice's running
+        workers, which it hits whatever process the action names."""
+        assert self._host_fault is not None, "host faults need the hosts' agents"
+        if action.kind == FaultKind.LOSE_HOST and action.duration_s is not None:
+            self._announce_outage(action.slice, now + action.duration_s)
+        self._host_fault(action.slice, action.kind, action.duration_s)
+        return [w for w in workers if w.slice == action.slice and w.running]
+
+    def _report(
+        self,
+        planned: SupervisorAction,
+        action: SupervisorAction,
+        targets: Sequence[RemoteWorker],
+        generation: int,
+        max_step: int | None,
+    ) -> None:
+        """Writes the `fault_injected` event of `action` (`planned`, re-aimed) and says so."""
+        self._events.emit(
+            EventType.FAULT_INJECTED,
+            kind=action.kind,
+            slice=action.slice,
+            aimed_at=planned.slice if planned.slice != action.slice else None,
+            processes=[w.process for w in targets],
+            pids=[w.pid for w in targets],
+            generation=generation,
+            step=max_step,
+        )
+        self._say(
+            f"injected {action.kind} on slice {action.slice} "
+            f"(processes {[w.process for w in targets]})"
+        )
