@@ -24,11 +24,11 @@ from typing import IO
 
 import ml_collections
 
-from resilient_jax.contracts import exit_codes
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control import attach, compile_cache, detector, processes
 from resilient_jax.control.cluster import ClusterSpec, fit_slices, plan_for
+from resilient_jax.control.failure_verdicts import blamed_slice, fatal_reason, hang_after_finish
 from resilient_jax.control.fault_injection import FaultInjector, SupervisorAction
 from resilient_jax.control.generation import (
     Generation,
@@ -44,7 +44,7 @@ from resilient_jax.control.local_hosts import ForeignAgent
 from resilient_jax.control.outages import OutageReader
 from resilient_jax.control.policy import RestartPolicy, SlicePool, straggler_eviction_pays
 from resilient_jax.control.reconfigure import Reconfigurer
-from resilient_jax.control.server import WorkerReport
+from resilient_jax.control.server import HeartbeatServer, WorkerReport
 from resilient_jax.control.stop_requests import StopRequests
 from resilient_jax.control.stragglers import Straggler, StragglerWatch
 from resilient_jax.events import EventLog
@@ -105,16 +105,7 @@ class Supervisor:
             self._say,
         )
         self._hosts = self._plane.hosts
-        self._faults = FaultInjector(
-            actions,
-            self._pool.all_slices,
-            cluster.processes_per_slice,
-            float(self._c.readmit_after_s),
-            self._pool.announce_outage,
-            self._events,
-            self._say,
-            self._plane.inject_fault,
-        )
+        self._faults = self._fault_injector(actions)
         # Workers started ahead of the next generation (imports done while the job trains).
         self._launcher = WorkerLauncher(
             worker_argv,
@@ -132,6 +123,19 @@ class Supervisor:
         # What a reshape costs and gains; which plan to follow when a slice is lost or returns.
         self._reconfigure = Reconfigurer(config, cluster, workdir, self._events, self._say)
         self._start_time = 0.0
+
+    def _fault_injector(self, actions: Sequence[SupervisorAction]) -> FaultInjector:
+        """The planned faults, aimed at the pool's slices; host faults go through the plane."""
+        return FaultInjector(
+            actions,
+            self._pool.all_slices,
+            self._cluster.processes_per_slice,
+            float(self._c.readmit_after_s),
+            self._pool.announce_outage,
+            self._events,
+            self._say,
+            self._plane.inject_fault,
+        )
 
     # Public.
 
@@ -189,47 +193,72 @@ class Supervisor:
             self._gen.number = history.last_generation  # the next one is numbered after it
             self._start_generation(self._fit(self._pool.choose([]))[0])
         while True:
-            watched = self._watch(deadline)
-            outcome = watched.outcome
-            if outcome == Outcome.COMPLETE:
-                # A generation that restored the last step reports none of its own.
-                step = self._gen.max_step or self._max_step
-                return self._finish(ExitCode.FINISHED, f"completed at step {step}")
-            if outcome in (Outcome.INTERRUPTED, Outcome.TIME_LIMIT):
-                self._stop_workers(float(self._c.save_grace_s))
-                if outcome == Outcome.TIME_LIMIT:
-                    return self._finish(
-                        ExitCode.TIME_LIMIT, "time limit reached; workers asked to save and stop"
-                    )
-                name = self._stop.first_name()
-                return self._finish(
-                    ExitCode.INTERRUPTED, f"interrupted by {name}; workers asked to save and stop"
-                )
-            if outcome == Outcome.FATAL:
-                assert watched.failure is not None and watched.failure.exit_code is not None
-                code = watched.failure.exit_code
-                return self._finish(
-                    code,
-                    f"process {watched.failure.process} stopped the run: "
-                    f"{exit_codes.FATAL[code]} (exit {code}); see its output",
-                )
-            if outcome == Outcome.SCALE_UP:
-                result = self._scale_up()
-            elif outcome == Outcome.STRAGGLER:
-                assert watched.straggler is not None
-                result = self._evict_straggler(watched.straggler)
-            elif outcome == Outcome.PREEMPTED:
-                result = self._after_preemption()
-            else:
-                assert watched.failure is not None
-                result = self._after_failure(watched.failure)
+            result = self._decide(self._watch(deadline))
             if result is not None:
                 return result
+
+    def _decide(self, watched: Watched) -> SupervisorResult | None:
+        """Acts on how a watch ended: the run's result when it ends, else None once the next
+        generation runs."""
+        outcome = watched.outcome
+        if outcome == Outcome.COMPLETE:
+            # A generation that restored the last step reports none of its own.
+            step = self._gen.max_step or self._max_step
+            return self._finish(ExitCode.FINISHED, f"completed at step {step}")
+        if outcome in (Outcome.INTERRUPTED, Outcome.TIME_LIMIT):
+            self._stop_workers(float(self._c.save_grace_s))
+            if outcome == Outcome.TIME_LIMIT:
+                return self._finish(
+                    ExitCode.TIME_LIMIT, "time limit reached; workers asked to save and stop"
+                )
+            name = self._stop.first_name()
+            return self._finish(
+                ExitCode.INTERRUPTED, f"interrupted by {name}; workers asked to save and stop"
+            )
+        if outcome == Outcome.FATAL:
+            assert watched.failure is not None and watched.failure.exit_code is not None
+            return self._finish(watched.failure.exit_code, fatal_reason(watched.failure))
+        if outcome == Outcome.SCALE_UP:
+            return self._scale_up()
+        if outcome == Outcome.STRAGGLER:
+            assert watched.straggler is not None
+            return self._evict_straggler(watched.straggler)
+        if outcome == Outcome.PREEMPTED:
+            return self._after_preemption()
+        assert watched.failure is not None
+        return self._after_failure(watched.failure)
 
     def _after_failure(self, failure: detector.Failure) -> SupervisorResult | None:
         now = time.monotonic()
         gen = self._gen
         self._plane.supersede(gen.number)  # a worker out of reach must write nothing more
+        slice_id = self._report_failure(failure, now)
+        stopping_s = self._stop_workers(float(self._c.kill_grace_s))
+        slice_id, lost_slice = blamed_slice(failure, slice_id, self._plane.lost_slices(gen))
+        self._policy.record_failure(gen.max_step, hardware=lost_slice)
+        reason = self._policy.stop_reason()
+        if reason:
+            return self._finish(ExitCode.FAILED, f"{reason}; last: {failure.detail}")
+        if lost_slice:
+            assert slice_id is not None
+            interrupted = self._evict_lost_slice(slice_id, failure.cause, now)
+            if interrupted is not None:
+                return interrupted
+        slices, reason = self._wait_for_slices()
+        if reason:
+            code = ExitCode.INTERRUPTED if self._stop.requested else ExitCode.FAILED
+            return self._finish(code, f"{reason}; last failure: {failure.detail}")
+        backoff = self._policy.backoff()
+        if backoff and self._stop.sleep(backoff):
+            return self._finish(ExitCode.INTERRUPTED, "interrupted during back-off")
+        self._start_generation(
+            slices, RestartReason.FAILURE, stopping_s=stopping_s, backoff_s=backoff
+        )
+        return None
+
+    def _report_failure(self, failure: detector.Failure, now: float) -> int | None:
+        """Writes the `failure_detected` event and says so; the failed process's slice."""
+        gen = self._gen
         worker = gen.worker(failure.process)
         slice_id = worker.slice if worker else None
         since = gen.fault_times.get(failure.process, failure.since) if worker else failure.since
@@ -247,47 +276,26 @@ class Supervisor:
             detail=failure.detail,
         )
         self._say(f"failure: {failure.detail} (process {failure.process}, slice {slice_id})")
-        stopping_s = self._stop_workers(float(self._c.kill_grace_s))
-        # A process that exited with an error code ran and reported a software error: its
-        # hardware is presumed fine and the slice is retried in place (a repeat is a crash loop).
-        # Killed by a signal, silent or stuck: the slice is lost and evicted whole. A host found
-        # lost meanwhile outranks a peer's error (the peer's collective failed with it).
-        software_error = failure.cause == detector.FailureCause.ERROR or (
-            failure.exit_code is not None and failure.exit_code > 0
+        return slice_id
+
+    def _evict_lost_slice(
+        self, slice_id: int, cause: detector.FailureCause, failed_at: float
+    ) -> SupervisorResult | None:
+        """Evicts a lost slice and waits for it when the plan says to; the run's result when a
+        stop request interrupts the wait."""
+        self._apply_announced_outages()
+        returns_at = self._pool.evict(slice_id, time.monotonic())
+        self._events.emit(
+            EventType.EVICT,
+            slice=slice_id,
+            generation=self._gen.number,
+            cause=cause,
+            returns_in_s=None if returns_at is None else round(returns_at - failed_at, 3),
         )
-        lost_slices = self._plane.lost_slices(gen)
-        if lost_slices and slice_id not in lost_slices:
-            slice_id, software_error = lost_slices[0], False
-        lost_slice = slice_id is not None and not software_error
-        self._policy.record_failure(gen.max_step, hardware=lost_slice)
-        reason = self._policy.stop_reason()
-        if reason:
-            return self._finish(ExitCode.FAILED, f"{reason}; last: {failure.detail}")
-        if lost_slice:
-            assert slice_id is not None
-            self._apply_announced_outages()
-            returns_at = self._pool.evict(slice_id, time.monotonic())
-            self._events.emit(
-                EventType.EVICT,
-                slice=slice_id,
-                generation=gen.number,
-                cause=failure.cause,
-                returns_in_s=None if returns_at is None else round(returns_at - now, 3),
-            )
-            self._say(f"evicted slice {slice_id}")
-            wait_s = self._plan_after_loss(returns_at)
-            if wait_s and self._stop.sleep(wait_s):
-                return self._finish(ExitCode.INTERRUPTED, "interrupted while waiting for a slice")
-        slices, reason = self._wait_for_slices()
-        if reason:
-            code = ExitCode.INTERRUPTED if self._stop.requested else ExitCode.FAILED
-            return self._finish(code, f"{reason}; last failure: {failure.detail}")
-        backoff = self._policy.backoff()
-        if backoff and self._stop.sleep(backoff):
-            return self._finish(ExitCode.INTERRUPTED, "interrupted during back-off")
-        self._start_generation(
-            slices, RestartReason.FAILURE, stopping_s=stopping_s, backoff_s=backoff
-        )
+        self._say(f"evicted slice {slice_id}")
+        wait_s = self._plan_after_loss(returns_at)
+        if wait_s and self._stop.sleep(wait_s):
+            return self._finish(ExitCode.INTERRUPTED, "interrupted while waiting for a slice")
         return None
 
     def _after_preemption(self) -> SupervisorResult | None:
@@ -472,20 +480,7 @@ class Supervisor:
                 return Watched(Outcome.INTERRUPTED)
             if deadline is not None and now > deadline:
                 return Watched(Outcome.TIME_LIMIT)
-            reports = server.reports(gen.number)
-            steps = [r.step for r in reports.values() if r.step is not None]
-            if steps:
-                gen.max_step = max(steps)
-                self._max_step = max(self._max_step or 0, gen.max_step)
-                self._reconfigure.measure(gen, now, reports)
-            hit = self._faults.fire_due(
-                now, now - self._start_time, self._max_step, gen.slices, gen.workers, gen.number
-            )
-            gen.fault_times.update(hit)
-            returned = self._pool.refresh(now)
-            if returned:
-                self._say(f"slices {returned} are healthy again")
-            self._plane.tick()
+            reports = self._observe(server, now)
             lost = self._plane.lost_outcome(gen, now)
             if lost is not None:
                 return lost
@@ -497,17 +492,7 @@ class Supervisor:
             if not running:
                 return Watched(Outcome.COMPLETE)
             if completed_at is not None and now - completed_at > float(self._c.save_grace_s):
-                straggler = min(running)
-                return Watched(
-                    Outcome.FAILURE,
-                    detector.Failure(
-                        detector.FailureCause.HANG,
-                        straggler,
-                        f"process {straggler} still running {now - completed_at:.1f}s after "
-                        "another finished training",
-                        since=completed_at,
-                    ),
-                )
+                return hang_after_finish(min(running), completed_at, now)
             # Silence is judged up to what the server has read: after a pause of this process
             # the heartbeats that arrived meanwhile may not be read yet.
             heard = server.heard_until(now)
@@ -524,6 +509,26 @@ class Supervisor:
             if completed_at is None and self._can_scale_up():
                 return Watched(Outcome.SCALE_UP)
             time.sleep(self._poll_s)
+
+    def _observe(self, server: HeartbeatServer, now: float) -> dict[int, WorkerReport]:
+        """One poll's bookkeeping: the generation's reports and steps, the faults due, slices
+        back from their cooldown, the hosts' news; the reports."""
+        gen = self._gen
+        reports = server.reports(gen.number)
+        steps = [r.step for r in reports.values() if r.step is not None]
+        if steps:
+            gen.max_step = max(steps)
+            self._max_step = max(self._max_step or 0, gen.max_step)
+            self._reconfigure.measure(gen, now, reports)
+        hit = self._faults.fire_due(
+            now, now - self._start_time, self._max_step, gen.slices, gen.workers, gen.number
+        )
+        gen.fault_times.update(hit)
+        returned = self._pool.refresh(now)
+        if returned:
+            self._say(f"slices {returned} are healthy again")
+        self._plane.tick()
+        return reports
 
     def _can_scale_up(self) -> bool:
         gen = self._gen
