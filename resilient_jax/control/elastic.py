@@ -116,38 +116,9 @@ class ElasticSupervisor:
         # A job whose supervisor died: its running slices are taken over, on the same address.
         self._previous = elastic_state.read_state(workdir)
         self._adoptable = self._previous.running() if self._previous else {}
-        if self._adoptable:
-            assert self._previous is not None
-            if self._previous.token_sha256 != elastic_state.token_digest(self._token):
-                raise TakeoverError(
-                    f"slices {sorted(self._adoptable)} of {workdir} run with another run token: "
-                    "start the supervisor again with the job's RJ_RUN_TOKEN or RJ_RUN_TOKEN_FILE"
-                )
-        host, port = "127.0.0.1", 0
-        if self._adoptable:
-            assert self._previous is not None
-            host, port = protocol.split_address(self._previous.address)
-        refusals = RefusalReports(self._events, self._say)
-        self.quorum = QuorumServer(
-            self._token,
-            host,
-            port,
-            join_timeout_s=float(config.elastic.join_timeout_s),
-            expected=self._slices,
-            # the first quorum waits for every slice to have started (or this long)
-            settle_s=float(config.coordinator.startup_timeout_s),
-            limits=ConnectionLimits.from_config(config.coordinator),
-            on_refused=refusals.refused,
-            on_suppressed=refusals.suppressed,
-        )
-        # One executable cache for the job's slices (they compile the same programs for the
-        # same local devices): a replacement loads its steps instead of compiling them.
-        cache = compile_cache.cache_env(config.coordinator, workdir)
-        env = shared_env(os.environ, "", os.getpid(), self._token, devices_per_process, cache)
-        env.pop(env_vars.SUPERVISOR_ADDRESS, None)  # no heartbeats: the quorum server sees them
-        env.pop(env_vars.SUPERVISOR_PID, None)  # a slice outlives this process
-        env[env_vars.QUORUM_ADDRESS] = self.quorum.address
-        self._env = env
+        self._refuse_foreign_takeover()
+        self.quorum = self._quorum_server()
+        self._env = self._slice_env(devices_per_process)
         self.workers: dict[int, SliceProcesses] = {}
         self.adopted: list[int] = []
         self._standby_enabled = bool(config.elastic.standby)
@@ -167,6 +138,50 @@ class ElasticSupervisor:
 
     def request_stop(self, signum: int) -> None:
         self._stop_signal = signum
+
+    def _refuse_foreign_takeover(self) -> None:
+        """Raises TakeoverError when the slices to take over run with another run token."""
+        if not self._adoptable:
+            return
+        assert self._previous is not None
+        if self._previous.token_sha256 != elastic_state.token_digest(self._token):
+            raise TakeoverError(
+                f"slices {sorted(self._adoptable)} of {self._workdir} run with another run token: "
+                "start the supervisor again with the job's RJ_RUN_TOKEN or RJ_RUN_TOKEN_FILE"
+            )
+
+    def _quorum_server(self) -> QuorumServer:
+        """The slices' quorum server, listening on the address of the slices it takes over (they
+        reconnect there), else on a free loopback port."""
+        host, port = "127.0.0.1", 0
+        if self._adoptable:
+            assert self._previous is not None
+            host, port = protocol.split_address(self._previous.address)
+        refusals = RefusalReports(self._events, self._say)
+        config = self._config
+        return QuorumServer(
+            self._token,
+            host,
+            port,
+            join_timeout_s=float(config.elastic.join_timeout_s),
+            expected=self._slices,
+            # the first quorum waits for every slice to have started (or this long)
+            settle_s=float(config.coordinator.startup_timeout_s),
+            limits=ConnectionLimits.from_config(config.coordinator),
+            on_refused=refusals.refused,
+            on_suppressed=refusals.suppressed,
+        )
+
+    def _slice_env(self, devices_per_process: int) -> dict[str, str]:
+        """The environment every process of every slice (and the standby) starts with."""
+        # One executable cache for the job's slices (they compile the same programs for the
+        # same local devices): a replacement loads its steps instead of compiling them.
+        cache = compile_cache.cache_env(self._config.coordinator, self._workdir)
+        env = shared_env(os.environ, "", os.getpid(), self._token, devices_per_process, cache)
+        env.pop(env_vars.SUPERVISOR_ADDRESS, None)  # no heartbeats: the quorum server sees them
+        env.pop(env_vars.SUPERVISOR_PID, None)  # a slice outlives this process
+        env[env_vars.QUORUM_ADDRESS] = self.quorum.address
+        return env
 
     def start_slice(self, slice_id: int) -> None:
         workdir = slice_workdir(self._workdir, slice_id)
