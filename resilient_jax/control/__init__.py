@@ -10,7 +10,8 @@
     worker_env       the environment each worker starts with
     processes        worker processes: spawn, signal, stop within a bound
     server, protocol the heartbeat server and what workers send it
-    detector         failure and hang detection from the workers' reports
+    detector         failure and hang detection from the workers' reports; `failure_verdicts`:
+                     what a failure means (the slice to blame, lost or retried in place)
     stragglers       which process the others keep waiting for
     policy           slices in and out, restart budget and back-off, whether a reshape pays
     outages          slice outages the chaos hook announces in the event log
