@@ -44,6 +44,7 @@ fsdp-sharded along m. A side made of several axes (heads x head_dim) is replicat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -105,6 +106,11 @@ class _Plan:
         return jnp.einsum("...mj,...ij->...mi", low, rotation)
 
 
+# A pytree's leaves with their paths, as `jax.tree_util.tree_flatten_with_path` lists them.
+_Flat = list[tuple[tuple[Any, ...], Any]]
+_PlanOf = Callable[[str, tuple[int, ...]], _Plan | None]
+
+
 def path_key(path: tuple[Any, ...]) -> str:
     # "__" rather than "/" or ".": checkpoint writers give those a meaning of their own.
     return "__".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
@@ -132,48 +138,19 @@ def galore(
 ) -> optax.GradientTransformation:
     """GaLore around `inner`; see the module docstring. Raises ValueError when `rank` exceeds the
     smaller side of a weight it would project."""
-    if rank < 1 or update_interval < 1 or min_size < 0 or not scale > 0:
-        raise ValueError(
-            f"galore needs rank >= 1, update_interval >= 1, min_size >= 0 and scale > 0; got "
-            f"rank={rank} update_interval={update_interval} min_size={min_size} scale={scale}"
-        )
-
-    def plan_of(key: str, shape: tuple[int, ...]) -> _Plan | None:
-        if exclude(key):
-            return None
-        batch = tuple(shape[: batch_dims(key)])
-        matrix = shape[len(batch) :]
-        if len(matrix) < 2 or math.prod(matrix) < min_size:
-            return None
-        split = matrix_split(matrix)
-        plan = _Plan(batch, split, math.prod(matrix[:split]), math.prod(matrix[split:]), rank)
-        if rank > min(plan.rows, plan.cols):
-            raise ValueError(
-                f"galore rank {rank} exceeds the smaller side of a {plan.rows}x{plan.cols} matrix"
-            )
-        return plan
+    _check_settings(rank, update_interval, min_size, scale)
+    plan_of = functools.partial(
+        _plan_of,
+        rank=rank,
+        min_size=min_size,
+        matrix_split=matrix_split,
+        batch_dims=batch_dims,
+        exclude=exclude,
+    )
 
     def init(params: Any) -> GaLoreState:
         flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_box)
-        inner_params, projections = [], {}
-        for path, leaf in flat:
-            value = leaf.value if _is_box(leaf) else leaf
-            plan = plan_of(path_key(path), value.shape)
-            if plan is None:
-                inner_params.append(leaf)
-                continue
-            low = jnp.zeros(plan.low_rank_shape, value.dtype)
-            proj = jnp.zeros(plan.projection_shape, jnp.float32)
-            if _is_box(leaf):
-                stacked = tuple(leaf.names[: len(plan.batch)])
-                names = leaf.names[len(plan.batch) :]
-                rows, cols = _side_name(names[: plan.split]), _side_name(names[plan.split :])
-                low = leaf.replace(
-                    value=low, names=(*stacked, None, cols) if plan.left else (*stacked, rows, None)
-                )
-                proj = leaf.replace(value=proj, names=(*stacked, rows if plan.left else cols, None))
-            inner_params.append(low)
-            projections[path_key(path)] = proj
+        inner_params, projections = _init_leaves(flat, plan_of)
         return GaLoreState(
             count=jnp.zeros((), jnp.int32),
             refreshed_at=jnp.zeros((), jnp.int32),
@@ -185,44 +162,17 @@ def galore(
         del params  # the inner transformation works in the projected space, where there are none
         refresh = state.count % update_interval == 0
         flat, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        plans: dict[str, _Plan] = {}
-        matrices, projections = {}, {}
-        for path, grad in flat:
-            key = path_key(path)
-            if key not in state.projections:
-                continue
-            plan = plans[key] = plan_of(key, grad.shape)
-            matrices[key] = matrix = grad.reshape(plan.matrix_shape).astype(jnp.float32)
-            projections[key] = jax.lax.cond(
-                refresh,
-                lambda m, _, plan=plan: _top_singular_vectors(m, plan),
-                lambda _, old: old,
-                matrix,
-                state.projections[key],
-            )
+        plans, matrices, projections = _refreshed_projections(
+            flat, state.projections, refresh, plan_of
+        )
         inner_state = state.inner
         if rotate_state and plans:
-            inner_state = jax.lax.cond(
-                refresh,
-                lambda s: _rotate(s, plans, state.projections, projections),
-                lambda s: s,
-                inner_state,
+            inner_state = _rotated_on_refresh(
+                inner_state, refresh, plans, state.projections, projections
             )
-        low_rank = [
-            plans[key].project(projections[key], matrices[key]).astype(grad.dtype)
-            if (key := path_key(path)) in plans
-            else grad
-            for path, grad in flat
-        ]
+        low_rank = _low_rank(flat, plans, matrices, projections)
         inner_updates, inner_state = inner.update(treedef.unflatten(low_rank), inner_state)
-        out = []
-        for (path, grad), low in zip(flat, jax.tree.leaves(inner_updates), strict=True):
-            key = path_key(path)
-            if key not in plans:
-                out.append(low)
-                continue
-            full = plans[key].project_back(projections[key], low)
-            out.append((scale * full).reshape(grad.shape).astype(grad.dtype))
+        out = _projected_back(flat, jax.tree.leaves(inner_updates), plans, projections, scale)
         new_state = GaLoreState(
             count=state.count + 1,
             refreshed_at=jnp.where(refresh, state.count, state.refreshed_at),
@@ -232,6 +182,129 @@ def galore(
         return treedef.unflatten(out), new_state
 
     return optax.GradientTransformation(init, update)
+
+
+def _check_settings(rank: int, update_interval: int, min_size: int, scale: float) -> None:
+    if rank < 1 or update_interval < 1 or min_size < 0 or not scale > 0:
+        raise ValueError(
+            f"galore needs rank >= 1, update_interval >= 1, min_size >= 0 and scale > 0; got "
+            f"rank={rank} update_interval={update_interval} min_size={min_size} scale={scale}"
+        )
+
+
+def _plan_of(
+    key: str,
+    shape: tuple[int, ...],
+    *,
+    rank: int,
+    min_size: int,
+    matrix_split: Callable[[tuple[int, ...]], int],
+    batch_dims: Callable[[str], int],
+    exclude: Callable[[str], bool],
+) -> _Plan | None:
+    """How the leaf at `key` is projected, or None when it goes through the inner transformation
+    unchanged."""
+    if exclude(key):
+        return None
+    batch = tuple(shape[: batch_dims(key)])
+    matrix = shape[len(batch) :]
+    if len(matrix) < 2 or math.prod(matrix) < min_size:
+        return None
+    split = matrix_split(matrix)
+    plan = _Plan(batch, split, math.prod(matrix[:split]), math.prod(matrix[split:]), rank)
+    if rank > min(plan.rows, plan.cols):
+        raise ValueError(
+            f"galore rank {rank} exceeds the smaller side of a {plan.rows}x{plan.cols} matrix"
+        )
+    return plan
+
+
+def _init_leaves(flat: _Flat, plan_of: _PlanOf) -> tuple[list[Any], dict[str, Any]]:
+    """The parameters the inner state is initialised from (projected leaves at their low-rank
+    shape) and each projected leaf's P, zero until the first update computes it; boxed leaves
+    keep their logical axis names (module docstring, "Sharding")."""
+    inner_params, projections = [], {}
+    for path, leaf in flat:
+        value = leaf.value if _is_box(leaf) else leaf
+        plan = plan_of(path_key(path), value.shape)
+        if plan is None:
+            inner_params.append(leaf)
+            continue
+        low = jnp.zeros(plan.low_rank_shape, value.dtype)
+        proj = jnp.zeros(plan.projection_shape, jnp.float32)
+        if _is_box(leaf):
+            stacked = tuple(leaf.names[: len(plan.batch)])
+            names = leaf.names[len(plan.batch) :]
+            rows, cols = _side_name(names[: plan.split]), _side_name(names[plan.split :])
+            low = leaf.replace(
+                value=low, names=(*stacked, None, cols) if plan.left else (*stacked, rows, None)
+            )
+            proj = leaf.replace(value=proj, names=(*stacked, rows if plan.left else cols, None))
+        inner_params.append(low)
+        projections[path_key(path)] = proj
+    return inner_params, projections
+
+
+def _refreshed_projections(
+    flat: _Flat,
+    previous: dict[str, jax.Array],
+    refresh: jax.Array,
+    plan_of: _PlanOf,
+) -> tuple[dict[str, _Plan], dict[str, jax.Array], dict[str, jax.Array]]:
+    """The plan, the float32 matrix view of the gradient and the P (recomputed when `refresh`,
+    else the previous one) of each projected leaf, keyed by its path."""
+    plans: dict[str, _Plan] = {}
+    matrices, projections = {}, {}
+    for path, grad in flat:
+        key = path_key(path)
+        if key not in previous:
+            continue
+        plan = plans[key] = plan_of(key, grad.shape)
+        matrices[key] = matrix = grad.reshape(plan.matrix_shape).astype(jnp.float32)
+        projections[key] = jax.lax.cond(
+            refresh,
+            lambda m, _, plan=plan: _top_singular_vectors(m, plan),
+            lambda _, old: old,
+            matrix,
+            previous[key],
+        )
+    return plans, matrices, projections
+
+
+def _low_rank(
+    flat: _Flat,
+    plans: dict[str, _Plan],
+    matrices: dict[str, jax.Array],
+    projections: dict[str, jax.Array],
+) -> list[jax.Array]:
+    """The gradient leaves the inner transformation sees: projected leaves projected (in their
+    gradient's dtype), the others as they are."""
+    return [
+        plans[key].project(projections[key], matrices[key]).astype(grad.dtype)
+        if (key := path_key(path)) in plans
+        else grad
+        for path, grad in flat
+    ]
+
+
+def _projected_back(
+    flat: _Flat,
+    inner_updates: list[jax.Array],
+    plans: dict[str, _Plan],
+    projections: dict[str, jax.Array],
+    scale: float,
+) -> list[jax.Array]:
+    """The inner transformation's updates in full space: projected leaves projected back, scaled
+    and in their gradient's shape and dtype; the others as they are."""
+    out = []
+    for (path, grad), low in zip(flat, inner_updates, strict=True):
+        key = path_key(path)
+        if key not in plans:
+            out.append(low)
+            continue
+        full = plans[key].project_back(projections[key], low)
+        out.append((scale * full).reshape(grad.shape).astype(grad.dtype))
+    return out
 
 
 def _top_singular_vectors(matrix: jax.Array, plan: _Plan) -> jax.Array:
@@ -258,6 +331,18 @@ def _svd_one_by_one(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
     return u.reshape(*matrix.shape[:-2], *u.shape[-2:]), vt.reshape(
         *matrix.shape[:-2], *vt.shape[-2:]
     )
+
+
+def _rotated_on_refresh(
+    inner_state: optax.OptState,
+    refresh: jax.Array,
+    plans: dict[str, _Plan],
+    old: dict[str, jax.Array],
+    new: dict[str, jax.Array],
+) -> optax.OptState:
+    """`_rotate` on the steps that recomputed the projections; the inner state as it is on the
+    others, where the bases did not change."""
+    return jax.lax.cond(refresh, lambda s: _rotate(s, plans, old, new), lambda s: s, inner_state)
 
 
 def _rotate(
