@@ -83,13 +83,7 @@ def assess(
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     log_grad = jnp.log(jnp.maximum(grad_norm, _TINY))
 
-    loss_floor = jnp.maximum(LOSS_STD_FLOOR_REL * jnp.abs(stats.loss_mean), 1e-6)
-    loss_z = jnp.where(finite, _zscore(loss, stats.loss_mean, stats.loss_var, loss_floor), 0.0)
-    grad_z = jnp.where(
-        finite,
-        _zscore(log_grad, stats.log_grad_mean, stats.log_grad_var, jnp.float32(LOG_GRAD_STD_FLOOR)),
-        0.0,
-    )
+    loss_z, grad_z = _zscores(stats, loss, log_grad, finite)
     warm = stats.count >= max(cfg.warmup_steps, MIN_SAMPLES)
     loss_spike = warm & finite & (loss_z > cfg.zscore)
     grad_spike = warm & finite & (grad_z > cfg.zscore)
@@ -102,22 +96,7 @@ def assess(
     loss_mean, loss_var = _ema(stats.loss_mean, stats.loss_var, loss, decay)
     grad_mean, grad_var = _ema(stats.log_grad_mean, stats.log_grad_var, log_grad, decay)
 
-    if cfg.pid_enabled:
-        # A non-finite step is the worst spike there is: full error.
-        score = jnp.where(finite, jnp.maximum(loss_z, grad_z), cfg.pid_target_z + pid.ERROR_MAX)
-        lr_scale, integral, error = pid.pid_scale(
-            stats.pid_integral,
-            stats.pid_error,
-            score,
-            warm,
-            target=cfg.pid_target_z,
-            kp=cfg.pid_kp,
-            ki=cfg.pid_ki,
-            kd=cfg.pid_kd,
-            min_scale=cfg.pid_min_scale,
-        )
-    else:
-        lr_scale, integral, error = jnp.float32(1.0), stats.pid_integral, stats.pid_error
+    lr_scale, integral, error = _controller(stats, finite, warm, loss_z, grad_z, cfg)
 
     new_stats = HealthStats(
         count=stats.count + learn.astype(jnp.float32),
@@ -139,6 +118,48 @@ def assess(
         "lr_scale": lr_scale,
     }
     return ok, new_stats, flags
+
+
+def _zscores(
+    stats: HealthStats, loss: jax.Array, log_grad: jax.Array, finite: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The z-scores of the loss and the log gradient norm against the running statistics, 0 on a
+    non-finite step."""
+    loss_floor = jnp.maximum(LOSS_STD_FLOOR_REL * jnp.abs(stats.loss_mean), 1e-6)
+    loss_z = jnp.where(finite, _zscore(loss, stats.loss_mean, stats.loss_var, loss_floor), 0.0)
+    grad_z = jnp.where(
+        finite,
+        _zscore(log_grad, stats.log_grad_mean, stats.log_grad_var, jnp.float32(LOG_GRAD_STD_FLOOR)),
+        0.0,
+    )
+    return loss_z, grad_z
+
+
+def _controller(
+    stats: HealthStats,
+    finite: jax.Array,
+    warm: jax.Array,
+    loss_z: jax.Array,
+    grad_z: jax.Array,
+    cfg: Any,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The learning-rate scale, integral and error after this step: the PID controller's when
+    `cfg.pid_enabled`, else full rate and the controller state as it was."""
+    if not cfg.pid_enabled:
+        return jnp.float32(1.0), stats.pid_integral, stats.pid_error
+    # A non-finite step is the worst spike there is: full error.
+    score = jnp.where(finite, jnp.maximum(loss_z, grad_z), cfg.pid_target_z + pid.ERROR_MAX)
+    return pid.pid_scale(
+        stats.pid_integral,
+        stats.pid_error,
+        score,
+        warm,
+        target=cfg.pid_target_z,
+        kp=cfg.pid_kp,
+        ki=cfg.pid_ki,
+        kd=cfg.pid_kd,
+        min_scale=cfg.pid_min_scale,
+    )
 
 
 def where_ok(ok: jax.Array, new: Any, old: Any) -> Any:
