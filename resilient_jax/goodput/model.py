@@ -210,6 +210,27 @@ def _inflated(recovery_s: float, rate: float) -> float:
     return math.expm1(rate * recovery_s) / rate if rate > 0 else recovery_s
 
 
+# A kind of interruption: (rate, wall seconds of each recovery phase, progress lost).
+_Interruption = tuple[float, dict[str, float], float]
+
+
+def _mean_cycle(kinds: list[_Interruption], fail_rate: float) -> tuple[float, dict[str, float]]:
+    """The mean running phase of a cycle, and the seconds by category that its interruption
+    costs on average: the recovery phases (inflated by failures during the recovery) and the
+    progress lost."""
+    total_rate = sum(rate for rate, _, _ in kinds)
+    running = 1.0 / total_rate
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    for rate, recovery, lost in kinds:
+        weight = rate / total_rate
+        length = sum(recovery.values())
+        inflation = _inflated(length, fail_rate) / length if length > 0 else 1.0
+        for category, duration in recovery.items():
+            seconds[category] += weight * duration * inflation
+        seconds["lost_progress"] += weight * min(lost, running)
+    return running, seconds
+
+
 def analytic(strategy: Strategy, cluster: Cluster, intervals: Intervals) -> Breakdown:
     """First-order renewal model: a cycle is a running phase ended by an interruption, then the
     recovery. The age of the newest durable save of a tier at a random running moment is
@@ -232,7 +253,7 @@ def analytic(strategy: Strategy, cluster: Cluster, intervals: Intervals) -> Brea
 
     age_persistent = (s.persistent.commit_s, s.persistent.commit_s + persistent_s * stretch)
     mean_age_persistent = sum(age_persistent) / 2
-    kinds: list[tuple[float, dict[str, float], float]] = []  # (rate, recovery phases, lost)
+    kinds: list[_Interruption] = []
 
     def phases(restore_s: float, detection: tuple[str, float]) -> dict[str, float]:
         return {
@@ -259,16 +280,7 @@ def analytic(strategy: Strategy, cluster: Cluster, intervals: Intervals) -> Brea
         rollback = phases(s.persistent.restore_s, detection)
         kinds.append((anomaly_rate / stretch, rollback, mean_age_persistent))
 
-    total_rate = sum(rate for rate, _, _ in kinds)
-    running = 1.0 / total_rate
-    seconds = dict.fromkeys(CATEGORIES, 0.0)
-    for rate, recovery, lost in kinds:
-        weight = rate / total_rate
-        length = sum(recovery.values())
-        inflation = _inflated(length, fail_rate) / length if length > 0 else 1.0
-        for category, duration in recovery.items():
-            seconds[category] += weight * duration * inflation
-        seconds["lost_progress"] += weight * min(lost, running)
+    running, seconds = _mean_cycle(kinds, fail_rate)
     good = (running - seconds["lost_progress"]) / stretch
     seconds["checkpoint_save"] = good * save_per_step_s
     seconds["anomaly"] += good * skipped_share / (1.0 - skipped_share)
