@@ -158,6 +158,40 @@ def rotary(x_BLHE: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return out.astype(x_BLHE.dtype)
 
 
+def _attend_causal(
+    q_BLHE: jax.Array, k_BLKE: jax.Array, v_BLKE: jax.Array, documents: Documents | None
+) -> jax.Array:
+    """Attention of whole training rows, causal (and inside each document with `documents`)."""
+    # Causal AND same document (the function combines its mask with is_causal); without
+    # documents, no mask at all: the program is the one a plain causal model compiles.
+    mask = None if documents is None else documents.same_document()
+    return jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, mask=mask, is_causal=True)
+
+
+def _attend_cached(
+    q_BLHE: jax.Array,
+    k_BLKE: jax.Array,
+    v_BLKE: jax.Array,
+    cache: LayerCache,
+    start: jax.Array,
+    positions: jax.Array,
+    dt: Dtype,
+) -> tuple[jax.Array, LayerCache]:
+    """Attention of decoded tokens at `positions` (from `start`) over the cache, and the cache
+    with their keys and values written in."""
+    at = (0, start, 0, 0)
+    cache = LayerCache(
+        jax.lax.dynamic_update_slice(cache.keys_BTKE, k_BLKE.astype(dt), at),
+        jax.lax.dynamic_update_slice(cache.values_BTKE, v_BLKE.astype(dt), at),
+    )
+    # Each token sees the filled positions up to its own; the rest of the buffer is masked.
+    visible_LT = jnp.arange(cache.keys_BTKE.shape[1])[None, :] <= positions[:, None]
+    out_BLHE = jax.nn.dot_product_attention(
+        q_BLHE, cache.keys_BTKE, cache.values_BTKE, mask=visible_LT[None, None]
+    )
+    return out_BLHE, cache
+
+
 class RMSNorm(nn.Module):
     eps: float
     dtype: Dtype
@@ -223,23 +257,9 @@ class Attention(nn.Module):
         k_BLKE = rotary(jnp.einsum("bld,dke->blke", x_BLD, wk.astype(dt)), positions, c.rope_theta)
         v_BLKE = jnp.einsum("bld,dke->blke", x_BLD, wv.astype(dt))
         if cache is None:
-            # Causal AND same document (the function combines its mask with is_causal); without
-            # documents, no mask at all: the program is the one a plain causal model compiles.
-            mask = None if documents is None else documents.same_document()
-            out_BLHE = jax.nn.dot_product_attention(
-                q_BLHE, k_BLKE, v_BLKE, mask=mask, is_causal=True
-            )
+            out_BLHE = _attend_causal(q_BLHE, k_BLKE, v_BLKE, documents)
         else:
-            at = (0, start, 0, 0)
-            cache = LayerCache(
-                jax.lax.dynamic_update_slice(cache.keys_BTKE, k_BLKE.astype(dt), at),
-                jax.lax.dynamic_update_slice(cache.values_BTKE, v_BLKE.astype(dt), at),
-            )
-            # Each token sees the filled positions up to its own; the rest of the buffer is masked.
-            visible_LT = jnp.arange(cache.keys_BTKE.shape[1])[None, :] <= positions[:, None]
-            out_BLHE = jax.nn.dot_product_attention(
-                q_BLHE, cache.keys_BTKE, cache.values_BTKE, mask=visible_LT[None, None]
-            )
+            out_BLHE, cache = _attend_cached(q_BLHE, k_BLKE, v_BLKE, cache, start, positions, dt)
         return jnp.einsum("blhe,hed->bld", out_BLHE, wo.astype(dt)), cache
 
 
