@@ -69,22 +69,11 @@ class Loop:
                         pending, previous = None, pending
                         self._publish(previous)
                     break
-                batch_index, batch = self.loader.next()
-                data_wait_s = self.loader.last_wait_s
-                state, metrics = self.step_fn(state, batch)
-                if HEALED in metrics:
-                    # The state was replaced by a newer one (elastic mode: a heal from a live
-                    # slice, any number of steps ahead) and the loader sought to its data: the
-                    # hooks see the step and the batch that state ends at.
-                    step = int(jax.device_get(state.step))
-                    batch_index = self.loader.position.next_batch - 1
-                else:
-                    step += 1
-                now = time.perf_counter()
-                info = StepInfo(step, batch_index, self.loader.position, now - dispatched)
-                dispatched = now
+                state, current, dispatched = self._dispatch(state, step, dispatched)
+                info = current.info
+                step = info.step
                 # Step s+1 is queued on the device; now pull step s's metrics.
-                pending, previous = _Pending(info, metrics, data_wait_s), pending
+                pending, previous = current, pending
                 if previous is not None:
                     self._publish(previous)
                 last_info = info
@@ -113,6 +102,27 @@ class Loop:
         for hook in self.hooks:
             hook.on_end(self.ctx, state, last_info)
         return state, last_info
+
+    def _dispatch(
+        self, state: TrainState, step: int, dispatched: float
+    ) -> tuple[TrainState, _Pending, float]:
+        """Takes the next batch and dispatches the step after `step` on it. Returns the new state,
+        the step (its metrics not yet on the host) and the time of this dispatch; `dispatched` is
+        the previous one's, which the step's time is measured from."""
+        batch_index, batch = self.loader.next()
+        data_wait_s = self.loader.last_wait_s
+        state, metrics = self.step_fn(state, batch)
+        if HEALED in metrics:
+            # The state was replaced by a newer one (elastic mode: a heal from a live slice, any
+            # number of steps ahead) and the loader sought to its data: the hooks see the step
+            # and the batch that state ends at.
+            step = int(jax.device_get(state.step))
+            batch_index = self.loader.position.next_batch - 1
+        else:
+            step += 1
+        now = time.perf_counter()
+        info = StepInfo(step, batch_index, self.loader.position, now - dispatched)
+        return state, _Pending(info, metrics, data_wait_s), now
 
     def _publish(self, pending: _Pending) -> None:
         # Scalars as floats; a per-expert table (`moe_expert_load`) as nested lists.
