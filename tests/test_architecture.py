@@ -1,5 +1,5 @@
 """The layers of ARCHITECTURE.md, checked against the code: every import points down a layer, the
-control plane never loads JAX, and no library module grows past one job's size."""
+control plane never loads JAX, and no library module or function grows past one job's size."""
 
 from __future__ import annotations
 
@@ -51,6 +51,10 @@ JAX_FREE = (
 )
 HEAVY = ("jax", "jaxlib", "flax", "optax", "orbax", "grain", "tensorstore")
 MAX_LINES = 600
+MAX_FUNCTION_LINES = 60
+# Functions allowed past MAX_FUNCTION_LINES: the config's defaults, one assignment per key, are
+# read as a table.
+LONG_FUNCTIONS = {"resilient_jax.config.defaults.default_config"}
 
 
 def _modules() -> dict[str, str]:
@@ -138,3 +142,17 @@ def test_library_modules_stay_small():
             if (n := sum(1 for _ in f)) > MAX_LINES:
                 long[os.path.relpath(path, REPO)] = n
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
+
+
+def test_library_functions_stay_short():
+    long = {}
+    for module, path in _modules().items():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                name = f"{module}.{node.name}"
+                if n > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS:
+                    long[f"{os.path.relpath(path, REPO)}:{node.lineno} {node.name}"] = n
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {long}"
