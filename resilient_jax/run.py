@@ -38,7 +38,7 @@ from resilient_jax.config import BadInput
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.control.protocol import PHASE_COMPILE, PHASE_RESTORE
+from resilient_jax.contracts.messages import Phase
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.data.position import DataPosition
 from resilient_jax.data.sources import make_dataset
@@ -339,7 +339,7 @@ def _start(
     def load() -> tuple[TrainState, DataPosition]:
         """The newest verified checkpoint's state, or (none) a fresh one from the seed."""
         start = time.perf_counter()
-        with phase(PHASE_RESTORE):
+        with phase(Phase.RESTORE):
             restored = _checked(lambda: checkpointer.restore_latest(ctx))
         if restored is not None:
             return restored.state, restored.data_position
@@ -368,7 +368,7 @@ def _start(
         return _join(ctx, source, lambda: loaded, None, phase, loop_scope)
     loader = BatchLoader(config, ctx.mesh, ctx.plan, source, position)
     loop_scope.callback(loader.close)
-    with phase(PHASE_COMPILE):
+    with phase(Phase.COMPILE):
         compiled = compile_step(ctx)
     # A process that exits while XLA compiles in a thread aborts: the loop's end waits for them.
     loop_scope.callback(compiled.close)
@@ -385,7 +385,7 @@ def _join(
     loop_scope: contextlib.ExitStack,
 ) -> tuple[StepFn, Any, TrainState, elastic_runtime.ElasticSession]:
     """Elastic mode's start: joins the quorum (healed by a live slice, or `load`ing)."""
-    with phase(PHASE_COMPILE):
+    with phase(Phase.COMPILE):
         step_fn, loader, state, session = elastic_runtime.start(ctx, source, load, warm)
     loop_scope.callback(loader.close)
     return step_fn, loader, state, session

@@ -156,3 +156,41 @@ def test_library_functions_stay_short():
                 if n > MAX_FUNCTION_LINES and name not in LONG_FUNCTIONS:
                     long[f"{os.path.relpath(path, REPO)}:{node.lineno} {node.name}"] = n
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {long}"
+
+
+def _message_names_spelled_here(tree: ast.Module) -> list[tuple[int, str]]:
+    """Module-level message-name constants, and dict literals whose `type` is a bare string."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and target.id.startswith(
+                    ("MSG_", "CMD_", "PHASE_")
+                ):
+                    found.append((node.lineno, target.id))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if (
+                    isinstance(key, ast.Constant)
+                    and key.value == "type"
+                    and isinstance(value, ast.Constant)
+                    and isinstance(value.value, str)
+                ):
+                    found.append((node.lineno, f'{{"type": {value.value!r}}}'))
+    return found
+
+
+def test_message_names_are_spelled_only_in_contracts():
+    """Names that cross a process boundary are spelled once, in `contracts/messages.py`."""
+    spelled = []
+    for module, path in _modules().items():
+        if module.startswith("resilient_jax.contracts"):
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        spelled += [
+            f"{os.path.relpath(path, REPO)}:{n} {what}"
+            for n, what in _message_names_spelled_here(tree)
+        ]
+    assert not spelled, "message names outside contracts/:\n" + "\n".join(spelled)

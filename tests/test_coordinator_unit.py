@@ -19,6 +19,7 @@ import pytest
 from resilient_jax import config as config_lib
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.faults import FaultKind, SupervisorFaultKind
+from resilient_jax.contracts.messages import Phase
 from resilient_jax.control import (
     ClusterSpec,
     SupervisorAction,
@@ -79,20 +80,20 @@ def test_client_reports_phases_steps_and_median_to_server():
     try:
         first = wait_for(lambda: server.reports(2).get(1))
         assert (first.phase, first.step, first.slice, first.pid) == ("init", None, 4, os.getpid())
-        client.set_phase(protocol.PHASE_COMPILE)
+        client.set_phase(Phase.COMPILE)
         client.report_step(11, 9.0)  # the compile step: excluded from the median
         for step, seconds in ((12, 0.1), (13, 0.3), (14, 0.2)):
             client.report_step(step, seconds)
         report = wait_for(lambda: (r := server.reports(2).get(1)) and r.step == 14 and r)
-        assert report.phase == protocol.PHASE_TRAIN
+        assert report.phase == Phase.TRAIN
         assert sorted(report.arrivals) == [11, 12, 13, 14]
         assert report.arrivals[11] <= report.arrivals[14] <= time.time()
         assert report.step_time_s == pytest.approx(0.2)
         assert report.last_progress is not None
         assert server.reports(1) == {}
-        with client.phase(protocol.PHASE_RESTORE):
-            wait_for(lambda: server.reports(2)[1].phase == protocol.PHASE_RESTORE)
-        wait_for(lambda: server.reports(2)[1].phase == protocol.PHASE_TRAIN)
+        with client.phase(Phase.RESTORE):
+            wait_for(lambda: server.reports(2)[1].phase == Phase.RESTORE)
+        wait_for(lambda: server.reports(2)[1].phase == Phase.TRAIN)
         with pytest.raises(ValueError, match="phase"):
             client.set_phase("lunch")
     finally:
@@ -212,7 +213,7 @@ def report(process: int, now: float, **fields) -> WorkerReport:
         process=process,
         slice=process,
         pid=100 + process,
-        phase=protocol.PHASE_TRAIN,
+        phase=Phase.TRAIN,
         step=10,
         step_time_s=0.1,
         first_seen=now - 50,
@@ -271,7 +272,7 @@ def test_detector_slow_phases_get_the_startup_budget():
     now = 1000.0
     spawned = {0: now - 100, 1: now - 100}
     reports = {p: report(p, now, last_progress=now - 30) for p in (0, 1)}
-    reports[0].phase = protocol.PHASE_DONE
+    reports[0].phase = Phase.DONE
     assert detector.check(now, spawned, reports, THRESHOLDS) is None
     # Before the first step: compile and restore get the startup budget, then it is a stall.
     starting = {p: report(p, now, step=None, last_progress=None, phase="compile") for p in (0, 1)}

@@ -21,6 +21,7 @@ from conftest import FAST_SUPERVISION
 
 from resilient_jax.contracts import generation_file
 from resilient_jax.contracts.generation_file import Fenced, GenerationFence
+from resilient_jax.contracts.messages import Phase, WorkerMessage
 from resilient_jax.control import ClusterSpec, Supervisor, protocol
 from resilient_jax.control.server import HeartbeatServer
 from resilient_jax.events import EventLog, read_events
@@ -53,8 +54,8 @@ def test_fenced_event_log_appends_nothing(tmp_path):
 
 
 def _heartbeat(sock: socket.socket, generation: int) -> None:
-    message = {"type": protocol.MSG_HEARTBEAT, "token": TOKEN, "generation": generation}
-    sock.sendall(protocol.encode({**message, "process": 0, "phase": protocol.PHASE_TRAIN}))
+    message = {"type": WorkerMessage.HEARTBEAT, "token": TOKEN, "generation": generation}
+    sock.sendall(protocol.encode({**message, "process": 0, "phase": Phase.TRAIN}))
 
 
 def test_server_answers_only_a_superseded_generation_with_fenced():

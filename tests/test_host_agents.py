@@ -19,6 +19,7 @@ import pytest
 from resilient_jax.config import default_config
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.contracts.messages import AgentMessage
 from resilient_jax.control import agent_protocol, processes, protocol
 from resilient_jax.control.cluster import ClusterSpec
 from resilient_jax.control.host_plane import HostPlane
@@ -92,7 +93,7 @@ def test_connection_without_the_token_is_refused_and_logged(plane, tmp_path):
     assert protocol.split_address(plane.server.address)[0] == "127.0.0.1"  # loopback by default
     host, port = protocol.split_address(plane.server.address)
     with socket.create_connection((host, port), timeout=2.0) as sock:
-        register = {"type": agent_protocol.MSG_REGISTER, "host": "intruder", "slice": 0}
+        register = {"type": AgentMessage.REGISTER, "host": "intruder", "slice": 0}
         sock.sendall(protocol.encode({**register, "token": "wrong"}))
         sock.settimeout(2.0)
         assert sock.recv(100) == b""  # closed without an answer

@@ -38,6 +38,7 @@ from resilient_jax.config import default_config
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.faults import FaultKind
+from resilient_jax.contracts.messages import AgentCommand, AgentMessage
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import processes, protocol, worker_env
 from resilient_jax.control.line_server import ConnectionLimits
@@ -168,7 +169,7 @@ class HostAgent:
                     next_beat = 0.0
                 if now >= next_beat:
                     standbys = [sb.popen.pid for sb in self._standbys if sb.alive]
-                    self._send({"type": ap.MSG_AGENT_HEARTBEAT, "standbys": standbys})
+                    self._send({"type": AgentMessage.AGENT_HEARTBEAT, "standbys": standbys})
                     next_beat = now + interval
                 self._read_commands(max(0.0, min(next_beat - time.monotonic(), interval)))
                 self._refill_standbys()
@@ -197,7 +198,7 @@ class HostAgent:
         own_address = self._address or conn.getsockname()[0]
         self._send(
             {
-                "type": ap.MSG_REGISTER,
+                "type": AgentMessage.REGISTER,
                 "slice": self._slice,
                 "devices": self._devices,
                 "slots": self._slots,
@@ -238,7 +239,7 @@ class HostAgent:
 
     def _handle(self, command: dict[str, Any]) -> None:
         kind = command["type"]
-        if kind == ap.CMD_WELCOME:
+        if kind == AgentCommand.WELCOME:
             self._settings.update(command.get("settings", {}))
             self._tier.serve(str(self._settings.get("serve_local_dir", "")))
             limits = self._settings.get("connection_limits")
@@ -248,22 +249,22 @@ class HostAgent:
                 threading.Thread(
                     target=self._probe, args=(command.get("probe", {}),), daemon=True
                 ).start()
-        elif kind == ap.CMD_START:
+        elif kind == AgentCommand.START:
             self._start_worker(command)
-        elif kind == ap.CMD_SIGNAL:
+        elif kind == AgentCommand.SIGNAL:
             self._signal(command)
-        elif kind == ap.CMD_STANDBYS:
+        elif kind == AgentCommand.STANDBYS:
             count = int(command.get("count", 0))
             self._standby_spec = {**command, "count": self._slots if count < 0 else count}
             if count == 0:
                 self._standby_spec = None
                 processes.discard(self._standbys)
                 self._standbys = []
-        elif kind == ap.CMD_FENCE:
+        elif kind == AgentCommand.FENCE:
             self._fence(int(command["below"]))
-        elif kind == ap.CMD_FAULT:
+        elif kind == AgentCommand.FAULT:
             self._fault(command)
-        elif kind == ap.CMD_END:
+        elif kind == AgentCommand.END:
             self._end = (int(command.get("exit_code", 0)), str(command.get("reason", "")))
 
     def _probe(self, spec: dict[str, Any]) -> None:
@@ -275,7 +276,7 @@ class HostAgent:
             int(spec["devices"]) if spec.get("jax") else None,
             env,
         )
-        self._send({"type": ap.MSG_PROBE, "ok": ok, "detail": detail})
+        self._send({"type": AgentMessage.PROBE, "ok": ok, "detail": detail})
 
     def _shared_env(self, cache_env: dict[str, str], devices: int) -> dict[str, str]:
         return worker_env.shared_env(
@@ -310,7 +311,7 @@ class HostAgent:
         except OSError as e:
             self._send(
                 {
-                    "type": ap.MSG_STARTED,
+                    "type": AgentMessage.STARTED,
                     "generation": generation,
                     "process": process,
                     "error": str(e),
@@ -322,7 +323,7 @@ class HostAgent:
         threading.Thread(target=self._wait_for, args=(worker,), daemon=True).start()
         self._send(
             {
-                "type": ap.MSG_STARTED,
+                "type": AgentMessage.STARTED,
                 "generation": generation,
                 "process": process,
                 "pid": worker.pid,
@@ -366,7 +367,7 @@ class HostAgent:
         worker.poll()
         self._send(
             {
-                "type": ap.MSG_WORKER_EXIT,
+                "type": AgentMessage.WORKER_EXIT,
                 "generation": worker.generation,
                 "process": worker.process,
                 "pid": worker.pid,

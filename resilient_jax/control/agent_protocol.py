@@ -25,24 +25,8 @@ from typing import Any
 
 from resilient_jax.config import BadInput
 from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.messages import AgentMessage
 from resilient_jax.control import protocol
-
-# Agent -> supervisor.
-MSG_REGISTER = "register"
-MSG_AGENT_HEARTBEAT = "agent_heartbeat"
-MSG_STARTED = "started"
-MSG_WORKER_EXIT = "worker_exit"
-MSG_PROBE = "probe"
-AGENT_MESSAGES = (MSG_REGISTER, MSG_AGENT_HEARTBEAT, MSG_STARTED, MSG_WORKER_EXIT, MSG_PROBE)
-
-# Supervisor -> agent.
-CMD_WELCOME = "welcome"
-CMD_START = "start"
-CMD_SIGNAL = "signal"
-CMD_STANDBYS = "standbys"
-CMD_FENCE = "fence"
-CMD_FAULT = "fault"
-CMD_END = "end"
 
 # The supervisor's address, written where agents on a shared filesystem find it.
 SUPERVISOR_FILE = "supervisor.json"
@@ -96,7 +80,7 @@ def read_supervisor_address(workdir: str) -> str | None:
 
 
 def is_agent_message(message: Mapping[str, Any]) -> bool:
-    return message.get("type") in AGENT_MESSAGES
+    return message.get("type") in tuple(AgentMessage)
 
 
 def decode_command(line: bytes) -> dict[str, Any]:

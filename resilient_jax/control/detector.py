@@ -17,8 +17,8 @@ import dataclasses
 
 import ml_collections
 
+from resilient_jax.contracts.messages import Phase
 from resilient_jax.contracts.names import Name
-from resilient_jax.control import protocol
 from resilient_jax.control.server import WorkerReport
 
 
@@ -81,7 +81,7 @@ def check(
                 why = f"no heartbeat within startup_timeout_s={thresholds.startup_timeout_s:g}"
                 return Failure(FailureCause.STARTUP, process, why, since=spawned_at[process])
             continue
-        if report.phase == protocol.PHASE_ERROR:
+        if report.phase == Phase.ERROR:
             why = f"process {process} failed: {report.error or 'error'}"
             return Failure(FailureCause.ERROR, process, why, since=report.last_seen)
         silent = now - report.last_seen
@@ -103,11 +103,11 @@ def _check_progress(
     progress_times = [r.last_progress for r in running if r.last_progress is not None]
     phases = {r.phase for r in running}
     ready_times = [r.ready_at for r in running if r.ready_at is not None]
-    if phases - {protocol.PHASE_READY, protocol.PHASE_TRAIN} or len(running) < len(spawned_at):
+    if phases - {Phase.READY, Phase.TRAIN} or len(running) < len(spawned_at):
         # Someone is still starting (or finishing): the long budget.
         budget, budget_name = thresholds.startup_timeout_s, "startup_timeout_s"
         since = max(progress_times) if progress_times else min(spawned_at.values())
-    elif protocol.PHASE_READY in phases:
+    elif Phase.READY in phases:
         # Everyone is restored and compiled; the first step sets up the collectives. Timed from
         # the last process to get ready, so a slow compile elsewhere is not held against anyone.
         budget, budget_name = thresholds.first_step_timeout_s, "first_step_timeout_s"

@@ -20,6 +20,7 @@ import ml_collections
 
 from resilient_jax.contracts import generation_file
 from resilient_jax.contracts.faults import FaultKind
+from resilient_jax.contracts.messages import AgentCommand
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import attach, compile_cache, detector, processes, protocol
 from resilient_jax.control.cluster import ClusterSpec
@@ -131,17 +132,19 @@ class HostPlane:
         if self.server is not None:
             self.server.fence_below(generation)
         self.hosts.generation = generation
-        self.hosts.broadcast({"type": ap.CMD_FENCE, "below": generation})
+        self.hosts.broadcast({"type": AgentCommand.FENCE, "below": generation})
 
     def end(self, reason: str) -> None:
         """The run is over: agents stop their workers and leave."""
-        self.hosts.broadcast({"type": ap.CMD_END, "exit_code": 0, "reason": reason})
+        self.hosts.broadcast({"type": AgentCommand.END, "exit_code": 0, "reason": reason})
 
     def inject_fault(self, slice_id: int, kind: Any, duration_s: float | None) -> None:
         """Has the agents of the slice's hosts act out a host fault; on the local cluster a lost
         host with a duration gets a fresh agent after it (a rebooted machine)."""
         for name in self.hosts.host_names(slice_id):
-            self.hosts.send(name, {"type": ap.CMD_FAULT, "kind": kind, "duration_s": duration_s})
+            self.hosts.send(
+                name, {"type": AgentCommand.FAULT, "kind": kind, "duration_s": duration_s}
+            )
         lost = kind == FaultKind.LOSE_HOST
         if lost and self._local is not None and duration_s is not None and duration_s >= 0:
             self._local.reboot_after(slice_id, duration_s)
@@ -196,7 +199,7 @@ class HostPlane:
         """What every registering agent is told: its settings and what its probe checks."""
         ckpt = self._config.checkpoint
         return {
-            "type": ap.CMD_WELCOME,
+            "type": AgentCommand.WELCOME,
             "settings": {
                 "heartbeat_interval_s": float(self._c.heartbeat_interval_s),
                 "orphan_timeout_s": float(self._c.orphan_timeout_s),

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.control import agent_protocol as ap
+from resilient_jax.contracts.messages import AgentCommand, AgentMessage
 from resilient_jax.events import EventLog
 
 # A closed agent connection not replaced within this is a lost host: long enough for an agent to
@@ -88,7 +88,7 @@ class RemoteWorker:
         self.registry.send(
             self.host,
             {
-                "type": ap.CMD_SIGNAL,
+                "type": AgentCommand.SIGNAL,
                 "generation": self.generation,
                 "process": self.process,
                 "signal": signal.Signals(signum).name,
@@ -146,7 +146,7 @@ class HostRegistry:
         now = self._clock()
         name = message["host"]
         kind = message.get("type")
-        if kind == ap.MSG_REGISTER:
+        if kind == AgentMessage.REGISTER:
             self._register(conn, name, message, now)
             return
         with self._lock:
@@ -154,19 +154,19 @@ class HostRegistry:
             if record is None or record.conn is not conn:
                 return  # a line from a connection the host has since replaced
             record.last_seen = now
-            if kind == ap.MSG_AGENT_HEARTBEAT and isinstance(message.get("standbys"), list):
+            if kind == AgentMessage.AGENT_HEARTBEAT and isinstance(message.get("standbys"), list):
                 record.standby_pids = [p for p in message["standbys"] if isinstance(p, int)]
             key = (message.get("generation"), message.get("process"))
             worker = self._workers.get(key)  # type: ignore[arg-type]
-        if kind == ap.MSG_STARTED and worker is not None:
+        if kind == AgentMessage.STARTED and worker is not None:
             worker.pid = message.get("pid")
             worker.from_standby = message.get("standby") is True
             worker.start_error = message.get("error") or worker.start_error
             if worker.pid is None and worker.start_error is None:
                 worker.start_error = "the agent gave no pid"
-        elif kind == ap.MSG_WORKER_EXIT and worker is not None:
+        elif kind == AgentMessage.WORKER_EXIT and worker is not None:
             worker.exit_code = int(message["exit_code"])
-        elif kind == ap.MSG_PROBE:
+        elif kind == AgentMessage.PROBE:
             self._probed(record, bool(message.get("ok")), str(message.get("detail", "")))
 
     def on_disconnect(self, conn: socket.socket) -> None:
@@ -225,7 +225,7 @@ class HostRegistry:
         )
         self.send(name, {**self._welcome, "probe_now": record.probe_ok is None})
         if stale:
-            self.send(name, {"type": ap.CMD_FENCE, "below": self.generation})
+            self.send(name, {"type": AgentCommand.FENCE, "below": self.generation})
         if self._standbys is not None:
             self.send(name, self._standbys)
         if record.probe_ok:
@@ -345,7 +345,7 @@ class HostRegistry:
         worker = RemoteWorker(process, host.slice, generation, host.name, self._clock(), self)
         with self._lock:
             self._workers[(generation, process)] = worker
-        if not self.send(host.name, {**command, "type": ap.CMD_START}):
+        if not self.send(host.name, {**command, "type": AgentCommand.START}):
             worker.start_error = f"host {host.name} is not connected"
         return worker
 

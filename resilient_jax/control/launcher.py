@@ -13,7 +13,7 @@ from typing import Any
 
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.control import agent_protocol as ap
+from resilient_jax.contracts.messages import AgentCommand
 from resilient_jax.control import processes
 from resilient_jax.control.hosts import HostRecord, HostRegistry, RemoteWorker
 from resilient_jax.control.worker_env import free_port, placement_env
@@ -135,7 +135,7 @@ class WorkerLauncher:
         self._standbys_asked = True
         self._hosts.set_standbys(
             {
-                "type": ap.CMD_STANDBYS,
+                "type": AgentCommand.STANDBYS,
                 "count": -1,  # one per slot
                 "argv": self._standby_argv,
                 "cwd": self._cwd,
@@ -146,4 +146,4 @@ class WorkerLauncher:
 
     def close(self) -> None:
         """Ends the standbys no generation will need."""
-        self._hosts.set_standbys({"type": ap.CMD_STANDBYS, "count": 0})
+        self._hosts.set_standbys({"type": AgentCommand.STANDBYS, "count": 0})

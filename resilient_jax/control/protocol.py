@@ -1,4 +1,5 @@
-"""What the supervisor and its workers say to each other: phases and heartbeat messages.
+"""How the supervisor and its workers talk: heartbeat lines, their framing and their check. The
+names of the messages and of the phases a worker reports are in `contracts.messages`.
 
 Workers learn their place in the job from environment variables the supervisor sets
 (`resilient_jax.contracts.env_vars`) and end with an exit code it understands
@@ -14,35 +15,10 @@ import hmac
 import json
 from typing import Any
 
-# Phases a worker reports. Before its first step in a generation a worker is starting (JAX init,
-# restore, compile); "done" (the final save and exit) is slow on purpose. "ready": compiled and
-# restored, taking the generation's first step (which sets up the collectives). Only "train" is
-# judged by step time. "error": the worker hit an error it cannot recover from. It says so at
-# once because it may not manage to exit: JAX's exit-time shutdown barrier waits for peers that
-# are stuck in a collective.
-PHASE_INIT = "init"
-PHASE_RESTORE = "restore"
-PHASE_COMPILE = "compile"
-PHASE_READY = "ready"
-PHASE_TRAIN = "train"
-PHASE_DONE = "done"
-PHASE_ERROR = "error"
-PHASES = (
-    PHASE_INIT,
-    PHASE_RESTORE,
-    PHASE_COMPILE,
-    PHASE_READY,
-    PHASE_TRAIN,
-    PHASE_DONE,
-    PHASE_ERROR,
-)
+from resilient_jax.contracts.messages import WorkerMessage
+
 MAX_ERROR_CHARS = 300
 
-MSG_HEARTBEAT = "heartbeat"
-MSG_BYE = "bye"  # the worker closes its client on purpose: silence after this is no failure
-# Supervisor -> worker, the one line it ever sends one: the answer to a heartbeat of a generation
-# the supervisor gave up ({"type": "fenced", "generation": the current one}); the worker stops.
-MSG_FENCED = "fenced"
 MAX_LINE_BYTES = 4096
 # Per worker, the supervisor keeps the arrival times of this many recent steps.
 MAX_ARRIVALS_KEPT = 64
@@ -78,7 +54,7 @@ def decode(line: bytes, token: str) -> dict[str, Any]:
     for key in ("generation", "process"):
         if not isinstance(message.get(key), int):
             raise ProtocolError(f"missing integer {key!r}")
-    if message.get("type") not in (MSG_HEARTBEAT, MSG_BYE):
+    if message.get("type") not in (WorkerMessage.HEARTBEAT, WorkerMessage.BYE):
         raise ProtocolError(f"unknown message type {message.get('type')!r}")
     return message
 

@@ -39,13 +39,10 @@ import threading
 import time
 from typing import Any
 
+from resilient_jax.contracts.messages import QuorumMessage
 from resilient_jax.control import protocol
 from resilient_jax.control.line_server import ConnectionLimits, LineServer
 from resilient_jax.control.refusals import OnRefused, OnSuppressed
-
-MSG_QUORUM = "quorum"
-MSG_STANDBY = "standby"  # a standby slice, ready: {"pid"}
-MSG_ASSIGN = "assign"  # to a standby: {"slice", "workdir"}, the slice it becomes
 
 
 @dataclasses.dataclass
@@ -122,7 +119,11 @@ class QuorumServer(LineServer):
         """Makes the standby `pid` slice `slice_id` (working in `workdir`): sent at once if it is
         waiting here, else as soon as it is (it is still starting, or reconnecting)."""
         with self._lock:
-            self._assignments[pid] = {"type": MSG_ASSIGN, "slice": slice_id, "workdir": workdir}
+            self._assignments[pid] = {
+                "type": QuorumMessage.ASSIGN,
+                "slice": slice_id,
+                "workdir": workdir,
+            }
 
     # The server thread.
 
@@ -156,11 +157,11 @@ class QuorumServer(LineServer):
             message = json.loads(line)
             if not hmac.compare_digest(str(message.get("token", "")), self._token):
                 return protocol.WRONG_TOKEN
-            if message.get("type") == MSG_STANDBY:
+            if message.get("type") == QuorumMessage.STANDBY:
                 with self._lock:
                     self._standbys[conn] = int(message["pid"])
                 return None
-            if message.get("type") != MSG_QUORUM:
+            if message.get("type") != QuorumMessage.QUORUM:
                 return f"not a quorum message: type {str(message.get('type'))[:40]!r}"
             slice_id, step = int(message["slice"]), int(message["step"])
             last = message.get("last")
@@ -211,7 +212,9 @@ class QuorumServer(LineServer):
             self._decide()
 
     def _answer(self, request: _Request, quorum: dict[str, Any] | None) -> None:
-        if not self._send(request.conn, protocol.encode({"type": MSG_QUORUM, "quorum": quorum})):
+        if not self._send(
+            request.conn, protocol.encode({"type": QuorumMessage.QUORUM, "quorum": quorum})
+        ):
             self._drop(request.conn)
 
     def _decide(self) -> None:

@@ -12,7 +12,7 @@ Host agents (`agent_protocol`) talk over the same listener: their lines go to `o
 connection, which `send` answers on; `on_disconnect` hears when such a connection closes.
 
 A heartbeat of a generation older than the current one (`fence_below`) is answered with
-`protocol.MSG_FENCED`: a worker the supervisor gave up stops itself even when its agent cannot
+`WorkerMessage.FENCED`: a worker the supervisor gave up stops itself even when its agent cannot
 stop it (frozen, cut off).
 """
 
@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from resilient_jax.contracts.messages import PHASES, Phase, WorkerMessage
 from resilient_jax.control import protocol
 from resilient_jax.control.line_server import ConnectionLimits, LineServer
 from resilient_jax.control.refusals import OnRefused, OnSuppressed
@@ -125,7 +126,7 @@ class HeartbeatServer(LineServer):
             with self._lock:
                 current = self._current
             if current is not None and message["generation"] < current:
-                fenced = {"type": protocol.MSG_FENCED, "generation": current}
+                fenced = {"type": WorkerMessage.FENCED, "generation": current}
                 self._send(conn, protocol.encode(fenced))
         return None
 
@@ -144,7 +145,7 @@ class HeartbeatServer(LineServer):
                     process=key[1],
                     slice=message.get("slice"),
                     pid=message.get("pid"),
-                    phase=protocol.PHASE_INIT,
+                    phase=Phase.INIT,
                     step=None,
                     step_time_s=None,
                     first_seen=now,
@@ -156,8 +157,8 @@ class HeartbeatServer(LineServer):
                 report.last_progress = now
                 report.step = step
             phase = message.get("phase")
-            if phase in protocol.PHASES:
-                if phase == protocol.PHASE_READY and report.phase != phase:
+            if phase in PHASES:
+                if phase == Phase.READY and report.phase != phase:
                     report.ready_at = now
                 report.phase = phase
             if step_time is not None:
@@ -167,7 +168,7 @@ class HeartbeatServer(LineServer):
                 report.error = error[: protocol.MAX_ERROR_CHARS]
             _merge_arrivals(report.arrivals, message.get("arrivals"))
             report.last_seen = now
-            report.said_bye = report.said_bye or message["type"] == protocol.MSG_BYE
+            report.said_bye = report.said_bye or message["type"] == WorkerMessage.BYE
 
 
 def _merge_arrivals(arrivals: dict[int, float], reported: Any) -> None:

@@ -44,10 +44,10 @@ from resilient_jax.contracts.local_tier import (
     RUN_KEY,
     STEP_PREFIX,
 )
+from resilient_jax.contracts.messages import TierRequest
 from resilient_jax.control.line_server import SEND_TIMEOUT_S, ConnectionLimits
 from resilient_jax.control.refusals import OnRefused, OnSuppressed, RefusalLimiter
 
-LIST, READ = "list", "read"
 MAX_REQUEST_BYTES = 8 << 20  # a read names each piece of one copy: thousands of ranges at most
 _CLIENT_TIMEOUT_S = 30.0  # the server drops an accepted client that takes no bytes this long
 _CHUNK = 1 << 20
@@ -207,9 +207,9 @@ class TierServer:
         run = str(request.get("run", ""))
         if not RUN_KEY.fullmatch(run):
             return {"ok": False, "error": f"bad run key {run!r}"}, None
-        if request.get("type") == LIST:
+        if request.get("type") == TierRequest.LIST:
             return {"ok": True, "copies": _committed_copies(os.path.join(root, run))}, None
-        if request.get("type") == READ:
+        if request.get("type") == TierRequest.READ:
             copy = str(request.get("copy", ""))
             if not COPY_ID.fullmatch(copy):
                 return {"ok": False, "error": f"bad copy {copy!r}"}, None
@@ -309,7 +309,7 @@ def list_copies(address: str, token: str, run: str, timeout_s: float) -> list[di
     """The committed copies of run `run` a peer holds: [{"copy": ID, "manifest": {...}}].
     Raises `PeerError` if the peer does not answer in full within `timeout_s`."""
     with _Request(address, timeout_s) as request:
-        header = request.ask({"type": LIST, "run": run, "token": token})
+        header = request.ask({"type": TierRequest.LIST, "run": run, "token": token})
         copies = header.get("copies")
         if not isinstance(copies, list):
             raise PeerError(f"peer {address}: a listing without copies")
@@ -332,7 +332,13 @@ def read_ranges(
     if into is not None and len(into) < expected:
         raise ValueError(f"a buffer of {len(into)} bytes for {expected}")
     with _Request(address, timeout_s) as request:
-        message = {"type": READ, "run": run, "copy": copy, "ranges": ranges, "token": token}
+        message = {
+            "type": TierRequest.READ,
+            "run": run,
+            "copy": copy,
+            "ranges": ranges,
+            "token": token,
+        }
         header = request.ask(message)
         if header.get("nbytes") != expected:
             raise PeerError(f"peer {address}: {header.get('nbytes')} bytes for {expected}")

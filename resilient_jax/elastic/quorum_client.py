@@ -14,8 +14,8 @@ import json
 import socket
 import time
 
+from resilient_jax.contracts.messages import QuorumMessage
 from resilient_jax.control import protocol
-from resilient_jax.control.quorum import MSG_QUORUM
 from resilient_jax.elastic.exchange import Quorum
 
 
@@ -39,7 +39,7 @@ class QuorumClient:
             return None
         assert self._sock is not None
         message = {
-            "type": MSG_QUORUM,
+            "type": QuorumMessage.QUORUM,
             "token": self._token,
             "slice": self._slice,
             "step": step,

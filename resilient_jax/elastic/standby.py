@@ -4,7 +4,7 @@ In elastic mode the supervisor keeps a spare slice started ahead (`elastic.stand
 processes waits here alike, and all are given the same identity): it has imported everything,
 built its runtime, loaded its steps from the job's executable cache and opened its exchange, and
 waits here, on a connection to the quorum server, blocked in a read (no CPU) until the supervisor
-gives it a dead slice's identity (`control.quorum.MSG_ASSIGN`). It then becomes that slice (its
+gives it a dead slice's identity (`control.QuorumMessage.ASSIGN`). It then becomes that slice (its
 workdir, events, output) and joins the next quorum, healing from a live slice. A restarted
 supervisor listens on the same address: the standby connects again and registers again; a
 supervisor away for longer than `give_up_s` ends it.
@@ -21,9 +21,9 @@ import time
 from collections.abc import Mapping
 
 from resilient_jax.contracts import env_vars
+from resilient_jax.contracts.messages import QuorumMessage
 from resilient_jax.control import protocol
 from resilient_jax.control.elastic_slice import output_file
-from resilient_jax.control.quorum import MSG_ASSIGN, MSG_STANDBY
 
 RETRY_S = 0.5  # how often an absent quorum server is tried again
 
@@ -54,11 +54,13 @@ def wait_for_assignment(
         try:
             with socket.create_connection(host_port, timeout=1.0) as sock:
                 sock.settimeout(None)  # blocked in recv until told: no CPU while waiting
-                sock.sendall(protocol.encode({"type": MSG_STANDBY, "token": token, "pid": pid}))
+                sock.sendall(
+                    protocol.encode({"type": QuorumMessage.STANDBY, "token": token, "pid": pid})
+                )
                 message = _read_line(sock)
         except OSError:
             message = None
-        if message is not None and message.get("type") == MSG_ASSIGN:
+        if message is not None and message.get("type") == QuorumMessage.ASSIGN:
             return Assignment(int(message["slice"]), str(message["workdir"]))
         if message is not None:
             away_since = time.monotonic()  # a server answered: the wait starts again

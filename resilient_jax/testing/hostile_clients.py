@@ -17,7 +17,8 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 
-from resilient_jax.control import agent_protocol, protocol
+from resilient_jax.contracts.messages import AgentMessage
+from resilient_jax.control import protocol
 
 KINDS = ("silent", "slow", "oversized", "wrong_token", "random")
 _WAIT_FOR_CLOSE_S = 10.0  # far above any auth timeout a test or benchmark sets
@@ -52,7 +53,7 @@ def hostile_connection(address: tuple[str, int], kind: str, seed: int) -> Outcom
             if kind == "oversized":
                 sock.sendall(b"{" * (protocol.MAX_LINE_BYTES + rng.randint(1, 60000)))
             elif kind == "wrong_token":
-                message = {"type": agent_protocol.MSG_REGISTER, "host": "intruder", "slice": 0}
+                message = {"type": AgentMessage.REGISTER, "host": "intruder", "slice": 0}
                 sock.sendall(protocol.encode({**message, "token": f"guess-{seed}"}))
             elif kind == "random":
                 sock.sendall(rng.randbytes(rng.randint(1, 2000)) + b"\n")

@@ -28,7 +28,7 @@ from resilient_jax.chaos import spec as chaos_spec
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.faults import HOST_FAULT_KINDS, FaultKind
-from resilient_jax.control import protocol
+from resilient_jax.contracts.messages import Phase
 from resilient_jax.events import EventLog
 from resilient_jax.worker.client import SupervisorClient
 from resilient_jax.worker.distributed import WorkerEnv, initialize_from_env
@@ -93,11 +93,11 @@ def _step_time(slow: list[chaos_spec.Fault], process: int, num_processes: int, s
 def _restore(client: SupervisorClient | None, workdir: str, events: EventLog) -> dict:
     """The last saved state, read between the restore and ready phases the supervisor watches."""
     if client:
-        client.set_phase(protocol.PHASE_RESTORE)
+        client.set_phase(Phase.RESTORE)
     state = _load(workdir)
     events.emit(EventType.RESTORE, step=state["step"])
     if client:
-        client.set_phase(protocol.PHASE_READY)
+        client.set_phase(Phase.READY)
     return state
 
 
@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
         if every and step % every == 0:
             _commit(workdir, events, process, step, state["value"])
     if client:
-        client.set_phase(protocol.PHASE_DONE)
+        client.set_phase(Phase.DONE)
     _commit(workdir, events, process, config.total_steps, state["value"])
     if client:
         client.close()

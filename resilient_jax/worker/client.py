@@ -7,7 +7,7 @@ thread only updates a few fields under a lock; it never touches the socket, so a
 supervisor can never block training.
 
 The same thread fences the worker: when the supervisor answers a heartbeat with
-`protocol.MSG_FENCED`, or the run's generation file names a newer generation, this generation was
+`WorkerMessage.FENCED`, or the run's generation file names a newer generation, this generation was
 given up (its agent frozen or cut off, say), and the worker ends itself and its process group at
 once, whatever its main thread is doing (a collective with a dead peer never returns).
 """
@@ -33,6 +33,7 @@ import ml_collections
 
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.generation_file import Fenced, GenerationFence
+from resilient_jax.contracts.messages import PHASES, Phase, WorkerMessage
 from resilient_jax.control import protocol
 from resilient_jax.train.hooks import Hook, StepInfo
 
@@ -71,7 +72,7 @@ class SupervisorClient(Hook):
         }
         self._interval_s = interval_s
         self._lock = threading.Lock()
-        self._phase = protocol.PHASE_INIT
+        self._phase = Phase.INIT
         self._step: int | None = None
         self._step_times: deque[float] = deque(maxlen=_STEP_TIME_WINDOW)
         self._arrivals: deque[tuple[int, float]] = deque(maxlen=ARRIVALS_SENT)
@@ -115,10 +116,10 @@ class SupervisorClient(Hook):
     # What the worker program calls.
 
     def set_phase(self, phase: str) -> None:
-        if phase not in protocol.PHASES:
-            raise ValueError(f"unknown phase {phase!r}; allowed: {', '.join(protocol.PHASES)}")
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; allowed: {', '.join(PHASES)}")
         with self._lock:
-            if self._phase != protocol.PHASE_ERROR:  # an error is final
+            if self._phase != Phase.ERROR:  # an error is final
                 self._phase = phase
 
     @contextlib.contextmanager
@@ -135,7 +136,7 @@ class SupervisorClient(Hook):
     def report_error(self, message: str) -> None:
         """Tells the supervisor at once that this worker failed (it may hang on its way out)."""
         with self._lock:
-            self._phase = protocol.PHASE_ERROR
+            self._phase = Phase.ERROR
             self._error = message[: protocol.MAX_ERROR_CHARS]
         self._wake.set()
 
@@ -158,22 +159,22 @@ class SupervisorClient(Hook):
             self._arrivals.append((step, arrival))
             # The first step after start-up or a save includes compile or save time: it would
             # inflate the median the supervisor derives its hang timeout from.
-            if self._phase == protocol.PHASE_TRAIN:
+            if self._phase == Phase.TRAIN:
                 self._step_times.append(step_time_s)
-            if self._phase != protocol.PHASE_ERROR:
-                self._phase = protocol.PHASE_TRAIN
+            if self._phase != Phase.ERROR:
+                self._phase = Phase.TRAIN
             self._step = step
 
     # Hook interface.
 
     def on_start(self, ctx: RunContext, state: TrainState) -> None:
-        self.set_phase(protocol.PHASE_READY)  # restored and compiled: the first step is next
+        self.set_phase(Phase.READY)  # restored and compiled: the first step is next
 
     def after_step(self, ctx: RunContext, state: TrainState, info: StepInfo) -> None:
         self.report_step(info.step, info.step_time_s)
 
     def on_end(self, ctx: RunContext, state: TrainState, info: StepInfo | None) -> None:
-        self.set_phase(protocol.PHASE_DONE)
+        self.set_phase(Phase.DONE)
 
     def close(self) -> None:
         """Says goodbye (best effort) and stops the thread; never blocks for long."""
@@ -193,13 +194,13 @@ class SupervisorClient(Hook):
 
     def _run(self) -> None:
         while True:
-            self._send(self._message(protocol.MSG_HEARTBEAT))
+            self._send(self._message(WorkerMessage.HEARTBEAT))
             self._check_fence()
             self._wake.wait(self._interval_s)
             self._wake.clear()
             if self._stop.is_set():
                 break
-        self._send(self._message(protocol.MSG_BYE))
+        self._send(self._message(WorkerMessage.BYE))
         if self._sock is not None:
             self._sock.close()
 
@@ -251,7 +252,7 @@ class SupervisorClient(Hook):
                 reply = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(reply, dict) and reply.get("type") == protocol.MSG_FENCED:
+            if isinstance(reply, dict) and reply.get("type") == WorkerMessage.FENCED:
                 newer = reply.get("generation")
                 if isinstance(newer, int):
                     return newer
