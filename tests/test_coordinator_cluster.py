@@ -310,7 +310,8 @@ def test_slice_lost_by_the_supervisor_returns_after_its_outage(cluster_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_cost_aware_supervisor_waits_for_a_slice_back_soon(cluster_dir):
-    # Restarting costs seconds here (the first start measured it); the slice is back in one.
+    # Restarting costs seconds here (the first start measured it: a simulated 2 s compile); the
+    # slice is back in one.
     # The simulated step takes as long on one slice as on two, so a calibration where compute
     # is all (two slices step twice as fast) stands for devices that do not share a CPU: then
     # waiting for the slice beats reshaping now and training at half speed or restarting again.
@@ -336,6 +337,7 @@ def test_cost_aware_supervisor_waits_for_a_slice_back_soon(cluster_dir):
         cluster_dir,
         ClusterSpec(2, 1, 1),
         actions=[lose],
+        sim_flags=["--sim_start_s=2"],
         total_steps=80,
         **{
             "coordinator.reconfiguration": "cost",

@@ -36,6 +36,9 @@ from resilient_jax.worker.distributed import WorkerEnv, initialize_from_env
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory.", required=True)
 _STEP_TIME = flags.DEFINE_float("sim_step_time_s", 0.05, "Seconds of simulated work per step.")
+_START_TIME = flags.DEFINE_float(
+    "sim_start_s", 0.0, "Seconds of simulated start-up (a compile) before the first step."
+)
 _CRASH_AT = flags.DEFINE_integer("sim_crash_at_step", -1, "Fail before this step.")
 _CRASH_CODE = flags.DEFINE_integer(
     "sim_crash_exit_code", 0, "0: fail by raising; else leave at once with this exit code."
@@ -96,6 +99,10 @@ def _restore(client: SupervisorClient | None, workdir: str, events: EventLog) ->
         client.set_phase(Phase.RESTORE)
     state = _load(workdir)
     events.emit(EventType.RESTORE, step=state["step"])
+    if _START_TIME.value > 0:
+        if client:
+            client.set_phase(Phase.COMPILE)
+        time.sleep(_START_TIME.value)
     if client:
         client.set_phase(Phase.READY)
     return state
