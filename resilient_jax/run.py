@@ -31,8 +31,8 @@ import ml_collections
 
 from resilient_jax import config as config_lib
 from resilient_jax import rehearsal
+from resilient_jax.chaos.faulty_step import wrap_step
 from resilient_jax.chaos.hook import ChaosHook
-from resilient_jax.chaos.step import wrap_step
 from resilient_jax.checkpoint import Checkpointer, CheckpointError
 from resilient_jax.config import BadInput
 from resilient_jax.contracts import env_vars

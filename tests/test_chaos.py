@@ -16,8 +16,8 @@ import pytest
 
 from resilient_jax.chaos import record
 from resilient_jax.chaos import spec as chaos_spec
+from resilient_jax.chaos.faulty_step import wrap_step
 from resilient_jax.chaos.hook import SCHEDULE_AHEAD_STEPS, ChaosHook
-from resilient_jax.chaos.step import wrap_step
 from resilient_jax.config import default_config
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.faults import SPIKE_FACTOR, FaultKind
@@ -309,7 +309,7 @@ def test_random_loss_faults_hit_every_process_at_the_same_step(tmp_path):
 DRIVER = """
 import sys, time, types
 from resilient_jax.chaos.hook import ChaosHook
-from resilient_jax.chaos.step import wrap_step
+from resilient_jax.chaos.faulty_step import wrap_step
 from resilient_jax.config import default_config
 from resilient_jax.events import EventLog
 workdir, spec, process, processes, slices = sys.argv[1:6]

@@ -35,7 +35,7 @@ from resilient_jax.checkpoint import (
 )
 from resilient_jax.checkpoint.__main__ import main as inspect_main
 from resilient_jax.checkpoint.persistent import _KeepPolicy
-from resilient_jax.checkpoint.policy import local_interval_steps
+from resilient_jax.checkpoint.save_policy import local_interval_steps
 from resilient_jax.config import fingerprint
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType

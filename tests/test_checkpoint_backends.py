@@ -23,8 +23,8 @@ from etils import epath
 from resilient_jax import executables
 from resilient_jax.checkpoint import Checkpointer, Tier
 from resilient_jax.checkpoint.__main__ import main as inspect_main
-from resilient_jax.checkpoint.outage import StoreProbe, store_endpoint
 from resilient_jax.checkpoint.persistent import QUARANTINE_DIR
+from resilient_jax.checkpoint.store_outage import StoreProbe, store_endpoint
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.train.state import init_state
 

@@ -30,7 +30,7 @@ from conftest import (
 from etils import epath
 
 from resilient_jax.checkpoint import Checkpointer, CheckpointError, Tier
-from resilient_jax.checkpoint.outage import PROBE_WAIT_S
+from resilient_jax.checkpoint.store_outage import PROBE_WAIT_S
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.testing.refusing_store import RefusingStore

@@ -30,8 +30,8 @@ from resilient_jax.control import (
     protocol,
     worker_env,
 )
-from resilient_jax.control.outages import OutageReader
-from resilient_jax.control.policy import RestartPolicy, SlicePool, straggler_eviction_pays
+from resilient_jax.control.announced_outages import OutageReader
+from resilient_jax.control.restart_policy import RestartPolicy, SlicePool, straggler_eviction_pays
 from resilient_jax.control.server import HeartbeatServer, WorkerReport
 from resilient_jax.control.stragglers import StragglerWatch
 from resilient_jax.worker import standby
@@ -300,7 +300,7 @@ def test_detector_first_step_budget_runs_from_the_last_process_ready():
 
 
 def test_scale_up_pays_only_when_the_speed_up_outweighs_the_restart():
-    from resilient_jax.control.policy import ReshapeLedger, scale_up_pays
+    from resilient_jax.control.restart_policy import ReshapeLedger, scale_up_pays
 
     ledger = ReshapeLedger()
     assert scale_up_pays(ledger, 1, 2, 60.0, 1000)[0]  # nothing measured: try it

@@ -24,7 +24,7 @@ ELASTIC = {"elastic.enabled": True, "elastic.slices": 2}
 
 
 def test_the_non_donating_update_is_bitwise_the_donating_one_and_keeps_its_input(tmp_path):
-    from resilient_jax.elastic import step as elastic_step
+    from resilient_jax.elastic import slice_step as elastic_step
     from resilient_jax.train.state import init_state
 
     ctx = run_context(checkpoint_config(**ELASTIC), str(tmp_path), devices=2)

@@ -126,7 +126,7 @@ def test_the_processes_of_a_slice_share_quorums_and_agree_on_every_exchange():
 
 
 def test_state_bytes_are_this_process_pieces_and_heal_bitwise(tmp_path):
-    from resilient_jax.elastic import step as elastic_step
+    from resilient_jax.elastic import slice_step as elastic_step
     from resilient_jax.train.state import init_state
 
     config = tiny_config(**{"elastic.enabled": True})

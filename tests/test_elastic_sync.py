@@ -28,7 +28,7 @@ def _numpy_nesterov(outer, momentum, delta, lr, beta):
 
 
 def test_the_outer_step_is_nesterov_sgd_on_the_mean_delta(tmp_path):
-    from resilient_jax.elastic.step import compile_outer
+    from resilient_jax.elastic.slice_step import compile_outer
     from resilient_jax.train.state import init_state
 
     config = tiny_config(

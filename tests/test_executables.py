@@ -90,7 +90,7 @@ def test_keys_only_the_host_reads_leave_the_key_and_the_programs_alone(ctx):
     the key (a restart that changes them keeps its executables), and changing them all changes
     neither the train step, the eval step nor elastic mode's update as lowered: none of them
     reaches a program."""
-    from resilient_jax.elastic import step as elastic_step
+    from resilient_jax.elastic import slice_step as elastic_step
     from resilient_jax.train.state import abstract_state
 
     changed = _host_only_changed(ctx.config)

@@ -1,7 +1,7 @@
 """The worker side of `--chaos` (the spec is in `resilient_jax.chaos.spec`): `ChaosHook` acts out
 the faults that hit a process (kill, hang, slow, lose_slice, corrupt_checkpoint) from the loop's
-hook calls, and gives `resilient_jax.chaos.step.wrap_step` the loss scale of the faults that hit a
-step (nan, spike).
+hook calls, and gives `resilient_jax.chaos.faulty_step.wrap_step` the loss scale of the faults
+that hit a step (nan, spike).
 
 Steps are the step numbers the run logs (the `step` of `StepInfo`, of the metrics and of `step`
 events): a fault at step K fires just before step K is taken, so `nan:step=5` makes the step

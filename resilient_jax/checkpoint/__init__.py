@@ -8,8 +8,8 @@ order and `restore` for the resume order.
 from resilient_jax.checkpoint.checkpointer import Checkpointer
 from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.persistent import persistent_dir
-from resilient_jax.checkpoint.policy import Decision, SavePolicy, SaveReason
 from resilient_jax.checkpoint.restore import Restored
+from resilient_jax.checkpoint.save_policy import Decision, SavePolicy, SaveReason
 from resilient_jax.checkpoint.tier import Tier
 
 __all__ = [

@@ -28,20 +28,20 @@ from resilient_jax.checkpoint.clock import ClockDecisions
 from resilient_jax.checkpoint.errors import CheckpointError
 from resilient_jax.checkpoint.local import LocalTier, run_dir
 from resilient_jax.checkpoint.local_cadence import LocalCadence
-from resilient_jax.checkpoint.outage import (
+from resilient_jax.checkpoint.peer_fetch import peer_fetcher
+from resilient_jax.checkpoint.persistent import PersistentTier, persistent_dir
+from resilient_jax.checkpoint.persistent_commits import PersistentCommits
+from resilient_jax.checkpoint.preemption import PreemptionNotice
+from resilient_jax.checkpoint.restore import Restored, Restorer, check_persistent_dir
+from resilient_jax.checkpoint.save_method import SaveMethod, choose
+from resilient_jax.checkpoint.save_policy import Decision, SavePolicy, SaveReason
+from resilient_jax.checkpoint.snapshot import PersistentWriter, saved_state
+from resilient_jax.checkpoint.store_outage import (
     Outage,
     StoreProbe,
     cache_run_id,
     read_cached_run_id,
 )
-from resilient_jax.checkpoint.peer_fetch import peer_fetcher
-from resilient_jax.checkpoint.persistent import PersistentTier, persistent_dir
-from resilient_jax.checkpoint.persistent_commits import PersistentCommits
-from resilient_jax.checkpoint.policy import Decision, SavePolicy, SaveReason
-from resilient_jax.checkpoint.preemption import PreemptionNotice
-from resilient_jax.checkpoint.restore import Restored, Restorer, check_persistent_dir
-from resilient_jax.checkpoint.save_method import SaveMethod, choose
-from resilient_jax.checkpoint.snapshot import PersistentWriter, saved_state
 from resilient_jax.checkpoint.sync import process_sync
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.contracts.event_types import EventType

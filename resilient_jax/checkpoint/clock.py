@@ -10,7 +10,7 @@ published by the one it abandoned.
 from __future__ import annotations
 
 from resilient_jax.agreement import Agreement
-from resilient_jax.checkpoint.policy import SavePolicy, SaveReason
+from resilient_jax.checkpoint.save_policy import SavePolicy, SaveReason
 
 # Process 0 decides wall-clock saves this many steps ahead.
 _CLOCK_LAG = 2

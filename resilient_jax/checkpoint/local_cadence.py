@@ -23,7 +23,7 @@ import ml_collections
 
 from resilient_jax.agreement import Agreement
 from resilient_jax.checkpoint.local import LocalTier
-from resilient_jax.checkpoint.policy import SavePolicy, local_interval_steps
+from resilient_jax.checkpoint.save_policy import SavePolicy, local_interval_steps
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType

@@ -7,7 +7,7 @@ for (the state is one interval older on the persistent tier meanwhile; the local
 counted in the next `save` event of the tier (`skipped`): so the effective interval is what the
 store's bandwidth allows. Only the final save and a preemption's wait for the save in flight (up
 to `checkpoint.persistent_timeout_s`): nothing is left to train meanwhile. A save still running
-after `checkpoint.persistent_timeout_s` is an outage (`checkpoint.outage`).
+after `checkpoint.persistent_timeout_s` is an outage (`checkpoint.store_outage`).
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import dataclasses
 import time
 
 from resilient_jax.checkpoint.errors import CheckpointError
-from resilient_jax.checkpoint.outage import PROBE_WAIT_S, Outage, StoreProbe
 from resilient_jax.checkpoint.persistent import PendingSave
 from resilient_jax.checkpoint.snapshot import PersistentWriter
+from resilient_jax.checkpoint.store_outage import PROBE_WAIT_S, Outage, StoreProbe
 from resilient_jax.checkpoint.tier import Tier
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.events import EventLog

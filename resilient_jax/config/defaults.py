@@ -157,9 +157,9 @@ def default_config() -> ml_collections.ConfigDict:
     # section); restarts resume from the run's own checkpoints. Excludes init_from.
     c.checkpoint.init_from_hf = ""
     c.checkpoint.sync_timeout_s = 300.0  # bound on waiting for peers to agree (restore, saves)
-    # An object-store outage (resilient_jax.checkpoint.outage): a persistent save not committed
-    # this long after it began, or a store not answering within it, counts as failed; training
-    # goes on with the local tier and the next persistent save is tried on schedule.
+    # An object-store outage (resilient_jax.checkpoint.store_outage): a persistent save not
+    # committed this long after it began, or a store not answering within it, counts as failed;
+    # training goes on with the local tier and the next persistent save is tried on schedule.
     c.checkpoint.persistent_timeout_s = 30.0
     # Persistent tier unreachable for longer than this (checked at each scheduled persistent save):
     # a final local save, then exit ExitCode.STORAGE_UNREACHABLE.

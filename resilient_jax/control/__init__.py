@@ -13,8 +13,8 @@
     detector         failure and hang detection from the workers' reports; `failure_verdicts`:
                      what a failure means (the slice to blame, lost or retried in place)
     stragglers       which process the others keep waiting for
-    policy           slices in and out, restart budget and back-off, whether a reshape pays
-    outages          slice outages the chaos hook announces in the event log
+    restart_policy   slices in and out, restart budget and back-off, whether a reshape pays
+    announced_outages  slice outages the chaos hook announces in the event log
     fault_injection  faults the supervisor injects (kill, hang, lose_slice, preempt, host faults)
     stop_requests    SIGINT/SIGTERM to the supervisor itself
     compile_cache    JAX's persistent compilation cache for the workers

@@ -28,7 +28,7 @@ from resilient_jax.config import ConfigError
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.control.cluster import ClusterSpec, plan_for
 from resilient_jax.control.generation import Generation
-from resilient_jax.control.policy import ReshapeLedger, scale_up_pays
+from resilient_jax.control.restart_policy import ReshapeLedger, scale_up_pays
 from resilient_jax.control.server import WorkerReport
 from resilient_jax.events import EventLog, read_events
 from resilient_jax.perf import plans as plans_lib

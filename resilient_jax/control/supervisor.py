@@ -27,6 +27,7 @@ import ml_collections
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control import attach, compile_cache, detector, processes
+from resilient_jax.control.announced_outages import OutageReader
 from resilient_jax.control.cluster import ClusterSpec, fit_slices, plan_for
 from resilient_jax.control.failure_verdicts import blamed_slice, fatal_reason, hang_after_finish
 from resilient_jax.control.fault_injection import FaultInjector, SupervisorAction
@@ -41,9 +42,8 @@ from resilient_jax.control.generation import (
 from resilient_jax.control.host_plane import HostPlane
 from resilient_jax.control.launcher import WorkerLauncher
 from resilient_jax.control.local_hosts import ForeignAgent
-from resilient_jax.control.outages import OutageReader
-from resilient_jax.control.policy import RestartPolicy, SlicePool, straggler_eviction_pays
 from resilient_jax.control.reconfigure import Reconfigurer
+from resilient_jax.control.restart_policy import RestartPolicy, SlicePool, straggler_eviction_pays
 from resilient_jax.control.server import HeartbeatServer, WorkerReport
 from resilient_jax.control.stop_requests import StopRequests
 from resilient_jax.control.stragglers import Straggler, StragglerWatch

@@ -19,7 +19,7 @@ import numpy as np
 
 from resilient_jax.data.mixture import example_stream
 from resilient_jax.data.position import DataPosition, skip_forward
-from resilient_jax.elastic.step import global_array
+from resilient_jax.elastic.slice_step import global_array
 from resilient_jax.mesh import batch_sharding
 from resilient_jax.train.context import RunContext
 

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.elastic import step as elastic_step
+from resilient_jax.elastic import slice_step as elastic_step
 from resilient_jax.elastic.data import owned_parts
 from resilient_jax.elastic.exchange import ExchangeError, Quorum
 from resilient_jax.elastic.trainer import ElasticStep

@@ -40,7 +40,7 @@ from resilient_jax import mesh as mesh_lib
 from resilient_jax.agreement import Agreement
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.data.position import DataPosition
-from resilient_jax.elastic import step as elastic_step
+from resilient_jax.elastic import slice_step as elastic_step
 from resilient_jax.elastic.data import PartRows, StepIndex, owned_parts
 from resilient_jax.elastic.exchange import NO_STATE, Exchange, ExchangeError, Quorum, Transfer
 from resilient_jax.elastic.quorum_client import QuorumClient

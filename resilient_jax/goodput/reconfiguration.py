@@ -9,7 +9,7 @@ slice becomes a spare. Policies:
 
 - `reshape`: after a loss, a spare if there is one, else restart at once on the slices left; a
   returned slice is re-admitted when the speed-up over the observed time between failures pays for
-  the restart (the supervisor's rule, `control.policy.scale_up_pays`);
+  the restart (the supervisor's rule, `control.restart_policy.scale_up_pays`);
 - `wait`: after a loss, a spare if there is one, else wait for the lost slice when it is back
   within `wait_limit_s`, else reshape; returns as `reshape`;
 - `cost`: `perf.plans.on_loss` / `on_return` with the run's observed MTBF and the true step
@@ -188,7 +188,7 @@ class _Run:
 
 
 def _scale_up_pays(sit: plans_lib.Situation, bigger: int) -> bool:
-    """`control.policy.scale_up_pays` on true step times."""
+    """`control.restart_policy.scale_up_pays` on true step times."""
     t_now, t_after = sit.step_s[sit.slices_now], sit.step_s[bigger]
     gain, _ = plans_lib.readmit_gain_s(t_now, t_after, sit.mtbf_s, sit.remaining_steps)
     return gain > sit.restart_s

@@ -161,7 +161,7 @@ def readmit_gain_s(
 ) -> tuple[float, float]:
     """(seconds saved, horizon): training at `t_after` instead of `t_now` s/step until the next
     failure (after the observed MTBF; never before the first), or the end of the run if sooner.
-    `control.policy.scale_up_pays` re-admits a slice when the saving beats a restart."""
+    `control.restart_policy.scale_up_pays` re-admits a slice when the saving beats a restart."""
     horizon = math.inf if mtbf_s is None else mtbf_s
     if remaining_steps is not None:
         horizon = min(horizon, remaining_steps * t_now)

@@ -21,8 +21,8 @@ The non-donating program is a second executable ("train_keep" in the executable 
 ahead for a candidate mesh like the step itself): loaded or compiled in a background thread from
 the first save after the first step, so it never delays a (re)start, and a run that never saves
 never loads it; until it is ready, a save copies. Elastic mode does the same with the program
-that consumes the loop's state there, its update ("elastic_apply_keep", `elastic.step`); a warm
-standby slice loads it while it waits.
+that consumes the loop's state there, its update ("elastic_apply_keep", `elastic.slice_step`); a
+warm standby slice loads it while it waits.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class KeepingProgram:
     """A compiled program that takes the train state first and donates it, running its
     non-donating twin on a state a hook keeps. Called like the donating program:
     `(state, *args)`. The loop's train step is one (`train.compile.compile_step`); so is elastic
-    mode's update (`elastic.step`)."""
+    mode's update (`elastic.slice_step`)."""
 
     def __init__(
         self,
