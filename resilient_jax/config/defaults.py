@@ -244,6 +244,9 @@ def default_config() -> ml_collections.ConfigDict:
     # An agent without a supervisor for this long asks its workers to save and stop, then exits
     # with ExitCode.SUPERVISOR_LOST; a supervisor restarted sooner finds the run still training.
     c.coordinator.orphan_timeout_s = 120.0
+    # An agent started before any supervisor (by a scheduler, on every host at once) waits this
+    # long for the first one (its --connect_timeout_s), then exits with SUPERVISOR_LOST.
+    c.coordinator.agent_connect_timeout_s = 600.0
     # The control ports (heartbeat, quorum) against clients that are not the run's. A connection
     # that has sent no line with the run token after this long is closed (refused):
     c.coordinator.auth_timeout_s = 10.0

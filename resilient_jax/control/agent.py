@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import select
 import signal
 import socket
 import sys
@@ -41,6 +40,7 @@ from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.contracts.messages import AgentCommand, AgentMessage
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import processes, protocol, worker_env
+from resilient_jax.control.line_client import LineConnection
 from resilient_jax.control.line_server import ConnectionLimits
 from resilient_jax.control.probe import probe_host
 from resilient_jax.control.refusals import RefusalReports
@@ -83,7 +83,7 @@ class HostAgent:
         devices: int = 1,
         supervisor: str | None = None,
         address: str | None = None,
-        connect_timeout_s: float = 600.0,
+        connect_timeout_s: float | None = None,
         out: IO[str] | None = None,
         log_only: bool = False,
     ) -> None:
@@ -102,15 +102,16 @@ class HostAgent:
         self._sink = processes.OutputSink(_Tee(*streams))
         self._events = EventLog(workdir, process="agent", source="agent")
         self._lock = threading.Lock()  # the connection and the worker tables
-        self._conn: socket.socket | None = None
+        self._conn: LineConnection | None = None
         self._supervisor_address: str | None = None
-        self._buffer = b""
         self._workers: dict[tuple[int, int], processes.WorkerProcess] = {}
         self._standbys: list[processes.Standby] = []
         self._standby_spec: dict[str, Any] | None = None
         # Settings the supervisor's `welcome` replaces; the orphan timeout before the first
         # welcome is how long the agent waits for a supervisor at all.
         defaults = default_config().coordinator  # the run's own come with the `welcome`
+        if connect_timeout_s is None:
+            connect_timeout_s = float(defaults.agent_connect_timeout_s)
         self._settings: dict[str, Any] = {
             "heartbeat_interval_s": defaults.heartbeat_interval_s,
             "orphan_timeout_s": connect_timeout_s,
@@ -187,15 +188,13 @@ class HostAgent:
         if address is None:
             return False
         try:
-            host, port = protocol.split_address(address)
-            conn = socket.create_connection((host, port), timeout=2.0)
-        except (OSError, ValueError):
+            conn = LineConnection.open(address, timeout_s=2.0, max_line_bytes=ap.MAX_COMMAND_BYTES)
+        except OSError:
             return False
-        conn.settimeout(2.0)
         with self._lock:
-            self._conn, self._buffer = conn, b""
+            self._conn = conn
             self._supervisor_address = address
-        own_address = self._address or conn.getsockname()[0]
+        own_address = self._address or conn.local_host()
         self._send(
             {
                 "type": AgentMessage.REGISTER,
@@ -215,18 +214,9 @@ class HostAgent:
         if conn is None:
             return
         try:
-            ready, _, _ = select.select([conn], [], [], wait_s)
-            if not ready:
-                return
-            data = conn.recv(65536)
-        except (OSError, ValueError):
-            data = b""
-        if not data:
+            lines = conn.lines(wait_s)
+        except (OSError, ValueError):  # ValueError: closed meanwhile by another thread
             self._say("lost the supervisor's connection; workers train on")
-            self._close_conn()
-            return
-        *lines, self._buffer = (self._buffer + data).split(b"\n")
-        if len(self._buffer) > ap.MAX_COMMAND_BYTES:
             self._close_conn()
             return
         for line in lines:
@@ -454,7 +444,7 @@ class HostAgent:
             if conn is None:
                 return
             try:
-                conn.sendall(protocol.encode(message))
+                conn.send(message)
                 return
             except OSError:
                 pass
@@ -483,7 +473,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--address", help="how other hosts reach this one (JAX coordinator)")
     parser.add_argument("--token_file", help="file holding the run token (mode 0600)")
     parser.add_argument(
-        "--connect_timeout_s", type=float, default=600.0, help="wait this long for a supervisor"
+        "--connect_timeout_s",
+        type=float,
+        default=default_config().coordinator.agent_connect_timeout_s,
+        help="wait this long for a supervisor (coordinator.agent_connect_timeout_s)",
     )
     parser.add_argument(
         "--log_only",

@@ -13,8 +13,12 @@ of its lines (which carry the run token); it is closed if that has not happened 
 `auth_timeout_s`, and at most `max_pending` are open at once (a new one beyond is closed at
 once). Every connection the server closes for what it sent or failed to send is a refusal,
 reported once, at a bounded rate per peer (`refusals.RefusalLimiter`); a peer that closes on its
-own is no refusal. What a connection may buffer is bounded by `MAX_LINE_BYTES`, so the memory
-unauthenticated peers can hold is bounded too.
+own is no refusal. What a connection may buffer is bounded by the longest line the server takes
+(`max_line_bytes`), so the memory unauthenticated peers can hold is bounded too.
+
+A server of one request per connection (`tier_service.TierServer`: a peer's checkpoint copy,
+gigabytes) takes the connection out of the loop once its request is accepted (`_detach`) and
+answers it from a thread of its own, so one slow reader never holds the others.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from resilient_jax.config import default_config
 from resilient_jax.control import protocol
 from resilient_jax.control.refusals import OnRefused, OnSuppressed, RefusalLimiter
 
@@ -34,15 +39,19 @@ SEND_TIMEOUT_S = 1.0  # a peer that takes no bytes for this long is taken for go
 _ACCEPTS_PER_TURN = 64  # a burst of connections is taken in a few turns, others still served
 
 
+_DEFAULTS = default_config().coordinator
+
+
 @dataclasses.dataclass(frozen=True)
 class ConnectionLimits:
     """What a control port allows clients that have not shown the run token (the
-    `coordinator.*` keys of the same names in `config/defaults.py`)."""
+    `coordinator.*` keys of the same names in `config/defaults.py`, their defaults too)."""
 
-    auth_timeout_s: float = 10.0
-    max_pending: int = 64
-    refusals_logged: int = 10  # per peer host and window; the rest are counted
-    refusal_window_s: float = 60.0
+    auth_timeout_s: float = float(_DEFAULTS.auth_timeout_s)
+    max_pending: int = int(_DEFAULTS.max_pending_connections)
+    # Per peer host and window; the rest are counted.
+    refusals_logged: int = int(_DEFAULTS.refusals_logged_per_peer)
+    refusal_window_s: float = float(_DEFAULTS.refusal_log_window_s)
 
     @classmethod
     def from_config(cls, coordinator: Any) -> ConnectionLimits:
@@ -57,12 +66,17 @@ class ConnectionLimits:
 @dataclasses.dataclass
 class _Connection:
     peer: str  # "host:port", read at accept: a reset connection no longer has one
-    buffer: bytes = b""  # the start of a line whose end has not arrived yet
+    # The start of a line whose end has not arrived yet.
+    buffer: bytearray = dataclasses.field(default_factory=bytearray)
     authenticated: bool = False
 
 
 class LineServer:
     """Listens on `host:port` (port 0: any free port) from construction until `close()`."""
+
+    # The refusals' reasons; a subclass names what its clients send.
+    LATE = "no message with the run token within {seconds:g}s (coordinator.auth_timeout_s)"
+    TOO_LONG = "a line longer than {limit} bytes"
 
     def __init__(
         self,
@@ -74,11 +88,16 @@ class LineServer:
         limits: ConnectionLimits | None = None,
         on_refused: OnRefused | None = None,
         on_suppressed: OnSuppressed | None = None,
+        max_line_bytes: int = protocol.MAX_LINE_BYTES,
     ) -> None:
         self._limits = limits or ConnectionLimits()
-        self._refusals = RefusalLimiter(
-            self._limits.refusals_logged, self._limits.refusal_window_s, on_refused, on_suppressed
-        )
+        self._on_refused, self._on_suppressed = on_refused, on_suppressed
+        self._refusals = self._limiter(self._limits)
+        # set_limits's, for the server thread to take; the counts of the limiters it replaced.
+        self._new_limits: ConnectionLimits | None = None
+        self._new_limits_lock = threading.Lock()
+        self._refused_before = 0
+        self._max_line_bytes = max_line_bytes
         self._poll_s = poll_s
         self._clock = clock
         self._turn_started = clock()  # when the server thread last began to wait for input
@@ -93,6 +112,11 @@ class LineServer:
         self._send_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+
+    def _limiter(self, limits: ConnectionLimits) -> RefusalLimiter:
+        return RefusalLimiter(
+            limits.refusals_logged, limits.refusal_window_s, self._on_refused, self._on_suppressed
+        )
 
     def _start(self) -> None:
         """Starts the server thread; a subclass calls it once its own state is set up."""
@@ -114,7 +138,14 @@ class LineServer:
     @property
     def refused_total(self) -> int:
         """Connections refused since the start (reported one by one or counted)."""
-        return self._refusals.total
+        return self._refused_before + self._refusals.total
+
+    def set_limits(self, limits: ConnectionLimits) -> None:
+        """Holds connections accepted from now on to `limits` (a host agent's tier port learns
+        the run's with the supervisor's welcome). The server thread takes them before it handles
+        anything that arrives after this call."""
+        with self._new_limits_lock:
+            self._new_limits = limits
 
     def connection_counts(self) -> tuple[int, int]:
         """(open connections, of which unauthenticated), as last seen by the server thread."""
@@ -150,6 +181,13 @@ class LineServer:
     def _on_drop(self, conn: socket.socket) -> None:
         """Hears that `conn` is about to close (in the server thread)."""
 
+    def _detach(self, conn: socket.socket) -> None:
+        """Takes an accepted connection out of the loop, open, for the subclass to answer and
+        close from another thread (sends bounded by `SEND_TIMEOUT_S` until it sets another)."""
+        self._selector.unregister(conn)
+        del self._connections[conn]
+        self._unauthenticated.pop(conn, None)
+
     def _tick(self) -> None:
         """Runs in the server thread after every turn of the loop (at least every `poll_s`)."""
 
@@ -160,7 +198,9 @@ class LineServer:
             # Whatever arrived before this moment is read in this turn: `select` reports every
             # connection with bytes waiting.
             self._turn_started = self._clock()
-            for key, _ in self._selector.select(timeout=self._poll_s):
+            ready = self._selector.select(timeout=self._poll_s)
+            self._take_new_limits()
+            for key, _ in ready:
                 if key.fileobj is self._listener:
                     self._accept()
                 else:
@@ -169,6 +209,15 @@ class LineServer:
             self._close_expired(now)
             self._refusals.flush(now)
             self._tick()
+
+    def _take_new_limits(self) -> None:
+        with self._new_limits_lock:
+            limits, self._new_limits = self._new_limits, None
+        if limits is None or limits == self._limits:
+            return
+        self._refusals.flush(None)  # what the old windows counted is reported, not lost
+        self._refused_before += self._refusals.total
+        self._limits, self._refusals = limits, self._limiter(limits)
 
     def _accept(self) -> None:
         for _ in range(_ACCEPTS_PER_TURN):
@@ -197,11 +246,7 @@ class LineServer:
             conn, deadline = next(iter(self._unauthenticated.items()))
             if deadline > now:
                 return
-            self._refuse(
-                conn,
-                f"no message with the run token within {self._limits.auth_timeout_s:g}s "
-                "(coordinator.auth_timeout_s)",
-            )
+            self._refuse(conn, self.LATE.format(seconds=self._limits.auth_timeout_s))
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
         """Closes `conn` for what it sent (or did not send) and reports it."""
@@ -220,6 +265,7 @@ class LineServer:
         del self._connections[conn]
         self._unauthenticated.pop(conn, None)
         self._on_drop(conn)
+        _discard_unread(conn)
         conn.close()
 
     def _read(self, conn: socket.socket) -> None:
@@ -235,14 +281,20 @@ class LineServer:
         if not data:
             self._drop(conn)
             return
-        *lines, rest = (connection.buffer + data).split(b"\n")
-        # A complete line is bounded too: what a peer makes this server parse stays bounded.
-        if len(rest) > protocol.MAX_LINE_BYTES or any(
-            len(line) > protocol.MAX_LINE_BYTES for line in lines
-        ):
-            self._refuse(conn, f"a line longer than {protocol.MAX_LINE_BYTES} bytes")
+        connection.buffer += data  # amortised: a long request arrives in many pieces
+        too_long = self.TOO_LONG.format(limit=self._max_line_bytes)
+        if b"\n" not in data:
+            if len(connection.buffer) > self._max_line_bytes:
+                self._refuse(conn, too_long)
             return
-        connection.buffer = rest
+        *lines, rest = bytes(connection.buffer).split(b"\n")
+        # A complete line is bounded too: what a peer makes this server parse stays bounded.
+        if len(rest) > self._max_line_bytes or any(
+            len(line) > self._max_line_bytes for line in lines
+        ):
+            self._refuse(conn, too_long)
+            return
+        connection.buffer = bytearray(rest)
         for line in lines:
             why = self._handle_line(conn, line)
             if why is not None:
@@ -253,3 +305,15 @@ class LineServer:
             if not connection.authenticated:
                 connection.authenticated = True
                 del self._unauthenticated[conn]
+
+
+def _discard_unread(conn: socket.socket) -> None:
+    """Reads away what arrived unread (a refused request's rest, bounded): a socket closed with
+    unread bytes ends in a reset, and its peer would read an error instead of the close."""
+    try:
+        conn.setblocking(False)
+        for _ in range(16):
+            if not conn.recv(65536):
+                return
+    except OSError:  # nothing left (BlockingIOError), or reset already
+        return

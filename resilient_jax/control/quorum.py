@@ -39,6 +39,7 @@ import threading
 import time
 from typing import Any
 
+from resilient_jax.config import default_config
 from resilient_jax.contracts.messages import QuorumMessage
 from resilient_jax.control import protocol
 from resilient_jax.control.line_server import ConnectionLimits, LineServer
@@ -63,7 +64,7 @@ class QuorumServer(LineServer):
         token: str,
         host: str = "127.0.0.1",
         port: int = 0,
-        join_timeout_s: float = 1.0,
+        join_timeout_s: float | None = None,  # None: elastic.join_timeout_s's default
         expected: int = 0,
         settle_s: float = 5.0,
         limits: ConnectionLimits | None = None,
@@ -80,6 +81,8 @@ class QuorumServer(LineServer):
             on_suppressed=on_suppressed,
         )
         self._token = token
+        if join_timeout_s is None:
+            join_timeout_s = float(default_config().elastic.join_timeout_s)
         self._join_timeout_s = join_timeout_s
         self._expected = expected
         self._settle_until = time.monotonic() + settle_s

@@ -31,9 +31,9 @@ import hmac
 import json
 import os
 import socket
-import socketserver
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from resilient_jax.contracts.local_tier import (
@@ -45,29 +45,29 @@ from resilient_jax.contracts.local_tier import (
     STEP_PREFIX,
 )
 from resilient_jax.contracts.messages import TierRequest
-from resilient_jax.control.line_server import SEND_TIMEOUT_S, ConnectionLimits
-from resilient_jax.control.refusals import OnRefused, OnSuppressed, RefusalLimiter
+from resilient_jax.control.line_client import LineConnection
+from resilient_jax.control.line_server import ConnectionLimits, LineServer
+from resilient_jax.control.protocol import WRONG_TOKEN, encode
+from resilient_jax.control.refusals import OnRefused, OnSuppressed
 
 MAX_REQUEST_BYTES = 8 << 20  # a read names each piece of one copy: thousands of ranges at most
 _CLIENT_TIMEOUT_S = 30.0  # the server drops an accepted client that takes no bytes this long
-_CHUNK = 1 << 20
 
 
 class PeerError(OSError):
     """A peer that did not answer in time, refused, or sent something malformed."""
 
 
-class _Refused(Exception):
-    """A connection the server closes for what it sent (or did not send in time)."""
-
-
 # ------------------------------------------------------------------------------------ server
 
 
-class TierServer:
+class TierServer(LineServer):
     """Serves the committed local-tier steps under `root` (set by `serve`) on `host:port` (port 0:
     any free port), from construction until `close()`; requests without `token` are refused, and
     clients that are not the run's are held to `limits` (`set_limits` changes them)."""
+
+    LATE = "no request with the run token within {seconds:g}s (coordinator.auth_timeout_s)"
+    TOO_LONG = "a request longer than {limit} bytes"
 
     def __init__(
         self,
@@ -78,126 +78,57 @@ class TierServer:
         on_refused: OnRefused | None = None,
         on_suppressed: OnSuppressed | None = None,
     ) -> None:
+        super().__init__(
+            host,
+            port,
+            "tier-server",
+            poll_s=0.2,
+            limits=limits,
+            on_refused=on_refused,
+            on_suppressed=on_suppressed,
+            max_line_bytes=MAX_REQUEST_BYTES,
+        )
         self._token = token
         self._root: str | None = None  # None: the local tier is not served (yet)
-        self._limits = limits or ConnectionLimits()
-        self._on_refused, self._on_suppressed = on_refused, on_suppressed
-        # Connection threads and the accepting thread share these; the lock guards both.
-        self._lock = threading.Lock()
-        self._refusals = RefusalLimiter(
-            self._limits.refusals_logged, self._limits.refusal_window_s, on_refused, on_suppressed
-        )
-        self._pending = 0  # connections accepted whose request has not been accepted yet
-        outer = self
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                outer._handle(self.request, _peer(self.client_address))
-
-        class Server(socketserver.ThreadingTCPServer):
-            allow_reuse_address = True
-            daemon_threads = True  # a slow client never delays the agent's exit
-
-            def verify_request(self, request: Any, client_address: Any) -> bool:
-                return outer._admit(_peer(client_address))
-
-            def service_actions(self) -> None:  # every poll_interval: windows that ended
-                with outer._lock:
-                    outer._refusals.flush(time.monotonic())
-
-        self._server = Server((host, port), Handler)
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True
-        )
-        self._thread.start()
+        self._start()
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
-
-    @property
-    def refused_total(self) -> int:
-        """Connections refused since the start (reported one by one or counted)."""
-        with self._lock:
-            return self._refusals.total
+        return int(self.address.rpartition(":")[2])
 
     def serve(self, root: str | None) -> None:
         """Serves the local tier rooted at `root` (`checkpoint.local_dir`); None or "": nothing."""
         self._root = os.path.abspath(root) if root else None
 
-    def set_limits(self, limits: ConnectionLimits) -> None:
-        """Holds connections accepted from now on to `limits` (the run's, once it names them)."""
-        with self._lock:
-            if limits == self._limits:
-                return
-            self._refusals.flush(None)  # what the old windows counted is reported, not lost
-            self._limits = limits
-            self._refusals = RefusalLimiter(
-                limits.refusals_logged,
-                limits.refusal_window_s,
-                self._on_refused,
-                self._on_suppressed,
-            )
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=1.0)
-        with self._lock:
-            self._refusals.flush(None)
-
-    def _admit(self, peer: str) -> bool:
-        """Whether a new connection is served (the accepting thread; a refused one is closed)."""
-        with self._lock:
-            if self._pending < self._limits.max_pending:
-                self._pending += 1
-                return True
-        self._refuse(
-            peer,
-            f"{self._limits.max_pending} unauthenticated connections open already "
-            "(coordinator.max_pending_connections)",
-        )
-        return False
-
-    def _refuse(self, peer: str, why: str) -> None:
-        with self._lock:
-            self._refusals.refused(peer, why, time.monotonic())
-
-    def _handle(self, conn: socket.socket, peer: str) -> None:
-        with self._lock:
-            auth_timeout_s = self._limits.auth_timeout_s
-        pending = True
+    def _handle_line(self, conn: socket.socket, line: bytes) -> str | None:
+        """The connection's one request: refused, or answered from a thread of its own (a copy
+        is streamed at the reader's pace; the server thread goes on serving the others)."""
         try:
-            try:
-                request = _read_request(conn, time.monotonic() + auth_timeout_s, auth_timeout_s)
-            except _Refused as e:
-                self._refuse(peer, str(e))
-                return
-            if request is None:
-                return  # the peer closed on its own
-            if not hmac.compare_digest(str(request.get("token", "")), self._token):
-                self._refuse(peer, "no or wrong run token")
-                header: dict[str, Any] = {"ok": False, "error": "no or wrong run token"}
-                with contextlib.suppress(OSError):
-                    conn.settimeout(SEND_TIMEOUT_S)
-                    conn.sendall(_line(header))
-                return
-            with self._lock:
-                self._pending -= 1
-            pending = False
+            request = json.loads(line)
+        except ValueError:
+            return "not a JSON request"
+        if not isinstance(request, dict):
+            return "not a JSON request"
+        if not hmac.compare_digest(str(request.get("token", "")), self._token):
+            self._send(conn, encode({"ok": False, "error": WRONG_TOKEN}))
+            return WRONG_TOKEN
+        self._detach(conn)
+        threading.Thread(target=self._reply, args=(conn, request), daemon=True).start()
+        return None
+
+    def _reply(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        try:
             try:
                 header, data = self._answer(request)
             except (OSError, ValueError, KeyError, TypeError) as e:
                 header, data = {"ok": False, "error": f"{type(e).__name__}: {e}"}, None
             with contextlib.suppress(OSError):
                 conn.settimeout(_CLIENT_TIMEOUT_S)
-                conn.sendall(_line(header))
+                conn.sendall(encode(header))
                 if data is not None:
                     _send_ranges(conn, *data)
         finally:
-            if pending:
-                with self._lock:
-                    self._pending -= 1
+            conn.close()
 
     def _answer(self, request: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """The answer to a request that carries the run token."""
@@ -220,47 +151,6 @@ class TierServer:
                 return {"ok": False, "error": f"a range outside {copy}'s {size} bytes"}, None
             return {"ok": True, "nbytes": sum(n for _, n in ranges)}, (path, ranges)
         return {"ok": False, "error": f"unknown request type {request.get('type')!r}"}, None
-
-
-def _read_request(
-    conn: socket.socket, deadline: float, auth_timeout_s: float
-) -> dict[str, Any] | None:
-    """The request line of a new connection, whole by `deadline`; None if the peer closed first.
-    Raises `_Refused` for a request late, over-long or malformed."""
-    buffer = bytearray()
-    while b"\n" not in buffer:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _Refused(
-                f"no request with the run token within {auth_timeout_s:g}s "
-                "(coordinator.auth_timeout_s)"
-            )
-        try:
-            conn.settimeout(left)
-            data = conn.recv(_CHUNK)
-        except TimeoutError:
-            continue  # the deadline says
-        except OSError:
-            return None
-        if not data:
-            return None
-        buffer += data
-        if len(buffer) > MAX_REQUEST_BYTES and b"\n" not in buffer[:MAX_REQUEST_BYTES]:
-            raise _Refused(f"a request longer than {MAX_REQUEST_BYTES} bytes")
-    line = bytes(buffer).partition(b"\n")[0]
-    if len(line) > MAX_REQUEST_BYTES:
-        raise _Refused(f"a request longer than {MAX_REQUEST_BYTES} bytes")
-    try:
-        request = json.loads(line)
-    except ValueError:
-        raise _Refused("not a JSON request") from None
-    if not isinstance(request, dict):
-        raise _Refused("not a JSON request")
-    return request
-
-
-def _peer(address: Any) -> str:
-    return f"{address[0]}:{address[1]}" if isinstance(address, tuple) else "?"
 
 
 def _committed_copies(run_root: str) -> list[dict[str, Any]]:
@@ -296,10 +186,6 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
-
-
-def _line(message: dict[str, Any]) -> bytes:
-    return (json.dumps(message, separators=(",", ":")) + "\n").encode()
 
 
 # ------------------------------------------------------------------------------------ client
@@ -349,18 +235,18 @@ def read_ranges(
 
 
 class _Request:
-    """One connection to a peer, every step of it within one deadline."""
+    """One request to a peer on a connection of its own, every step of it within one deadline;
+    whatever goes wrong is a `PeerError` that names the peer."""
 
     def __init__(self, address: str, timeout_s: float) -> None:
         self._address = address
         self._deadline = time.monotonic() + timeout_s
         self._timeout_s = timeout_s
-        host, _, port = address.rpartition(":")
         try:
-            self._conn = socket.create_connection((host, int(port)), timeout=timeout_s)
-        except (OSError, ValueError) as e:
+            # Answers are a header line, up to the longest listing, then raw bytes.
+            self._conn = LineConnection.open(address, timeout_s, MAX_REQUEST_BYTES * 16)
+        except OSError as e:
             raise PeerError(f"peer {address}: cannot connect ({e})") from e
-        self._buffer = bytearray()
 
     def __enter__(self) -> _Request:
         return self
@@ -369,17 +255,9 @@ class _Request:
         self._conn.close()
 
     def ask(self, message: dict[str, Any]) -> dict[str, Any]:
-        self._settimeout()
-        try:
-            self._conn.sendall(_line(message))
-        except OSError as e:
-            raise PeerError(f"peer {self._address}: {e}") from e
-        while b"\n" not in self._buffer:
-            if len(self._buffer) > MAX_REQUEST_BYTES * 16:
-                raise PeerError(f"peer {self._address}: an answer without end")
-            self._recv()
-        line, _, rest = bytes(self._buffer).partition(b"\n")
-        self._buffer = bytearray(rest)
+        with self._peer_errors():
+            self._conn.send(message)
+            line = self._conn.read_line(self._left())
         try:
             header = json.loads(line)
         except ValueError as e:
@@ -391,35 +269,22 @@ class _Request:
 
     def receive_into(self, view: memoryview) -> None:
         """Exactly `len(view)` more bytes, received in place (a copy may be gigabytes)."""
-        nbytes = len(view)
-        if len(self._buffer) > nbytes:
-            raise PeerError(f"peer {self._address}: more bytes than announced")
-        got = len(self._buffer)
-        view[:got] = self._buffer
-        while got < nbytes:
-            self._settimeout()
-            try:
-                n = self._conn.recv_into(view[got:], min(nbytes - got, _CHUNK))
-            except OSError as e:  # socket.timeout included
-                raise PeerError(
-                    f"peer {self._address}: no answer within {self._timeout_s:g}s"
-                ) from e
-            if not n:
-                raise PeerError(f"peer {self._address}: closed the connection mid-answer")
-            got += n
+        with self._peer_errors():
+            self._conn.receive_into(view, self._left())
 
-    def _recv(self) -> None:
-        self._settimeout()
-        try:
-            data = self._conn.recv(_CHUNK)
-        except OSError as e:  # socket.timeout included
-            raise PeerError(f"peer {self._address}: no answer within {self._timeout_s:g}s") from e
-        if not data:
-            raise PeerError(f"peer {self._address}: closed the connection mid-answer")
-        self._buffer += data
-
-    def _settimeout(self) -> None:
+    def _left(self) -> float:
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise PeerError(f"peer {self._address}: no full answer within {self._timeout_s:g}s")
-        self._conn.settimeout(left)
+        return left
+
+    @contextlib.contextmanager
+    def _peer_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except PeerError:
+            raise
+        except TimeoutError as e:
+            raise PeerError(f"peer {self._address}: no answer within {self._timeout_s:g}s") from e
+        except OSError as e:
+            raise PeerError(f"peer {self._address}: {e}") from e

@@ -11,22 +11,24 @@ last quorum while the supervisor is away, and reconnection is tried again at mos
 from __future__ import annotations
 
 import json
-import socket
 import time
 
 from resilient_jax.contracts.messages import QuorumMessage
 from resilient_jax.control import protocol
+from resilient_jax.control.line_client import LineConnection
 from resilient_jax.elastic.exchange import Quorum
+
+_CONNECT_TIMEOUT_S = 0.2  # a server that does not take the connection this fast counts as away
 
 
 class QuorumClient:
     def __init__(self, address: str, token: str, slice_id: int, retry_s: float = 0.5) -> None:
-        self._address = protocol.split_address(address)
+        protocol.split_address(address)  # a malformed address is refused here, not retried
+        self._address = address
         self._token = token
         self._slice = slice_id
         self._retry_s = retry_s
-        self._sock: socket.socket | None = None
-        self._buffer = b""
+        self._conn: LineConnection | None = None
         self._next_attempt = 0.0
 
     def request(
@@ -35,9 +37,9 @@ class QuorumClient:
         """The quorum of `step` (this slice's state has applied `step` steps), or None when the
         server cannot be reached, does not answer within `timeout_s`, or (to a slice training on
         `last`) has no quorum yet."""
-        if self._sock is None and not self._connect():
+        conn = self._conn or self._connect()
+        if conn is None:
             return None
-        assert self._sock is not None
         message = {
             "type": QuorumMessage.QUORUM,
             "token": self._token,
@@ -48,41 +50,27 @@ class QuorumClient:
         }
         if last is not None:
             message["last"] = {"quorum_id": last.quorum_id, "slices": list(last.slices)}
-        deadline = time.monotonic() + timeout_s
         try:
-            self._sock.settimeout(timeout_s)
-            self._sock.sendall(protocol.encode(message))
-            while b"\n" not in self._buffer:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError("no quorum in time")
-                self._sock.settimeout(left)
-                data = self._sock.recv(65536)
-                if not data:
-                    raise ConnectionError("quorum server closed the connection")
-                self._buffer += data
+            conn.send(message)
+            line = conn.read_line(timeout_s)
         except OSError:  # TimeoutError and ConnectionError are OSErrors
             self.close()
             return None
-        line, _, self._buffer = self._buffer.partition(b"\n")
         reply = json.loads(line)
         return None if reply["quorum"] is None else Quorum.from_json(reply["quorum"])
 
-    def _connect(self) -> bool:
+    def _connect(self) -> LineConnection | None:
         now = time.monotonic()
         if now < self._next_attempt:
-            return False
+            return None
         self._next_attempt = now + self._retry_s
         try:
-            self._sock = socket.create_connection(self._address, timeout=0.2)
+            self._conn = LineConnection.open(self._address, _CONNECT_TIMEOUT_S)
         except OSError:
-            self._sock = None
-            return False
-        self._buffer = b""
-        return True
+            self._conn = None
+        return self._conn
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        self._sock = None
-        self._buffer = b""
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None

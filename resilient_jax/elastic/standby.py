@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.messages import QuorumMessage
 from resilient_jax.control import protocol
 from resilient_jax.control.elastic_slice import output_file
+from resilient_jax.control.line_client import LineConnection
 
 RETRY_S = 0.5  # how often an absent quorum server is tried again
 
@@ -47,19 +47,11 @@ def wait_for_assignment(
 ) -> Assignment:
     """Registers as a ready standby and blocks until an identity comes; reconnects while the
     server is away, and raises NoSupervisor after `give_up_s` without one."""
-    host_port = protocol.split_address(address)
+    protocol.split_address(address)  # a malformed address is refused here, not retried
     pid = os.getpid() if pid is None else pid
     away_since = time.monotonic()
     while True:
-        try:
-            with socket.create_connection(host_port, timeout=1.0) as sock:
-                sock.settimeout(None)  # blocked in recv until told: no CPU while waiting
-                sock.sendall(
-                    protocol.encode({"type": QuorumMessage.STANDBY, "token": token, "pid": pid})
-                )
-                message = _read_line(sock)
-        except OSError:
-            message = None
+        message = _register_and_wait(address, token, pid)
         if message is not None and message.get("type") == QuorumMessage.ASSIGN:
             return Assignment(int(message["slice"]), str(message["workdir"]))
         if message is not None:
@@ -91,14 +83,16 @@ def become(assignment: Assignment, environ: dict[str, str] | None = None, proces
     os.close(fd)
 
 
-def _read_line(sock: socket.socket) -> dict | None:
-    """One JSON line from `sock`, {} for a closed connection (the server went away)."""
-    buffer = b""
-    while b"\n" not in buffer:
-        data = sock.recv(65536)
-        if not data:
+def _register_and_wait(address: str, token: str, pid: int) -> dict | None:
+    """Registers with the quorum server and blocks (no timeout, no CPU) for its answer: the
+    message, {} for a server that closed the connection (it went away), None for none to reach."""
+    try:
+        conn = LineConnection.open(address, timeout_s=1.0)
+    except OSError:
+        return None
+    with conn:
+        try:
+            conn.send({"type": QuorumMessage.STANDBY, "token": token, "pid": pid})
+            return json.loads(conn.read_line(timeout_s=None))
+        except OSError:
             return {}
-        buffer += data
-        if len(buffer) > protocol.MAX_LINE_BYTES:
-            return {}
-    return json.loads(buffer.partition(b"\n")[0])

@@ -18,9 +18,7 @@ import contextlib
 import ctypes
 import json
 import os
-import select
 import signal
-import socket
 import statistics
 import sys
 import threading
@@ -35,6 +33,7 @@ from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.generation_file import Fenced, GenerationFence
 from resilient_jax.contracts.messages import PHASES, Phase, WorkerMessage
 from resilient_jax.control import protocol
+from resilient_jax.control.line_client import LineConnection
 from resilient_jax.train.hooks import Hook, StepInfo
 
 if TYPE_CHECKING:
@@ -61,7 +60,8 @@ class SupervisorClient(Hook):
         interval_s: float,
         fence: GenerationFence | None = None,
     ) -> None:
-        self._address = protocol.split_address(address)
+        protocol.split_address(address)  # a malformed address is refused here, not retried
+        self._address = address
         self.fence = fence  # also what the worker's event log and checkpoints check
         self._identity = {
             "token": token,
@@ -79,8 +79,7 @@ class SupervisorClient(Hook):
         self._error: str | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # send now instead of at the next tick
-        self._sock: socket.socket | None = None
-        self._replies = b""  # what the supervisor sent that is not a whole line yet
+        self._conn: LineConnection | None = None  # used by the background thread only
         self._thread = threading.Thread(target=self._run, name="rj-supervisor-client", daemon=True)
         self._thread.start()
 
@@ -201,22 +200,23 @@ class SupervisorClient(Hook):
             if self._stop.is_set():
                 break
         self._send(self._message(WorkerMessage.BYE))
-        if self._sock is not None:
-            self._sock.close()
+        self._disconnect()
 
     def _send(self, message: dict[str, Any]) -> None:
         # Timeouts bound every socket call: a supervisor that stopped reading costs one missed
         # heartbeat, then a reconnect attempt at the next tick.
-        timeout = max(0.1, min(1.0, self._interval_s))
         try:
-            if self._sock is None:
-                self._sock = socket.create_connection(self._address, timeout=timeout)
-                self._sock.settimeout(timeout)
-            self._sock.sendall(protocol.encode(message))
+            if self._conn is None:
+                timeout = max(0.1, min(1.0, self._interval_s))
+                self._conn = LineConnection.open(self._address, timeout)
+            self._conn.send(message)
         except OSError:
-            if self._sock is not None:
-                self._sock.close()
-            self._sock = None
+            self._disconnect()
+
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
 
     def _check_fence(self) -> None:
         """Ends this process when the supervisor said, or the generation file says, that a
@@ -236,17 +236,13 @@ class SupervisorClient(Hook):
 
     def _fenced_by_supervisor(self) -> int | None:
         """The newer generation a `fenced` answer names, if one has arrived (never blocks)."""
-        sock = self._sock
-        if sock is None:
+        if self._conn is None:
             return None
         try:
-            if not select.select([sock], [], [], 0)[0]:
-                return None
-            data = sock.recv(65536)
-        except (OSError, ValueError):
+            lines = self._conn.lines(wait_s=0.0)
+        except OSError:  # the supervisor went away: the next heartbeat reconnects
+            self._disconnect()
             return None
-        *lines, self._replies = (self._replies + data).split(b"\n")
-        self._replies = self._replies[-protocol.MAX_LINE_BYTES :]
         for line in lines:
             try:
                 reply = json.loads(line)
