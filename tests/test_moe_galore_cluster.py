@@ -61,16 +61,16 @@ def run_trainer(workdir, variant: str, actions=()) -> tuple[int, list[dict]]:
     return supervise_tiny_cpu(workdir, overrides, actions, time_limit_s=500)
 
 
-def step_losses(events: list[dict], first: bool = False) -> dict[int, float]:
-    """Process 0's loss of each step: the last one logged for a step run twice (`first`: the
-    first one, from before any restart)."""
-    losses: dict[int, float] = {}
-    for e in events:
-        if e["type"] != "step" or e.get("process") != 0:
-            continue
-        if not first or e["step"] not in losses:
-            losses[e["step"]] = e["loss"]
-    return losses
+def step_losses(events: list[dict], generation: int | None = None) -> dict[int, float]:
+    """Process 0's loss of each step: the last one logged for a step run twice, or the one
+    `generation` logged."""
+    return {
+        e["step"]: e["loss"]
+        for e in events
+        if e["type"] == "step"
+        and e.get("process") == 0
+        and (generation is None or e["generation"] == generation)
+    }
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -100,9 +100,13 @@ def test_worker_kill_and_lost_slice_are_survived_with_the_undisturbed_loss(tmp_p
 
     clean_losses, losses = step_losses(clean_events), step_losses(events)
     assert max(losses) == TOTAL_STEPS
-    before_faults = step_losses(events, first=True)
-    for step in range(1, FAULTS[0].at_step):  # the same mesh, not yet disturbed: bitwise
-        assert before_faults[step] == clean_losses[step], step
+    # The first generation, on the same mesh and not yet disturbed: bitwise. Only the steps it
+    # logged: a step's loss is logged when the next step runs, so the step before the kill may
+    # first be logged by a later generation, on another mesh (other bits).
+    undisturbed = step_losses(events, generation=0)
+    assert set(range(1, 11)) <= set(undisturbed)  # up to the save the kill restores
+    for step, loss in undisturbed.items():
+        assert loss == clean_losses[step], step
     assert losses[TOTAL_STEPS] == pytest.approx(clean_losses[TOTAL_STEPS], rel=1e-4)
 
     if variant == "moe":  # the router's losses and health reach metrics.jsonl
