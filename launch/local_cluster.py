@@ -105,7 +105,7 @@ def run_elastic(config, argv: list[str], workdir: str) -> int:
     try:  # a supervisor started again takes over the slices still running in `workdir`
         supervisor = ElasticSupervisor(
             config, argv_for, workdir, _DEVICES.value, processes_per_slice=_PROCESSES.value
-        )
+        ).open()
     except ValueError as e:  # another run token, or a bad one
         print(f"error: {e}", file=sys.stderr)
         return ExitCode.BAD_INPUT

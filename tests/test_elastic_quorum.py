@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -292,13 +293,13 @@ def test_a_supervisor_started_again_takes_over_the_running_slices(tmp_path):
     listens on the same quorum address, adopts both (none restarted) and sees them finish."""
     import json
 
-    first = _elastic_supervisor(tmp_path, TOKEN)
+    first = _elastic_supervisor(tmp_path, TOKEN).open()
     first.start_slice(0)
     first.start_slice(1)
     pids = {s: w.pid for s, w in first.workers.items()}
     address = first.quorum.address
     first.quorum.close()  # its process died: nothing else of it runs
-    second = _elastic_supervisor(tmp_path, TOKEN)
+    second = _elastic_supervisor(tmp_path, TOKEN).open()
     assert second.quorum.address == address
     result = second.run(time_limit_s=30)
     for worker in first.workers.values():
@@ -318,12 +319,37 @@ def test_a_supervisor_started_again_takes_over_the_running_slices(tmp_path):
 def test_a_supervisor_with_another_token_does_not_take_over(tmp_path):
     from resilient_jax.control.elastic import TakeoverError
 
-    first = _elastic_supervisor(tmp_path, TOKEN, sleep_s=30.0)
+    first = _elastic_supervisor(tmp_path, TOKEN, sleep_s=30.0).open()
     first.start_slice(0)
     first.quorum.close()
     try:
+        refused = _elastic_supervisor(tmp_path, "u" * 32)  # constructing reads nothing yet
         with pytest.raises(TakeoverError, match="another run token"):
-            _elastic_supervisor(tmp_path, "u" * 32)
+            refused.open()
     finally:
         first.workers[0].kill()
         first.workers[0].wait(timeout=5)
+
+
+def test_an_elastic_supervisor_touches_nothing_until_opened(tmp_path, monkeypatch):
+    """Construction keeps its arguments: no workdir, no token file read, no port; `open` does
+    all of it, and a second `open` (the one `run` does) is a no-op."""
+    from resilient_jax.contracts import env_vars
+
+    workdir = tmp_path / "job"
+    monkeypatch.delenv(env_vars.RUN_TOKEN, raising=False)
+    monkeypatch.setenv(env_vars.RUN_TOKEN_FILE, str(tmp_path / "absent"))  # read: an error
+    supervisor = _elastic_supervisor(workdir, token=None)
+    assert not workdir.exists() and not hasattr(supervisor, "quorum")
+    with pytest.raises(ValueError, match="cannot read it"):
+        supervisor.open()
+    monkeypatch.setenv(env_vars.RUN_TOKEN, TOKEN)
+    monkeypatch.delenv(env_vars.RUN_TOKEN_FILE)
+    opened = _elastic_supervisor(workdir, token=None)
+    assert opened.open() is opened and opened.open() is opened
+    try:
+        assert workdir.is_dir()
+        host, _, port = opened.quorum.address.rpartition(":")
+        socket.create_connection((host, int(port)), timeout=5).close()  # listening
+    finally:
+        opened.quorum.close()

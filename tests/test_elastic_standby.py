@@ -127,7 +127,7 @@ def test_a_standby_that_dies_is_started_again_within_the_restart_budget(
 
 
 def test_a_restarted_supervisor_adopts_the_standby_and_gives_it_a_lost_slice(tmp_path):
-    first = _supervisor(tmp_path, {0: (6.0, 0), 1: (2.5, 1)})
+    first = _supervisor(tmp_path, {0: (6.0, 0), 1: (2.5, 1)}).open()
     first.start_slice(0)
     first.start_slice(1)
     first.start_standby()

@@ -95,12 +95,8 @@ class HostAgent:
         self._devices = devices
         self._fixed_supervisor = supervisor
         self._address = address
-        log_dir = os.path.join(workdir, "logs", host)
-        os.makedirs(log_dir, exist_ok=True)
-        self._log = open(os.path.join(log_dir, "workers.log"), "a")  # noqa: SIM115 (closed in run)
-        streams = [self._log] if log_only else [out or sys.stdout, self._log]
-        self._sink = processes.OutputSink(_Tee(*streams))
-        self._events = EventLog(workdir, process="agent", source="agent")
+        self._out, self._log_only = out, log_only
+        self._opened = False
         self._lock = threading.Lock()  # the connection and the worker tables
         self._conn: LineConnection | None = None
         self._supervisor_address: str | None = None
@@ -120,18 +116,36 @@ class HostAgent:
         self._partitioned_until = 0.0
         self._end: tuple[int, str] | None = None
         self._terminated = False
+
+    def open(self) -> HostAgent:
+        """Opens the host's log and event log and starts serving its local tier (`run` opens it
+        when nobody did). Raises `OSError` (nothing stays open) when either cannot be had."""
+        if self._opened:
+            return self
+        log_dir = os.path.join(self._workdir, "logs", self._host)
+        os.makedirs(log_dir, exist_ok=True)
+        self._log = open(os.path.join(log_dir, "workers.log"), "a")  # noqa: SIM115 (closed in run)
+        streams = [self._log] if self._log_only else [self._out or sys.stdout, self._log]
+        self._sink = processes.OutputSink(_Tee(*streams))
+        self._events = EventLog(self._workdir, process="agent", source="agent")
         # This host's local tier, read-only to peers (what it serves comes with the `welcome`):
         # it outlives the workers, so a replaced host restores from it.
         # Held to the control port's limits against clients that are not the run's: its
         # defaults until the `welcome` names the run's (`coordinator.*`).
         refusals = RefusalReports(self._events, self._say)
-        self._tier = TierServer(
-            address or "0.0.0.0",
-            0,
-            token,
-            on_refused=refusals.refused,
-            on_suppressed=refusals.suppressed,
-        )
+        try:
+            self._tier = TierServer(
+                self._address or "0.0.0.0",
+                0,
+                self._token,
+                on_refused=refusals.refused,
+                on_suppressed=refusals.suppressed,
+            )
+        except BaseException:
+            self._log.close()
+            raise
+        self._opened = True
+        return self
 
     def request_stop(self) -> None:
         """SIGTERM to the agent (a scheduler ending the host): workers save and stop, the agent
@@ -141,6 +155,7 @@ class HostAgent:
     # The loop.
 
     def run(self) -> tuple[int, str]:
+        self.open()
         self._events.emit(
             EventType.AGENT_START,
             pid=os.getpid(),
@@ -504,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             address=args.address,
             connect_timeout_s=args.connect_timeout_s,
             log_only=args.log_only,
-        )
+        ).open()
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(ExitCode.BAD_INPUT)

@@ -87,6 +87,10 @@ class TakeoverError(ValueError):
 
 
 class ElasticSupervisor:
+    """Runs `elastic.slices` slices on this machine and replaces the ones that fail while the
+    others train on. Construction keeps its arguments; `open` (or `run`) touches the workdir,
+    the token file and the network."""
+
     def __init__(
         self,
         config: ml_collections.ConfigDict,
@@ -109,25 +113,17 @@ class ElasticSupervisor:
         self._restart_delay_s = restart_delay_s
         limit = config.coordinator.max_restarts if max_restarts is None else max_restarts
         self._max_restarts = int(limit)
-        self._token = token or agent_protocol.read_token(os.environ) or secrets.token_hex(16)
+        self._token_given = token
         self._out = out if out is not None else sys.stdout
-        os.makedirs(workdir, exist_ok=True)
-        self._events = EventLog(workdir, process="supervisor", source="supervisor")
-        # A job whose supervisor died: its running slices are taken over, on the same address.
-        self._previous = elastic_state.read_state(workdir)
-        self._adoptable = self._previous.running() if self._previous else {}
-        self._refuse_foreign_takeover()
-        self.quorum = self._quorum_server()
-        self._env = self._slice_env(devices_per_process)
+        self._devices_per_process = devices_per_process
+        self._opened = False
         self.workers: dict[int, SliceProcesses] = {}
         self.adopted: list[int] = []
         self._standby_enabled = bool(config.elastic.standby)
-        self._standby_idle = self._standby_enabled and _idle_cpu_usable(config, self._say)
         self.standby: SliceProcesses | None = None
         self._standby_at: float | None = None  # when to start the next standby
         # the slice given to the last standby, its pid, when
         self._joining: tuple[int, int, float] | None = None
-        self._listening_since = time.monotonic()
         self._reconnected = False
         self._restart_at: dict[int, float] = {}
         self._done: set[int] = set()
@@ -135,6 +131,31 @@ class ElasticSupervisor:
         self._failures = 0  # slices' and standbys' non-zero exits
         self._stop_signal: int | None = None
         self._stopping = False  # a stop was requested: nothing is replaced any more
+
+    def open(self) -> ElasticSupervisor:
+        """Reads what a supervisor before this one left in the workdir and listens for the
+        slices (`run` opens it when nobody did). Raises `TakeoverError` for slices running with
+        another token and `OSError` when the job's quorum address is taken; nothing stays open."""
+        if self._opened:
+            return self
+        given = self._token_given
+        self._token = given or agent_protocol.read_token(os.environ) or secrets.token_hex(16)
+        os.makedirs(self._workdir, exist_ok=True)
+        self._events = EventLog(self._workdir, process="supervisor", source="supervisor")
+        # A job whose supervisor died: its running slices are taken over, on the same address.
+        self._previous = elastic_state.read_state(self._workdir)
+        self._adoptable = self._previous.running() if self._previous else {}
+        self._refuse_foreign_takeover()
+        self.quorum = self._quorum_server()
+        try:
+            self._env = self._slice_env(self._devices_per_process)
+            self._standby_idle = self._standby_enabled and _idle_cpu_usable(self._config, self._say)
+        except BaseException:
+            self.quorum.close()
+            raise
+        self._listening_since = time.monotonic()
+        self._opened = True
+        return self
 
     def request_stop(self, signum: int) -> None:
         self._stop_signal = signum
@@ -226,6 +247,7 @@ class ElasticSupervisor:
         return SliceProcesses(members)
 
     def run(self, time_limit_s: float | None = None, poll_s: float = 0.05) -> ElasticResult:
+        self.open()
         deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         try:
             self._take_over()
