@@ -181,6 +181,41 @@ def _message_names_spelled_here(tree: ast.Module) -> list[tuple[int, str]]:
     return found
 
 
+_MESSAGE_NAMES = ("WorkerMessage", "AgentMessage", "AgentCommand", "QuorumMessage", "TierRequest")
+
+
+def _untyped_messages_here(tree: ast.Module) -> list[tuple[int, str]]:
+    """Dict literals that carry a message name as their `type` (a message built by hand instead
+    of as a typed `wire.Message`)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Dict):
+            continue
+        for key, value in zip(node.keys, node.values, strict=True):
+            if (
+                isinstance(key, ast.Constant)
+                and key.value == "type"
+                and isinstance(value, ast.Attribute)
+                and isinstance(value.value, ast.Name)
+                and value.value.id in _MESSAGE_NAMES
+            ):
+                found.append((node.lineno, f"{{'type': {value.value.id}.{value.attr}}}"))
+    return found
+
+
+def test_every_message_on_the_wire_is_typed():
+    """Every message the library sends is a `control.wire.Message` dataclass, encoded and decoded
+    in one place: no dict literal carries a message name."""
+    untyped = []
+    for path in _modules().values():
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        untyped += [
+            f"{os.path.relpath(path, REPO)}:{n} {what}" for n, what in _untyped_messages_here(tree)
+        ]
+    assert not untyped, "messages built by hand:\n" + "\n".join(untyped)
+
+
 def test_message_names_are_spelled_only_in_contracts():
     """Names that cross a process boundary are spelled once, in `contracts/messages.py`."""
     spelled = []
@@ -194,3 +229,12 @@ def test_message_names_are_spelled_only_in_contracts():
             for n, what in _message_names_spelled_here(tree)
         ]
     assert not spelled, "message names outside contracts/:\n" + "\n".join(spelled)
+
+
+def test_the_architecture_page_stays_one_page():
+    """ARCHITECTURE.md is read in one sitting: at most 8 KB, no line over 160 characters (the
+    detail of each part is in its module's docstring)."""
+    with open(os.path.join(REPO, "ARCHITECTURE.md")) as f:
+        text = f.read()
+    long_lines = [n for n, line in enumerate(text.splitlines(), 1) if len(line) > 160]
+    assert len(text.encode()) <= 8 * 1024 and not long_lines, (len(text.encode()), long_lines)

@@ -21,6 +21,7 @@ from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.messages import AgentMessage
 from resilient_jax.control import agent_protocol, processes, protocol
+from resilient_jax.control.agent_protocol import Start
 from resilient_jax.control.cluster import ClusterSpec
 from resilient_jax.control.host_plane import HostPlane
 from resilient_jax.control.probe import probe_host
@@ -131,16 +132,14 @@ def test_agent_registers_is_probed_starts_a_worker_and_reports_its_exit_at_once(
             "import os, sys, time; print('hello from the worker', flush=True); time.sleep(0.3); "
             f"open({str(exited_file)!r}, 'w').write(repr(time.time())); os._exit(3)"
         )
-        command = {
-            "generation": 0,
-            "process": 0,
-            "slice": 0,
-            "argv": [sys.executable, "-c", code],
-            "cwd": None,
-            "placement": {},
-            "cache_env": {},
-            "devices": 1,
-        }
+        command = Start(
+            generation=0,
+            process=0,
+            slice=0,
+            argv=[sys.executable, "-c", code],
+            placement={},
+            devices=1,
+        )
         worker = plane.hosts.start(record, 0, 0, command)
         plane.hosts.await_started([worker])
         _wait(lambda: worker.exit_code is not None)

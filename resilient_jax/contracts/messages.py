@@ -1,7 +1,8 @@
 """The name of every message that crosses a process boundary on the control plane's sockets (the
-`type` field of each JSON line), and the phases a worker reports. Payloads and framing live with
-each channel: `control.protocol` (workers and supervisor), `control.agent_protocol` (host agents),
-`control.quorum` (elastic slices), `control.tier_service` (peers' local tiers)."""
+`type` field of each JSON line), and the phases a worker reports. Each name's payload is a typed
+message (`control.wire`) of its channel: `control.protocol` (workers and supervisor),
+`control.agent_protocol` (host agents), `control.quorum_protocol` (elastic slices),
+`control.tier_service` (peers' local tiers)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -37,9 +38,8 @@ from resilient_jax.config import default_config
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.faults import FaultKind
-from resilient_jax.contracts.messages import AgentCommand, AgentMessage
 from resilient_jax.control import agent_protocol as ap
-from resilient_jax.control import processes, protocol, worker_env
+from resilient_jax.control import processes, protocol, wire, worker_env
 from resilient_jax.control.line_client import LineConnection
 from resilient_jax.control.line_server import ConnectionLimits
 from resilient_jax.control.probe import probe_host
@@ -102,7 +102,7 @@ class HostAgent:
         self._supervisor_address: str | None = None
         self._workers: dict[tuple[int, int], processes.WorkerProcess] = {}
         self._standbys: list[processes.Standby] = []
-        self._standby_spec: dict[str, Any] | None = None
+        self._standby_spec: ap.Standbys | None = None
         # Settings the supervisor's `welcome` replaces; the orphan timeout before the first
         # welcome is how long the agent waits for a supervisor at all.
         defaults = default_config().coordinator  # the run's own come with the `welcome`
@@ -185,7 +185,7 @@ class HostAgent:
                     next_beat = 0.0
                 if now >= next_beat:
                     standbys = [sb.popen.pid for sb in self._standbys if sb.alive]
-                    self._send({"type": AgentMessage.AGENT_HEARTBEAT, "standbys": standbys})
+                    self._send(ap.AgentHeartbeat(standbys))
                     next_beat = now + interval
                 self._read_commands(max(0.0, min(next_beat - time.monotonic(), interval)))
                 self._refill_standbys()
@@ -211,16 +211,15 @@ class HostAgent:
             self._supervisor_address = address
         own_address = self._address or conn.local_host()
         self._send(
-            {
-                "type": AgentMessage.REGISTER,
-                "slice": self._slice,
-                "devices": self._devices,
-                "slots": self._slots,
-                "pid": os.getpid(),
-                "address": own_address,
-                "tier_port": self._tier.port,
-                "workers": self._worker_records(),
-            }
+            ap.Register(
+                slice=self._slice,
+                devices=self._devices,
+                slots=self._slots,
+                pid=os.getpid(),
+                address=own_address,
+                tier_port=self._tier.port,
+                workers=self._worker_records(),
+            )
         )
         return self._conn is not None
 
@@ -242,35 +241,34 @@ class HostAgent:
 
     # Commands.
 
-    def _handle(self, command: dict[str, Any]) -> None:
-        kind = command["type"]
-        if kind == AgentCommand.WELCOME:
-            self._settings.update(command.get("settings", {}))
-            self._tier.serve(str(self._settings.get("serve_local_dir", "")))
-            limits = self._settings.get("connection_limits")
-            if isinstance(limits, dict):
-                self._tier.set_limits(ConnectionLimits(**limits))
-            if command.get("probe_now"):
-                threading.Thread(
-                    target=self._probe, args=(command.get("probe", {}),), daemon=True
-                ).start()
-        elif kind == AgentCommand.START:
+    def _handle(self, command: wire.Message) -> None:
+        if isinstance(command, ap.Welcome):
+            self._welcomed(command)
+        elif isinstance(command, ap.Start):
             self._start_worker(command)
-        elif kind == AgentCommand.SIGNAL:
+        elif isinstance(command, ap.SignalWorkers):
             self._signal(command)
-        elif kind == AgentCommand.STANDBYS:
-            count = int(command.get("count", 0))
-            self._standby_spec = {**command, "count": self._slots if count < 0 else count}
+        elif isinstance(command, ap.Standbys):
+            count = self._slots if command.count < 0 else command.count
+            self._standby_spec = dataclasses.replace(command, count=count) if count else None
             if count == 0:
-                self._standby_spec = None
                 processes.discard(self._standbys)
                 self._standbys = []
-        elif kind == AgentCommand.FENCE:
-            self._fence(int(command["below"]))
-        elif kind == AgentCommand.FAULT:
+        elif isinstance(command, ap.Fence):
+            self._fence(command.below)
+        elif isinstance(command, ap.Fault):
             self._fault(command)
-        elif kind == AgentCommand.END:
-            self._end = (int(command.get("exit_code", 0)), str(command.get("reason", "")))
+        elif isinstance(command, ap.End):
+            self._end = (command.exit_code, command.reason)
+
+    def _welcomed(self, welcome: ap.Welcome) -> None:
+        self._settings.update(welcome.settings)
+        self._tier.serve(str(self._settings.get("serve_local_dir", "")))
+        limits = self._settings.get("connection_limits")
+        if isinstance(limits, dict):
+            self._tier.set_limits(ConnectionLimits(**limits))
+        if welcome.probe_now:
+            threading.Thread(target=self._probe, args=(welcome.probe,), daemon=True).start()
 
     def _probe(self, spec: dict[str, Any]) -> None:
         env = self._shared_env(spec.get("cache_env", {}), int(spec.get("devices", self._devices)))
@@ -281,7 +279,7 @@ class HostAgent:
             int(spec["devices"]) if spec.get("jax") else None,
             env,
         )
-        self._send({"type": AgentMessage.PROBE, "ok": ok, "detail": detail})
+        self._send(ap.ProbeResult(ok, detail))
 
     def _shared_env(self, cache_env: dict[str, str], devices: int) -> dict[str, str]:
         return worker_env.shared_env(
@@ -293,48 +291,32 @@ class HostAgent:
             cache_env,
         )
 
-    def _start_worker(self, command: dict[str, Any]) -> None:
-        generation, process = int(command["generation"]), int(command["process"])
-        slice_id = int(command["slice"])
-        env = self._shared_env(command.get("cache_env", {}), int(command["devices"]))
-        env.update(command["placement"])
+    def _start_worker(self, command: ap.Start) -> None:
+        generation, process, slice_id = command.generation, command.process, command.slice
+        env = self._shared_env(command.cache_env, command.devices)
+        env.update(command.placement)
         prefix = f"[g{generation} s{slice_id} p{process}] "
         try:
             worker = self._from_standby(env, prefix, process, slice_id, generation)
             warm = worker is not None
             if worker is None:
                 worker = processes.spawn(
-                    command["argv"],
+                    command.argv,
                     env,
                     self._sink,
                     prefix,
                     process,
                     slice_id,
                     generation,
-                    cwd=command.get("cwd"),
+                    cwd=command.cwd,
                 )
         except OSError as e:
-            self._send(
-                {
-                    "type": AgentMessage.STARTED,
-                    "generation": generation,
-                    "process": process,
-                    "error": str(e),
-                }
-            )
+            self._send(ap.Started(generation, process, error=str(e)))
             return
         with self._lock:
             self._workers[(generation, process)] = worker
         threading.Thread(target=self._wait_for, args=(worker,), daemon=True).start()
-        self._send(
-            {
-                "type": AgentMessage.STARTED,
-                "generation": generation,
-                "process": process,
-                "pid": worker.pid,
-                "standby": warm,
-            }
-        )
+        self._send(ap.Started(generation, process, pid=worker.pid, standby=warm))
 
     def _from_standby(
         self, env: dict[str, str], prefix: str, process: int, slice_id: int, generation: int
@@ -357,10 +339,10 @@ class HostAgent:
         if dead:
             processes.discard(dead)
             self._standbys = [s for s in self._standbys if s.alive]
-        env = self._shared_env(spec.get("cache_env", {}), int(spec["devices"]))
-        while len(self._standbys) < int(spec["count"]):
+        env = self._shared_env(spec.cache_env, spec.devices)
+        while len(self._standbys) < spec.count:
             try:
-                standby = processes.spawn_standby(spec["argv"], env, self._sink, spec.get("cwd"))
+                standby = processes.spawn_standby(spec.argv, env, self._sink, spec.cwd)
             except OSError:
                 self._standby_spec = None
                 return
@@ -370,18 +352,10 @@ class HostAgent:
         """Reports the worker's exit as soon as it happens (a thread per worker)."""
         code = worker.popen.wait()
         worker.poll()
-        self._send(
-            {
-                "type": AgentMessage.WORKER_EXIT,
-                "generation": worker.generation,
-                "process": worker.process,
-                "pid": worker.pid,
-                "exit_code": code,
-            }
-        )
+        self._send(ap.WorkerExit(worker.generation, worker.process, code, pid=worker.pid))
 
-    def _targets(self, command: dict[str, Any]) -> list[processes.WorkerProcess]:
-        generation, process = command.get("generation"), command.get("process")
+    def _targets(self, command: ap.SignalWorkers) -> list[processes.WorkerProcess]:
+        generation, process = command.generation, command.process
         with self._lock:
             return [
                 w
@@ -389,10 +363,14 @@ class HostAgent:
                 if (generation is None or g == generation) and (process is None or p == process)
             ]
 
-    def _signal(self, command: dict[str, Any]) -> None:
-        signum = signal.Signals[str(command["signal"])]
+    def _signal(self, command: ap.SignalWorkers) -> None:
+        try:
+            signum = signal.Signals[command.signal]
+        except KeyError:
+            self._say(f"ignored a signal it does not know: {command.signal[:40]!r}")
+            return
         for worker in self._targets(command):
-            worker.signal(signum, group=bool(command.get("group")))
+            worker.signal(signum, group=command.group)
 
     def _fence(self, below: int) -> None:
         """Ends workers of generations before `below`: survivors the supervisor no longer runs
@@ -402,11 +380,11 @@ class HostAgent:
         for worker in stale:
             worker.signal(signal.SIGKILL, group=True)
 
-    def _fault(self, command: dict[str, Any]) -> None:
-        kind = command["kind"]
+    def _fault(self, command: ap.Fault) -> None:
+        kind = command.kind
         self._say(f"host fault {kind}")
         if kind == FaultKind.PARTITION_HOST:
-            self._partitioned_until = time.monotonic() + float(command.get("duration_s") or 0.0)
+            self._partitioned_until = time.monotonic() + (command.duration_s or 0.0)
             self._close_conn()
             return
         signum = signal.SIGKILL if kind == FaultKind.LOSE_HOST else signal.SIGSTOP
@@ -452,14 +430,13 @@ class HostAgent:
             for (g, p), w in newest
         ]
 
-    def _send(self, message: dict[str, Any]) -> None:
-        message = {**message, "token": self._token, "host": self._host}
+    def _send(self, message: wire.Message) -> None:
         with self._lock:
             conn = self._conn
             if conn is None:
                 return
             try:
-                conn.send(message)
+                conn.send(message, token=self._token, host=self._host)
                 return
             except OSError:
                 pass

@@ -13,20 +13,25 @@ Supervisor -> agent: `welcome` (settings the agent applies, among them the local
 `start` (one worker: argv, env, cwd, its place), `signal` (to one worker or its process group),
 `standbys` (keep this many warm), `fence` (end every worker of a generation before this one),
 `fault` (a host fault to act out) and `end` (the run is over: exit with this code).
+
+Each is a typed message (`wire`), below in that order; an agent's lines carry its host name
+beside the token (`host`: what tells the supervisor's listener an agent's line from a worker's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from resilient_jax.config import BadInput
 from resilient_jax.contracts import env_vars
-from resilient_jax.contracts.messages import AgentMessage
-from resilient_jax.control import protocol
+from resilient_jax.contracts.messages import AgentCommand, AgentMessage
+from resilient_jax.contracts.names import Name
+from resilient_jax.control import protocol, wire
 
 # The supervisor's address, written where agents on a shared filesystem find it.
 SUPERVISOR_FILE = "supervisor.json"
@@ -79,16 +84,163 @@ def read_supervisor_address(workdir: str) -> str | None:
     return address if isinstance(address, str) else None
 
 
-def is_agent_message(message: Mapping[str, Any]) -> bool:
-    return message.get("type") in tuple(AgentMessage)
+# Agent -> supervisor.
 
 
-def decode_command(line: bytes) -> dict[str, Any]:
-    """One line from the supervisor (the agent trusts the connection it opened itself)."""
+@dataclasses.dataclass(frozen=True)
+class Register(wire.Message):
+    """An agent's first line on a connection: the host it serves and every worker it runs or
+    saw exit ([{"generation", "process", "pid", "exit_code"}]: a restarted supervisor rebuilds
+    its view from these)."""
+
+    TYPE: ClassVar[Name] = AgentMessage.REGISTER
+    slice: int
+    devices: int = 1
+    slots: int = 1
+    pid: int = 0
+    address: str | None = None  # how other hosts reach it; None: the connection's peer address
+    tier_port: int | None = None  # its local-tier server (`tier_service`)
+    workers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentHeartbeat(wire.Message):
+    TYPE: ClassVar[Name] = AgentMessage.AGENT_HEARTBEAT
+    standbys: list[int] = dataclasses.field(default_factory=list)  # pids of its warm standbys
+
+
+@dataclasses.dataclass(frozen=True)
+class Started(wire.Message):
+    """A worker's start: its pid (`standby`: a warm standby became it), or why it did not."""
+
+    TYPE: ClassVar[Name] = AgentMessage.STARTED
+    generation: int
+    process: int
+    pid: int | None = None
+    standby: bool = False
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerExit(wire.Message):
+    TYPE: ClassVar[Name] = AgentMessage.WORKER_EXIT
+    generation: int
+    process: int
+    exit_code: int  # Popen's: -N for a signal
+    pid: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult(wire.Message):
+    """The host health probe's verdict (`probe`)."""
+
+    TYPE: ClassVar[Name] = AgentMessage.PROBE
+    ok: bool
+    detail: str = ""
+
+
+AGENT_MESSAGES = (Register, AgentHeartbeat, Started, WorkerExit, ProbeResult)
+
+
+# Supervisor -> agent.
+
+
+@dataclasses.dataclass(frozen=True)
+class Welcome(wire.Message):
+    """The run's settings for the agent (heartbeat, orphan and save-grace times, the local tier
+    it serves and that port's limits) and what its health probe checks, `probe_now` or not."""
+
+    TYPE: ClassVar[Name] = AgentCommand.WELCOME
+    settings: dict[str, Any]
+    probe: dict[str, Any]
+    probe_now: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Start(wire.Message):
+    """Start one worker: its command line, working directory, place in the job (`placement`: its
+    environment) and the devices it sees; the agent adds the run's shared environment."""
+
+    TYPE: ClassVar[Name] = AgentCommand.START
+    generation: int
+    process: int
+    slice: int
+    argv: list[str]
+    placement: dict[str, str]
+    devices: int
+    cwd: str | None = None
+    cache_env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SignalWorkers(wire.Message):
+    """A signal (its name) to the workers of `generation` (None: all), `process` (None: all),
+    to each one's process group if `group`."""
+
+    TYPE: ClassVar[Name] = AgentCommand.SIGNAL
+    signal: str
+    generation: int | None = None
+    process: int | None = None
+    group: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Standbys(wire.Message):
+    """Keep `count` warm standbys started with `argv` (-1: one per worker slot; 0: none)."""
+
+    TYPE: ClassVar[Name] = AgentCommand.STANDBYS
+    count: int
+    argv: list[str] = dataclasses.field(default_factory=list)
+    devices: int = 1
+    cwd: str | None = None
+    cache_env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fence(wire.Message):
+    """End every worker of a generation before `below`."""
+
+    TYPE: ClassVar[Name] = AgentCommand.FENCE
+    below: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault(wire.Message):
+    """A host fault to act out (`contracts.faults.FaultKind`), for `duration_s` if it ends."""
+
+    TYPE: ClassVar[Name] = AgentCommand.FAULT
+    kind: str
+    duration_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class End(wire.Message):
+    """The run is over: the agent exits with `exit_code`."""
+
+    TYPE: ClassVar[Name] = AgentCommand.END
+    exit_code: int = 0
+    reason: str = ""
+
+
+COMMANDS = (Welcome, Start, SignalWorkers, Standbys, Fence, Fault, End)
+
+
+def decode_command(line: bytes) -> wire.Message:
+    """One line from the supervisor as its command (the agent trusts the connection it opened
+    itself); raises `ProtocolError` for a line that is none."""
     try:
-        message = json.loads(line)
+        return wire.decode(json.loads(line), *COMMANDS)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise protocol.ProtocolError(f"not JSON: {e}") from e
-    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
-        raise protocol.ProtocolError("not a command")
-    return message
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise protocol.ProtocolError(f"not a command ({type(e).__name__}: {e})") from e
+
+
+def decode_agent_line(line: Mapping[str, Any]) -> wire.Message:
+    """A host agent's parsed line (its token checked) as its message; raises `ProtocolError`."""
+    try:
+        return wire.decode(line, *AGENT_MESSAGES)
+    except wire.UnknownMessage as e:
+        raise protocol.ProtocolError(str(e)) from None
+    except (KeyError, TypeError) as e:
+        raise protocol.ProtocolError(f"malformed agent message: {type(e).__name__}: {e}") from None

@@ -20,7 +20,6 @@ import ml_collections
 
 from resilient_jax.contracts import generation_file
 from resilient_jax.contracts.faults import FaultKind
-from resilient_jax.contracts.messages import AgentCommand
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import attach, compile_cache, detector, processes, protocol
 from resilient_jax.control.cluster import ClusterSpec
@@ -132,19 +131,17 @@ class HostPlane:
         if self.server is not None:
             self.server.fence_below(generation)
         self.hosts.generation = generation
-        self.hosts.broadcast({"type": AgentCommand.FENCE, "below": generation})
+        self.hosts.broadcast(ap.Fence(generation))
 
     def end(self, reason: str) -> None:
         """The run is over: agents stop their workers and leave."""
-        self.hosts.broadcast({"type": AgentCommand.END, "exit_code": 0, "reason": reason})
+        self.hosts.broadcast(ap.End(0, reason))
 
     def inject_fault(self, slice_id: int, kind: Any, duration_s: float | None) -> None:
         """Has the agents of the slice's hosts act out a host fault; on the local cluster a lost
         host with a duration gets a fresh agent after it (a rebooted machine)."""
         for name in self.hosts.host_names(slice_id):
-            self.hosts.send(
-                name, {"type": AgentCommand.FAULT, "kind": kind, "duration_s": duration_s}
-            )
+            self.hosts.send(name, ap.Fault(kind, duration_s))
         lost = kind == FaultKind.LOSE_HOST
         if lost and self._local is not None and duration_s is not None and duration_s >= 0:
             self._local.reboot_after(slice_id, duration_s)
@@ -195,12 +192,11 @@ class HostPlane:
         )
         return gen
 
-    def _welcome(self) -> dict[str, Any]:
+    def _welcome(self) -> ap.Welcome:
         """What every registering agent is told: its settings and what its probe checks."""
         ckpt = self._config.checkpoint
-        return {
-            "type": AgentCommand.WELCOME,
-            "settings": {
+        return ap.Welcome(
+            settings={
                 "heartbeat_interval_s": float(self._c.heartbeat_interval_s),
                 "orphan_timeout_s": float(self._c.orphan_timeout_s),
                 "save_grace_s": float(self._c.save_grace_s),
@@ -209,11 +205,11 @@ class HostPlane:
                 # What the agent's local-tier port allows clients that are not the run's.
                 "connection_limits": dataclasses.asdict(ConnectionLimits.from_config(self._c)),
             },
-            "probe": {
+            probe={
                 "jax": bool(self._c.probe_jax),
                 "devices": self._cluster.devices_per_process,
                 "local_dir": str(ckpt.local_dir),
                 "min_free_gb": float(self._c.probe_min_free_gb),
                 "cache_env": compile_cache.cache_env(self._c, self._workdir),
             },
-        }
+        )

@@ -23,7 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.contracts.messages import AgentCommand, AgentMessage
+from resilient_jax.control import agent_protocol as ap
+from resilient_jax.control import protocol, wire
 from resilient_jax.events import EventLog
 
 # A closed agent connection not replaced within this is a lost host: long enough for an agent to
@@ -85,15 +86,9 @@ class RemoteWorker:
         return self.exit_code
 
     def signal(self, signum: int, group: bool = False) -> None:
+        name = signal.Signals(signum).name
         self.registry.send(
-            self.host,
-            {
-                "type": AgentCommand.SIGNAL,
-                "generation": self.generation,
-                "process": self.process,
-                "signal": signal.Signals(signum).name,
-                "group": group,
-            },
+            self.host, ap.SignalWorkers(name, self.generation, self.process, group=group)
         )
 
     def wait(self, timeout: float) -> None:
@@ -107,7 +102,7 @@ class HostRegistry:
         self,
         events: EventLog,
         say: Callable[[str], None],
-        welcome: dict[str, Any],
+        welcome: ap.Welcome,
         agent_timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -119,10 +114,10 @@ class HostRegistry:
         self._lock = threading.Lock()
         self._hosts: dict[str, HostRecord] = {}
         self._workers: dict[tuple[int, int], RemoteWorker] = {}
-        self._send: Callable[[socket.socket, dict[str, Any]], bool] | None = None
+        self._send: Callable[[socket.socket, wire.Message], bool] | None = None
         self._heard_until: Callable[[float], float] = lambda now: now
         self.generation: int | None = None  # the generation the supervisor runs (fences others)
-        self._standbys: dict[str, Any] | None = None  # the standby request for every agent
+        self._standbys: ap.Standbys | None = None  # the standby request for every agent
         self._lost_queue: list[tuple[HostRecord, str, float]] = []
         self._closed = threading.Event()
         self._liveness = threading.Thread(
@@ -132,7 +127,7 @@ class HostRegistry:
 
     def bind(
         self,
-        send: Callable[[socket.socket, dict[str, Any]], bool],
+        send: Callable[[socket.socket, wire.Message], bool],
         heard_until: Callable[[float], float],
     ) -> None:
         """Sends through the server, and judges agents' silence up to what it has read
@@ -142,32 +137,38 @@ class HostRegistry:
 
     # From the server's thread.
 
-    def on_message(self, conn: socket.socket, message: dict[str, Any]) -> None:
+    def on_message(self, conn: socket.socket, line: dict[str, Any]) -> str | None:
+        """Handles a host agent's line (its token checked); a reason refuses it."""
+        try:
+            message = ap.decode_agent_line(line)
+        except protocol.ProtocolError as e:
+            return str(e)
         now = self._clock()
-        name = message["host"]
-        kind = message.get("type")
-        if kind == AgentMessage.REGISTER:
+        name = line["host"]
+        if isinstance(message, ap.Register):
             self._register(conn, name, message, now)
-            return
+            return None
         with self._lock:
             record = self._hosts.get(name)
             if record is None or record.conn is not conn:
-                return  # a line from a connection the host has since replaced
+                return None  # a line from a connection the host has since replaced
             record.last_seen = now
-            if kind == AgentMessage.AGENT_HEARTBEAT and isinstance(message.get("standbys"), list):
-                record.standby_pids = [p for p in message["standbys"] if isinstance(p, int)]
-            key = (message.get("generation"), message.get("process"))
-            worker = self._workers.get(key)  # type: ignore[arg-type]
-        if kind == AgentMessage.STARTED and worker is not None:
-            worker.pid = message.get("pid")
-            worker.from_standby = message.get("standby") is True
-            worker.start_error = message.get("error") or worker.start_error
+            if isinstance(message, ap.AgentHeartbeat):
+                record.standby_pids = [p for p in message.standbys if isinstance(p, int)]
+            worker = None
+            if isinstance(message, (ap.Started, ap.WorkerExit)):
+                worker = self._workers.get((message.generation, message.process))
+        if isinstance(message, ap.Started) and worker is not None:
+            worker.pid = message.pid
+            worker.from_standby = message.standby
+            worker.start_error = message.error or worker.start_error
             if worker.pid is None and worker.start_error is None:
                 worker.start_error = "the agent gave no pid"
-        elif kind == AgentMessage.WORKER_EXIT and worker is not None:
-            worker.exit_code = int(message["exit_code"])
-        elif kind == AgentMessage.PROBE:
-            self._probed(record, bool(message.get("ok")), str(message.get("detail", "")))
+        elif isinstance(message, ap.WorkerExit) and worker is not None:
+            worker.exit_code = message.exit_code
+        elif isinstance(message, ap.ProbeResult):
+            self._probed(record, message.ok, message.detail)
+        return None
 
     def on_disconnect(self, conn: socket.socket) -> None:
         with self._lock:
@@ -175,26 +176,22 @@ class HostRegistry:
                 if record.conn is conn:
                     record.conn, record.disconnected_at = None, self._clock()
 
-    def _register(
-        self, conn: socket.socket, name: str, message: dict[str, Any], now: float
-    ) -> None:
+    def _register(self, conn: socket.socket, name: str, message: ap.Register, now: float) -> None:
         reported = {}
-        for w in message.get("workers", []):
+        for w in message.workers:
             if isinstance(w, dict) and isinstance(w.get("generation"), int):
                 reported[(w["generation"], w["process"])] = (w.get("pid"), w.get("exit_code"))
         with self._lock:
             previous = self._hosts.get(name)
             record = HostRecord(
                 name=name,
-                slice=int(message["slice"]),
-                devices=int(message.get("devices", 1)),
-                slots=int(message.get("slots", 1)),
-                pid=int(message.get("pid", 0)),
-                address=str(message.get("address") or conn.getpeername()[0]),
+                slice=message.slice,
+                devices=message.devices,
+                slots=message.slots,
+                pid=message.pid,
+                address=message.address or conn.getpeername()[0],
                 conn=conn,
-                tier_port=message.get("tier_port")
-                if isinstance(message.get("tier_port"), int)
-                else None,
+                tier_port=message.tier_port,
                 last_seen=now,
                 reported=reported,
             )
@@ -223,9 +220,9 @@ class HostRegistry:
             workers=[[g, p] for g, p in sorted(running)],
             rejoined=previous is not None,
         )
-        self.send(name, {**self._welcome, "probe_now": record.probe_ok is None})
-        if stale:
-            self.send(name, {"type": AgentCommand.FENCE, "below": self.generation})
+        self.send(name, dataclasses.replace(self._welcome, probe_now=record.probe_ok is None))
+        if stale and self.generation is not None:
+            self.send(name, ap.Fence(self.generation))
         if self._standbys is not None:
             self.send(name, self._standbys)
         if record.probe_ok:
@@ -245,7 +242,7 @@ class HostRegistry:
 
     # From the supervisor's loop.
 
-    def send(self, host: str, command: dict[str, Any]) -> bool:
+    def send(self, host: str, command: wire.Message) -> bool:
         with self._lock:
             record = self._hosts.get(host)
             conn = record.conn if record is not None and not record.lost else None
@@ -340,12 +337,12 @@ class HostRegistry:
         ]
 
     def start(
-        self, host: HostRecord, generation: int, process: int, command: dict[str, Any]
+        self, host: HostRecord, generation: int, process: int, command: ap.Start
     ) -> RemoteWorker:
         worker = RemoteWorker(process, host.slice, generation, host.name, self._clock(), self)
         with self._lock:
             self._workers[(generation, process)] = worker
-        if not self.send(host.name, {**command, "type": AgentCommand.START}):
+        if not self.send(host.name, command):
             worker.start_error = f"host {host.name} is not connected"
         return worker
 
@@ -387,12 +384,12 @@ class HostRegistry:
                         out.setdefault(g, []).append((record.name, p, pid))
         return out
 
-    def set_standbys(self, command: dict[str, Any]) -> None:
+    def set_standbys(self, command: ap.Standbys) -> None:
         """Sends the standby request to every agent now and to each that registers later."""
         self._standbys = command
         self.broadcast(command)
 
-    def broadcast(self, command: dict[str, Any]) -> None:
+    def broadcast(self, command: wire.Message) -> None:
         with self._lock:
             names = [r.name for r in self._hosts.values() if not r.lost]
         for name in names:

@@ -9,11 +9,10 @@ job trains, so their imports do not slow the start of the generation they would 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.contracts.messages import AgentCommand
+from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import processes
 from resilient_jax.control.hosts import HostRecord, HostRegistry, RemoteWorker
 from resilient_jax.control.worker_env import free_port, placement_env
@@ -111,22 +110,22 @@ class WorkerLauncher:
         host: HostRecord,
         placement: dict[str, str],
         observed_mtbf_s: float | None,
-    ) -> dict[str, Any]:
+    ) -> ap.Start:
         """The agent's start command for one worker, its `placement` environment completed."""
         if observed_mtbf_s is not None:  # the local checkpoint interval follows it
             placement[env_vars.OBSERVED_MTBF_S] = f"{observed_mtbf_s:.1f}"
         # Where a restore finds the local-tier pieces this host's RAM disk lacks.
         placement[env_vars.LOCAL_TIER_PEERS] = ",".join(self._hosts.tier_peers(host.name))
-        return {
-            "generation": generation,
-            "process": process,
-            "slice": slice_id,
-            "argv": self._argv,
-            "cwd": self._cwd,
-            "placement": placement,
-            "cache_env": self._cache_env,
-            "devices": self._devices,
-        }
+        return ap.Start(
+            generation=generation,
+            process=process,
+            slice=slice_id,
+            argv=list(self._argv),
+            placement=placement,
+            devices=self._devices,
+            cwd=self._cwd,
+            cache_env=dict(self._cache_env),
+        )
 
     def refill_standbys(self) -> None:
         """Asks every agent, and each that joins later, to keep one standby per worker slot."""
@@ -134,16 +133,15 @@ class WorkerLauncher:
             return
         self._standbys_asked = True
         self._hosts.set_standbys(
-            {
-                "type": AgentCommand.STANDBYS,
-                "count": -1,  # one per slot
-                "argv": self._standby_argv,
-                "cwd": self._cwd,
-                "cache_env": self._cache_env,
-                "devices": self._devices,
-            }
+            ap.Standbys(
+                count=-1,  # one per slot
+                argv=list(self._standby_argv),
+                devices=self._devices,
+                cwd=self._cwd,
+                cache_env=self._cache_env,
+            )
         )
 
     def close(self) -> None:
         """Ends the standbys no generation will need."""
-        self._hosts.set_standbys({"type": AgentCommand.STANDBYS, "count": 0})
+        self._hosts.set_standbys(ap.Standbys(count=0))

@@ -3,7 +3,7 @@
 Every client of the control plane's ports holds one of these: a worker's heartbeats, a host
 agent's link to the supervisor, an elastic slice's quorum link, a waiting elastic standby, a
 restoring worker's request to a peer's local tier. What they share is here: the connect with a
-timeout, the framing (`protocol.encode`, one message per line), a receive buffer bounded by the
+timeout, the framing (`wire.encode`, one typed message per line), a receive buffer bounded by the
 longest line the server may send, and a bound on every wait. A connection that fails in any way
 raises `OSError` (`TimeoutError` for a wait that ran out, `ConnectionError` for a server that
 closed or sent a line past the bound), so a caller has one exception to handle; what it does
@@ -17,7 +17,7 @@ import socket
 import time
 from typing import Any
 
-from resilient_jax.control import protocol
+from resilient_jax.control import protocol, wire
 
 _RECV_BYTES = 1 << 20
 
@@ -57,10 +57,11 @@ class LineConnection:
         """This side's address, as the server sees it on this network."""
         return str(self._sock.getsockname()[0])
 
-    def send(self, message: dict[str, Any]) -> None:
-        """Sends one message, within the connection's timeout."""
+    def send(self, message: wire.Message, **envelope: Any) -> None:
+        """Sends one message with the channel's `envelope` (the run token), within the
+        connection's timeout."""
         self._sock.settimeout(self._timeout_s)
-        self._sock.sendall(protocol.encode(message))
+        self._sock.sendall(wire.encode(message, **envelope))
 
     def lines(self, wait_s: float) -> list[bytes]:
         """The whole lines that arrive within `wait_s` (0: only those already there), [] for

@@ -11,11 +11,14 @@ reconnecting worker needs no handshake.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
-from typing import Any
+from typing import Any, ClassVar
 
-from resilient_jax.contracts.messages import WorkerMessage
+from resilient_jax.contracts.messages import Phase, WorkerMessage
+from resilient_jax.contracts.names import Name
+from resilient_jax.control import wire
 
 MAX_ERROR_CHARS = 300
 
@@ -31,12 +34,45 @@ class ProtocolError(ValueError):
     """A line that is not a valid message from a worker of this run."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Heartbeat(wire.Message):
+    """A worker's line: who it is and how far it got, whole in every line (the supervisor keeps
+    no per-connection state; a reconnecting worker needs no handshake)."""
+
+    TYPE: ClassVar[Name] = WorkerMessage.HEARTBEAT
+    generation: int
+    process: int
+    slice: int | None = None
+    pid: int | None = None
+    phase: str = Phase.INIT
+    step: int | None = None
+    step_time_s: float | None = None  # the median of the recent steps
+    error: str | None = None  # why a worker in `error` stopped (cut to MAX_ERROR_CHARS)
+    arrivals: list = dataclasses.field(default_factory=list)  # [[step, time], ...], newest last
+
+
+@dataclasses.dataclass(frozen=True)
+class Bye(Heartbeat):
+    """A worker's last line: it closes its client on purpose, silence after this is no failure."""
+
+    TYPE: ClassVar[Name] = WorkerMessage.BYE
+
+
+@dataclasses.dataclass(frozen=True)
+class FencedReply(wire.Message):
+    """The answer to a line of a generation the supervisor gave up: `generation` replaced it."""
+
+    TYPE: ClassVar[Name] = WorkerMessage.FENCED
+    generation: int
+
+
 def encode(message: dict[str, Any]) -> bytes:
     return (json.dumps(message, separators=(",", ":")) + "\n").encode()
 
 
 def decode(line: bytes, token: str) -> dict[str, Any]:
-    """Parses one line and checks it carries this run's token."""
+    """Parses one line and checks it carries this run's token: a host agent's line as it is
+    (`agent_protocol` types it), a worker's checked as a `Heartbeat` or a `Bye` would be."""
     if len(line) > MAX_LINE_BYTES:
         raise ProtocolError(f"message longer than {MAX_LINE_BYTES} bytes")
     try:
@@ -51,12 +87,21 @@ def decode(line: bytes, token: str) -> dict[str, Any]:
         raise ProtocolError(WRONG_TOKEN)
     if isinstance(message.get("host"), str):
         return message  # a host agent's line (`agent_protocol`): the server hands it on
-    for key in ("generation", "process"):
-        if not isinstance(message.get(key), int):
-            raise ProtocolError(f"missing integer {key!r}")
-    if message.get("type") not in (WorkerMessage.HEARTBEAT, WorkerMessage.BYE):
-        raise ProtocolError(f"unknown message type {message.get('type')!r}")
+    worker_line(message)
     return message
+
+
+def worker_line(message: dict[str, Any]) -> Heartbeat:
+    """A worker's parsed line as the message it is; raises `ProtocolError` if it is none."""
+    for key in ("generation", "process"):
+        if not isinstance(message.get(key), int) or isinstance(message.get(key), bool):
+            raise ProtocolError(f"missing integer {key!r}")
+    try:
+        return wire.decode(message, Heartbeat, Bye)
+    except wire.UnknownMessage as e:
+        raise ProtocolError(str(e)) from None
+    except (KeyError, TypeError) as e:
+        raise ProtocolError(f"malformed heartbeat: {e}") from None
 
 
 def split_address(address: str) -> tuple[str, int]:

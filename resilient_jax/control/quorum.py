@@ -20,8 +20,8 @@ every member of the quorum that a training slice says it is on (its request carr
 Until then (at most `settle_s`) a slice that is training on a quorum gets "no quorum" at once and
 trains on with it, and a starting one waits; so a restarted server neither splits the job in two
 nor stalls it. Once they are all back, a quorum that every one of them is on, at one step, is
-taken over with its id: the slices' exchange group stays as it is. The message format is JSON
-lines with the run token (`protocol.encode`); no JAX and no torch here.
+taken over with its id: the slices' exchange group stays as it is. The messages are typed
+(`quorum_protocol`), JSON lines with the run token; no JAX and no torch here.
 
 A warm standby slice (`elastic.standby`) waits here too, on a connection of its own: it registers
 with its pid (`standby`) once it is ready to join, is no slice (no quorum waits for it), and is
@@ -40,9 +40,9 @@ import time
 from typing import Any
 
 from resilient_jax.config import default_config
-from resilient_jax.contracts.messages import QuorumMessage
-from resilient_jax.control import protocol
+from resilient_jax.control import protocol, wire
 from resilient_jax.control.line_server import ConnectionLimits, LineServer
+from resilient_jax.control.quorum_protocol import Assign, QuorumAnswer, QuorumRequest, StandbyReady
 from resilient_jax.control.refusals import OnRefused, OnSuppressed
 
 
@@ -96,7 +96,7 @@ class QuorumServer(LineServer):
         self._known: set[int] = set()  # before the first quorum: members of the slices' quorums
         self._deferred = -1  # before the first quorum: the last step answered "no quorum yet"
         self._standbys: dict[socket.socket, int] = {}  # ready standbys' connections: their pids
-        self._assignments: dict[int, dict[str, Any]] = {}  # by pid, until sent
+        self._assignments: dict[int, Assign] = {}  # by pid, until sent
         self._lock = threading.Lock()
         self.decided: list[dict[str, Any]] = []  # every quorum sent: time, id, slices, steps
         self._start()
@@ -122,11 +122,7 @@ class QuorumServer(LineServer):
         """Makes the standby `pid` slice `slice_id` (working in `workdir`): sent at once if it is
         waiting here, else as soon as it is (it is still starting, or reconnecting)."""
         with self._lock:
-            self._assignments[pid] = {
-                "type": QuorumMessage.ASSIGN,
-                "slice": slice_id,
-                "workdir": workdir,
-            }
+            self._assignments[pid] = Assign(slice_id, workdir)
 
     # The server thread.
 
@@ -151,7 +147,7 @@ class QuorumServer(LineServer):
             for conn, _, _ in sends:
                 del self._standbys[conn]
         for conn, pid, message in sends:
-            if not self._send(conn, protocol.encode(message)):
+            if not self._send(conn, wire.encode(message)):
                 with self._lock:  # gone meanwhile: sent when it registers again, if it does
                     self._assignments.setdefault(pid, message)
 
@@ -160,20 +156,20 @@ class QuorumServer(LineServer):
             message = json.loads(line)
             if not hmac.compare_digest(str(message.get("token", "")), self._token):
                 return protocol.WRONG_TOKEN
-            if message.get("type") == QuorumMessage.STANDBY:
-                with self._lock:
-                    self._standbys[conn] = int(message["pid"])
-                return None
-            if message.get("type") != QuorumMessage.QUORUM:
-                return f"not a quorum message: type {str(message.get('type'))[:40]!r}"
-            slice_id, step = int(message["slice"]), int(message["step"])
-            last = message.get("last")
-            if last is not None:
-                last = (str(last["quorum_id"]), tuple(sorted(int(s) for s in last["slices"])))
-            reform = bool(message.get("reform"))
-            request = _Request(conn, step, str(message["store"]), reform, last)
+            asked = wire.decode(message, QuorumRequest, StandbyReady)
+            last = None
+            if isinstance(asked, QuorumRequest) and asked.last is not None:
+                last = (asked.last.quorum_id, tuple(sorted(int(s) for s in asked.last.slices)))
+        except wire.UnknownMessage:
+            return f"not a quorum message: type {str(message.get('type'))[:40]!r}"
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             return f"malformed quorum message: {type(e).__name__}"
+        if isinstance(asked, StandbyReady):
+            with self._lock:
+                self._standbys[conn] = asked.pid
+            return None
+        slice_id = asked.slice
+        request = _Request(conn, asked.step, asked.store, asked.reform, last)
         with self._lock:
             self._slice_of[conn] = slice_id
             if self._last is None and last is not None:
@@ -215,9 +211,7 @@ class QuorumServer(LineServer):
             self._decide()
 
     def _answer(self, request: _Request, quorum: dict[str, Any] | None) -> None:
-        if not self._send(
-            request.conn, protocol.encode({"type": QuorumMessage.QUORUM, "quorum": quorum})
-        ):
+        if not self._send(request.conn, wire.encode(QuorumAnswer(quorum))):
             self._drop(request.conn)
 
     def _decide(self) -> None:

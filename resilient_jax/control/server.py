@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from resilient_jax.contracts.messages import PHASES, Phase, WorkerMessage
-from resilient_jax.control import protocol
+from resilient_jax.contracts.messages import PHASES, Phase
+from resilient_jax.control import protocol, wire
 from resilient_jax.control.line_server import ConnectionLimits, LineServer
 from resilient_jax.control.refusals import OnRefused, OnSuppressed
 
@@ -61,7 +61,7 @@ class HeartbeatServer(LineServer):
         host: str = "127.0.0.1",
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        on_agent: Callable[[socket.socket, dict[str, Any]], None] | None = None,
+        on_agent: Callable[[socket.socket, dict[str, Any]], str | None] | None = None,
         on_refused: OnRefused | None = None,
         on_disconnect: Callable[[socket.socket], None] | None = None,
         limits: ConnectionLimits | None = None,
@@ -94,9 +94,9 @@ class HeartbeatServer(LineServer):
                 if gen == generation
             }
 
-    def send(self, conn: socket.socket, message: dict[str, Any]) -> bool:
-        """Sends one line to an agent's connection; False when it is gone (closed on the way)."""
-        return self._send(conn, protocol.encode(message))
+    def send(self, conn: socket.socket, message: wire.Message) -> bool:
+        """Sends one message to an agent's connection; False when it is gone (closed on the way)."""
+        return self._send(conn, wire.encode(message))
 
     def fence_below(self, generation: int) -> None:
         """Workers of generations before `generation` are told to stop at their next heartbeat."""
@@ -119,32 +119,26 @@ class HeartbeatServer(LineServer):
         except protocol.ProtocolError as e:
             return str(e)
         if "host" in message:
-            if self._on_agent is not None:
-                self._on_agent(conn, message)
-        else:
-            self._record(message)
-            with self._lock:
-                current = self._current
-            if current is not None and message["generation"] < current:
-                fenced = {"type": WorkerMessage.FENCED, "generation": current}
-                self._send(conn, protocol.encode(fenced))
+            return self._on_agent(conn, message) if self._on_agent is not None else None
+        heartbeat = protocol.worker_line(message)
+        self._record(heartbeat)
+        with self._lock:
+            current = self._current
+        if current is not None and heartbeat.generation < current:
+            self._send(conn, wire.encode(protocol.FencedReply(current)))
         return None
 
-    def _record(self, message: dict[str, Any]) -> None:
+    def _record(self, heartbeat: protocol.Heartbeat) -> None:
         now = self._clock()
-        key = (message["generation"], message["process"])
-        step = message.get("step")
-        step = step if isinstance(step, int) else None
-        step_time = message.get("step_time_s")
-        step_time = float(step_time) if isinstance(step_time, (int, float)) else None
+        key = (heartbeat.generation, heartbeat.process)
         with self._lock:
             report = self._reports.get(key)
             if report is None:
                 report = WorkerReport(
                     generation=key[0],
                     process=key[1],
-                    slice=message.get("slice"),
-                    pid=message.get("pid"),
+                    slice=heartbeat.slice,
+                    pid=heartbeat.pid,
                     phase=Phase.INIT,
                     step=None,
                     step_time_s=None,
@@ -153,22 +147,21 @@ class HeartbeatServer(LineServer):
                     last_progress=None,
                 )
                 self._reports[key] = report
+            step = heartbeat.step
             if step is not None and (report.step is None or step > report.step):
                 report.last_progress = now
                 report.step = step
-            phase = message.get("phase")
-            if phase in PHASES:
-                if phase == Phase.READY and report.phase != phase:
+            if heartbeat.phase in PHASES:
+                if heartbeat.phase == Phase.READY and report.phase != heartbeat.phase:
                     report.ready_at = now
-                report.phase = phase
-            if step_time is not None:
-                report.step_time_s = step_time
-            error = message.get("error")
-            if isinstance(error, str):
-                report.error = error[: protocol.MAX_ERROR_CHARS]
-            _merge_arrivals(report.arrivals, message.get("arrivals"))
+                report.phase = heartbeat.phase
+            if heartbeat.step_time_s is not None:
+                report.step_time_s = heartbeat.step_time_s
+            if heartbeat.error is not None:
+                report.error = heartbeat.error[: protocol.MAX_ERROR_CHARS]
+            _merge_arrivals(report.arrivals, heartbeat.arrivals)
             report.last_seen = now
-            report.said_bye = report.said_bye or message["type"] == WorkerMessage.BYE
+            report.said_bye = report.said_bye or isinstance(heartbeat, protocol.Bye)
 
 
 def _merge_arrivals(arrivals: dict[int, float], reported: Any) -> None:

@@ -4,7 +4,7 @@ host instead of falling back to the older persistent one.
 
 The host agent runs a `TierServer` (its RAM disk outlives the workers); a restoring worker reads
 through `list_copies` and `read_ranges` (`resilient_jax.checkpoint.peer_fetch`). One request per
-connection, a JSON line carrying the run's token:
+connection, a typed message (`ListCopies`, `ReadRanges`) carrying the run's token:
 
     {"type": "list", "run": KEY}         -> {"ok": true, "copies": [{"copy": ID, "manifest": M}]}
     {"type": "read", "run": KEY, "copy": ID,
@@ -27,6 +27,7 @@ send: a reader that stops taking bytes is dropped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import json
 import os
@@ -34,7 +35,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from resilient_jax.contracts.local_tier import (
     COPY_ID,
@@ -45,6 +46,8 @@ from resilient_jax.contracts.local_tier import (
     STEP_PREFIX,
 )
 from resilient_jax.contracts.messages import TierRequest
+from resilient_jax.contracts.names import Name
+from resilient_jax.control import wire
 from resilient_jax.control.line_client import LineConnection
 from resilient_jax.control.line_server import ConnectionLimits, LineServer
 from resilient_jax.control.protocol import WRONG_TOKEN, encode
@@ -56,6 +59,24 @@ _CLIENT_TIMEOUT_S = 30.0  # the server drops an accepted client that takes no by
 
 class PeerError(OSError):
     """A peer that did not answer in time, refused, or sent something malformed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ListCopies(wire.Message):
+    """Which committed copies of run `run` (its directory under the tier's root) a host holds."""
+
+    TYPE: ClassVar[Name] = TierRequest.LIST
+    run: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadRanges(wire.Message):
+    """Pieces of one committed copy's data file: [[offset, nbytes], ...], sent back to back."""
+
+    TYPE: ClassVar[Name] = TierRequest.READ
+    run: str
+    copy: str
+    ranges: list[list[int]]
 
 
 # ------------------------------------------------------------------------------------ server
@@ -130,27 +151,27 @@ class TierServer(LineServer):
         finally:
             conn.close()
 
-    def _answer(self, request: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    def _answer(self, line: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         """The answer to a request that carries the run token."""
         root = self._root
         if root is None:
             return {"ok": False, "error": "this host serves no local tier"}, None
-        run = str(request.get("run", ""))
-        if not RUN_KEY.fullmatch(run):
-            return {"ok": False, "error": f"bad run key {run!r}"}, None
-        if request.get("type") == TierRequest.LIST:
-            return {"ok": True, "copies": _committed_copies(os.path.join(root, run))}, None
-        if request.get("type") == TierRequest.READ:
-            copy = str(request.get("copy", ""))
-            if not COPY_ID.fullmatch(copy):
-                return {"ok": False, "error": f"bad copy {copy!r}"}, None
-            path = os.path.join(root, run, copy, DATA_FILE)
-            ranges = [(int(o), int(n)) for o, n in request["ranges"]]
-            size = os.path.getsize(path)
-            if any(o < 0 or n < 0 or o + n > size for o, n in ranges):
-                return {"ok": False, "error": f"a range outside {copy}'s {size} bytes"}, None
-            return {"ok": True, "nbytes": sum(n for _, n in ranges)}, (path, ranges)
-        return {"ok": False, "error": f"unknown request type {request.get('type')!r}"}, None
+        try:
+            request = wire.decode(line, ListCopies, ReadRanges)
+        except wire.UnknownMessage:
+            return {"ok": False, "error": f"unknown request type {line.get('type')!r}"}, None
+        if not RUN_KEY.fullmatch(request.run):
+            return {"ok": False, "error": f"bad run key {request.run!r}"}, None
+        if isinstance(request, ListCopies):
+            return {"ok": True, "copies": _committed_copies(os.path.join(root, request.run))}, None
+        if not COPY_ID.fullmatch(request.copy):
+            return {"ok": False, "error": f"bad copy {request.copy!r}"}, None
+        path = os.path.join(root, request.run, request.copy, DATA_FILE)
+        ranges = [(int(o), int(n)) for o, n in request.ranges]
+        size = os.path.getsize(path)
+        if any(o < 0 or n < 0 or o + n > size for o, n in ranges):
+            return {"ok": False, "error": f"a range outside {request.copy}'s {size} bytes"}, None
+        return {"ok": True, "nbytes": sum(n for _, n in ranges)}, (path, ranges)
 
 
 def _committed_copies(run_root: str) -> list[dict[str, Any]]:
@@ -195,7 +216,7 @@ def list_copies(address: str, token: str, run: str, timeout_s: float) -> list[di
     """The committed copies of run `run` a peer holds: [{"copy": ID, "manifest": {...}}].
     Raises `PeerError` if the peer does not answer in full within `timeout_s`."""
     with _Request(address, timeout_s) as request:
-        header = request.ask({"type": TierRequest.LIST, "run": run, "token": token})
+        header = request.ask(ListCopies(run), token)
         copies = header.get("copies")
         if not isinstance(copies, list):
             raise PeerError(f"peer {address}: a listing without copies")
@@ -218,14 +239,7 @@ def read_ranges(
     if into is not None and len(into) < expected:
         raise ValueError(f"a buffer of {len(into)} bytes for {expected}")
     with _Request(address, timeout_s) as request:
-        message = {
-            "type": TierRequest.READ,
-            "run": run,
-            "copy": copy,
-            "ranges": ranges,
-            "token": token,
-        }
-        header = request.ask(message)
+        header = request.ask(ReadRanges(run, copy, [[o, n] for o, n in ranges]), token)
         if header.get("nbytes") != expected:
             raise PeerError(f"peer {address}: {header.get('nbytes')} bytes for {expected}")
         if into is None:  # only now: the peer has the ranges asked for
@@ -254,9 +268,9 @@ class _Request:
     def __exit__(self, *exc: object) -> None:
         self._conn.close()
 
-    def ask(self, message: dict[str, Any]) -> dict[str, Any]:
+    def ask(self, message: wire.Message, token: str) -> dict[str, Any]:
         with self._peer_errors():
-            self._conn.send(message)
+            self._conn.send(message, token=token)
             line = self._conn.read_line(self._left())
         try:
             header = json.loads(line)

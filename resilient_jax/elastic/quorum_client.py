@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import time
 
-from resilient_jax.contracts.messages import QuorumMessage
-from resilient_jax.control import protocol
+from resilient_jax.control import protocol, wire
 from resilient_jax.control.line_client import LineConnection
+from resilient_jax.control.quorum_protocol import LastQuorum, QuorumAnswer, QuorumRequest
 from resilient_jax.elastic.exchange import Quorum
 
 _CONNECT_TIMEOUT_S = 0.2  # a server that does not take the connection this fast counts as away
@@ -40,24 +40,21 @@ class QuorumClient:
         conn = self._conn or self._connect()
         if conn is None:
             return None
-        message = {
-            "type": QuorumMessage.QUORUM,
-            "token": self._token,
-            "slice": self._slice,
-            "step": step,
-            "store": store,
-            "reform": reform,
-        }
-        if last is not None:
-            message["last"] = {"quorum_id": last.quorum_id, "slices": list(last.slices)}
+        message = QuorumRequest(
+            self._slice,
+            step,
+            store,
+            reform,
+            None if last is None else LastQuorum(last.quorum_id, list(last.slices)),
+        )
         try:
-            conn.send(message)
+            conn.send(message, token=self._token)
             line = conn.read_line(timeout_s)
         except OSError:  # TimeoutError and ConnectionError are OSErrors
             self.close()
             return None
-        reply = json.loads(line)
-        return None if reply["quorum"] is None else Quorum.from_json(reply["quorum"])
+        answer = wire.decode(json.loads(line), QuorumAnswer)
+        return None if answer.quorum is None else Quorum.from_json(answer.quorum)
 
     def _connect(self) -> LineConnection | None:
         now = time.monotonic()

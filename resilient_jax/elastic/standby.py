@@ -20,10 +20,10 @@ import time
 from collections.abc import Mapping
 
 from resilient_jax.contracts import env_vars
-from resilient_jax.contracts.messages import QuorumMessage
-from resilient_jax.control import protocol
+from resilient_jax.control import protocol, wire
 from resilient_jax.control.elastic_slice import output_file
 from resilient_jax.control.line_client import LineConnection
+from resilient_jax.control.quorum_protocol import Assign, StandbyReady
 
 RETRY_S = 0.5  # how often an absent quorum server is tried again
 
@@ -52,8 +52,8 @@ def wait_for_assignment(
     away_since = time.monotonic()
     while True:
         message = _register_and_wait(address, token, pid)
-        if message is not None and message.get("type") == QuorumMessage.ASSIGN:
-            return Assignment(int(message["slice"]), str(message["workdir"]))
+        if isinstance(message, Assign):
+            return Assignment(message.slice, message.workdir)
         if message is not None:
             away_since = time.monotonic()  # a server answered: the wait starts again
         if time.monotonic() - away_since > give_up_s:
@@ -83,16 +83,17 @@ def become(assignment: Assignment, environ: dict[str, str] | None = None, proces
     os.close(fd)
 
 
-def _register_and_wait(address: str, token: str, pid: int) -> dict | None:
+def _register_and_wait(address: str, token: str, pid: int) -> Assign | bool | None:
     """Registers with the quorum server and blocks (no timeout, no CPU) for its answer: the
-    message, {} for a server that closed the connection (it went away), None for none to reach."""
+    assignment, False for a server that closed the connection (it went away) or said something
+    else, None for none to reach."""
     try:
         conn = LineConnection.open(address, timeout_s=1.0)
     except OSError:
         return None
     with conn:
         try:
-            conn.send({"type": QuorumMessage.STANDBY, "token": token, "pid": pid})
-            return json.loads(conn.read_line(timeout_s=None))
-        except OSError:
-            return {}
+            conn.send(StandbyReady(pid), token=token)
+            return wire.decode(json.loads(conn.read_line(timeout_s=None)), Assign)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return False

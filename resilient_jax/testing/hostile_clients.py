@@ -17,8 +17,8 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 
-from resilient_jax.contracts.messages import AgentMessage
-from resilient_jax.control import protocol
+from resilient_jax.control import protocol, wire
+from resilient_jax.control.agent_protocol import Register
 
 KINDS = ("silent", "slow", "oversized", "wrong_token", "random")
 _WAIT_FOR_CLOSE_S = 10.0  # far above any auth timeout a test or benchmark sets
@@ -53,8 +53,8 @@ def hostile_connection(address: tuple[str, int], kind: str, seed: int) -> Outcom
             if kind == "oversized":
                 sock.sendall(b"{" * (protocol.MAX_LINE_BYTES + rng.randint(1, 60000)))
             elif kind == "wrong_token":
-                message = {"type": AgentMessage.REGISTER, "host": "intruder", "slice": 0}
-                sock.sendall(protocol.encode({**message, "token": f"guess-{seed}"}))
+                register = Register(slice=0)
+                sock.sendall(wire.encode(register, token=f"guess-{seed}", host="intruder"))
             elif kind == "random":
                 sock.sendall(rng.randbytes(rng.randint(1, 2000)) + b"\n")
             elif kind != "silent":

@@ -25,14 +25,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ml_collections
 
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.generation_file import Fenced, GenerationFence
-from resilient_jax.contracts.messages import PHASES, Phase, WorkerMessage
-from resilient_jax.control import protocol
+from resilient_jax.contracts.messages import PHASES, Phase
+from resilient_jax.control import protocol, wire
 from resilient_jax.control.line_client import LineConnection
 from resilient_jax.train.hooks import Hook, StepInfo
 
@@ -63,8 +63,8 @@ class SupervisorClient(Hook):
         protocol.split_address(address)  # a malformed address is refused here, not retried
         self._address = address
         self.fence = fence  # also what the worker's event log and checkpoints check
+        self._token = token
         self._identity = {
-            "token": token,
             "generation": generation,
             "process": process,
             "slice": slice_id,
@@ -183,33 +183,37 @@ class SupervisorClient(Hook):
 
     # Background thread.
 
-    def _message(self, kind: str) -> dict[str, Any]:
+    def _message(self, kind: type[protocol.Heartbeat]) -> protocol.Heartbeat:
         with self._lock:
             times = list(self._step_times)
-            fields = {"phase": self._phase, "step": self._step, "error": self._error}
-            fields["arrivals"] = [list(a) for a in self._arrivals]
-        fields["step_time_s"] = statistics.median(times) if times else None
-        return {"type": kind, **self._identity, **fields}
+            return kind(
+                **self._identity,
+                phase=self._phase,
+                step=self._step,
+                step_time_s=statistics.median(times) if times else None,
+                error=self._error,
+                arrivals=[list(a) for a in self._arrivals],
+            )
 
     def _run(self) -> None:
         while True:
-            self._send(self._message(WorkerMessage.HEARTBEAT))
+            self._send(self._message(protocol.Heartbeat))
             self._check_fence()
             self._wake.wait(self._interval_s)
             self._wake.clear()
             if self._stop.is_set():
                 break
-        self._send(self._message(WorkerMessage.BYE))
+        self._send(self._message(protocol.Bye))
         self._disconnect()
 
-    def _send(self, message: dict[str, Any]) -> None:
+    def _send(self, message: protocol.Heartbeat) -> None:
         # Timeouts bound every socket call: a supervisor that stopped reading costs one missed
         # heartbeat, then a reconnect attempt at the next tick.
         try:
             if self._conn is None:
                 timeout = max(0.1, min(1.0, self._interval_s))
                 self._conn = LineConnection.open(self._address, timeout)
-            self._conn.send(message)
+            self._conn.send(message, token=self._token)
         except OSError:
             self._disconnect()
 
@@ -245,13 +249,9 @@ class SupervisorClient(Hook):
             return None
         for line in lines:
             try:
-                reply = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(reply, dict) and reply.get("type") == WorkerMessage.FENCED:
-                newer = reply.get("generation")
-                if isinstance(newer, int):
-                    return newer
+                return wire.decode(json.loads(line), protocol.FencedReply).generation
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # nothing this worker acts on
         return None
 
 
