@@ -27,6 +27,7 @@ device does. The worker's side of the conversation is `resilient_jax.worker`.
 
 from resilient_jax.control.cluster import ClusterSpec, plan_for
 from resilient_jax.control.fault_injection import SupervisorAction
-from resilient_jax.control.supervisor import Supervisor, SupervisorResult
+from resilient_jax.control.run_result import SupervisorResult
+from resilient_jax.control.supervisor import Supervisor
 
 __all__ = ["ClusterSpec", "Supervisor", "SupervisorAction", "SupervisorResult", "plan_for"]

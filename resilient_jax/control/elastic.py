@@ -29,7 +29,6 @@ only the CPU they leave idle.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import secrets
 import signal
@@ -56,6 +55,7 @@ from resilient_jax.control.elastic_slice import SliceProcesses, output_file, run
 from resilient_jax.control.line_server import ConnectionLimits
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.refusals import RefusalReports
+from resilient_jax.control.run_result import SupervisorResult
 from resilient_jax.control.worker_env import shared_env
 from resilient_jax.events import EventLog
 
@@ -73,13 +73,6 @@ def standby_workdir(workdir: str) -> str:
 
 STANDBY = -1  # the slice id `argv_for` is called with for the standby (it has none yet)
 STANDBY_AFTER_S = 30.0  # the next standby starts when the last has joined, or this long after
-
-
-@dataclasses.dataclass(frozen=True)
-class ElasticResult:
-    exit_code: int
-    reason: str
-    replacements: int
 
 
 class TakeoverError(ValueError):
@@ -246,7 +239,7 @@ class ElasticSupervisor:
                 )
         return SliceProcesses(members)
 
-    def run(self, time_limit_s: float | None = None, poll_s: float = 0.05) -> ElasticResult:
+    def run(self, time_limit_s: float | None = None, poll_s: float = 0.05) -> SupervisorResult:
         self.open()
         deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         try:
@@ -266,7 +259,7 @@ class ElasticSupervisor:
             self._stop_all()
             self.quorum.close()
 
-    def _watch(self, deadline: float | None, poll_s: float) -> ElasticResult:
+    def _watch(self, deadline: float | None, poll_s: float) -> SupervisorResult:
         while True:
             now = time.monotonic()
             for slice_id, worker in list(self.workers.items()):
@@ -316,28 +309,31 @@ class ElasticSupervisor:
                 self._report_reconnected()
             if not self.workers and not self._restart_at:
                 if self._done:
-                    return ElasticResult(0, "finished", self._replacements)
-                return ElasticResult(1, "every slice failed", self._replacements)
+                    return self._result(0, "finished")
+                return self._result(1, "every slice failed")
             if self._stop_signal is not None:
                 self._stopping = True
                 for worker in self.workers.values():
                     worker.signal(self._stop_signal)
                 self._stop_signal = None
             if deadline is not None and now > deadline:
-                return ElasticResult(1, "time limit", self._replacements)
+                return self._result(1, "time limit")
             time.sleep(poll_s)
 
-    def _after_failed_exit(self, who: str, code: int) -> ElasticResult | None:
+    def _after_failed_exit(self, who: str, code: int) -> SupervisorResult | None:
         """Reports a failed exit of a slice or the standby (already counted in `_failures`);
         the job's result when it must end: bad input, which any replacement would meet alike,
         or more failures than `coordinator.max_restarts`."""
         self._say(f"{who} exited: {processes.describe_exit(code)}")
         if code == ExitCode.BAD_INPUT:
             reason = f"{who}: {processes.describe_exit(code)}"
-            return ElasticResult(ExitCode.BAD_INPUT, reason, self._replacements)
+            return self._result(ExitCode.BAD_INPUT, reason)
         if self._failures > self._max_restarts:
-            return ElasticResult(1, f"{self._failures} slice failures", self._replacements)
+            return self._result(1, f"{self._failures} slice failures")
         return None
+
+    def _result(self, exit_code: int, reason: str) -> SupervisorResult:
+        return SupervisorResult(exit_code, reason, self._failures, replacements=self._replacements)
 
     def _standby_ready(self) -> bool:
         """A standby is running (ready or still starting: either way it joins sooner than a
@@ -372,7 +368,7 @@ class ElasticSupervisor:
         self._joining = (slice_id, worker.pid, time.monotonic())
         self._standby_at = time.monotonic() + STANDBY_AFTER_S
 
-    def _watch_standby(self, now: float) -> ElasticResult | None:
+    def _watch_standby(self, now: float) -> SupervisorResult | None:
         """Keeps one standby running while the job trains; the result when a standby's exit
         ends the job (bad input, or too many failures)."""
         if not self._standby_enabled or self._done or self._stopping:

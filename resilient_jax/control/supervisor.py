@@ -16,7 +16,6 @@ service misses the peer; a clean restart from a checkpoint is the one path that 
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -44,19 +43,12 @@ from resilient_jax.control.launcher import WorkerLauncher
 from resilient_jax.control.local_hosts import ForeignAgent
 from resilient_jax.control.reconfigure import Reconfigurer
 from resilient_jax.control.restart_policy import RestartPolicy, SlicePool, straggler_eviction_pays
+from resilient_jax.control.run_result import SupervisorResult
 from resilient_jax.control.server import HeartbeatServer, WorkerReport
 from resilient_jax.control.stop_requests import StopRequests
 from resilient_jax.control.stragglers import Straggler, StragglerWatch
 from resilient_jax.events import EventLog
 from resilient_jax.perf.plans import PlanKind
-
-
-@dataclasses.dataclass(frozen=True)
-class SupervisorResult:
-    exit_code: int  # 0 only when every worker of the last generation finished training
-    reason: str
-    generations: int
-    failures: int
 
 
 class Supervisor:
@@ -588,7 +580,9 @@ class Supervisor:
             failures=self._policy.failures,
         )
         self._say(f"stop (exit {int(exit_code)}): {reason}")
-        return SupervisorResult(exit_code, reason, self._gen.number + 1, self._policy.failures)
+        return SupervisorResult(
+            exit_code, reason, self._policy.failures, generations=self._gen.number + 1
+        )
 
     def _say(self, message: str) -> None:
         self._sink.write_line(f"[supervisor] {message}")
