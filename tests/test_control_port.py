@@ -14,7 +14,7 @@ import pytest
 
 from resilient_jax.config import ConfigError, default_config, validate
 from resilient_jax.control import protocol, refusals
-from resilient_jax.control.line_server import ConnectionLimits, LineServer
+from resilient_jax.control.line_server import ConnectionLimits, LineServer, PortGuard
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.refusals import RefusalLimiter
 
@@ -33,9 +33,11 @@ class _Server(LineServer):
             0,
             name="test-line-server",
             poll_s=0.01,
-            limits=limits,
-            on_refused=lambda peer, why: self.refused.append((peer, why)),
-            on_suppressed=lambda peer, n, reasons, _: self.suppressed.append((peer, n, reasons)),
+            guard=PortGuard(
+                limits,
+                on_refused=lambda peer, why: self.refused.append((peer, why)),
+                on_suppressed=lambda peer, n, why, _: self.suppressed.append((peer, n, why)),
+            ),
         )
         self._start()
 
@@ -224,8 +226,9 @@ def test_the_quorum_server_refuses_and_reports_what_is_not_a_quorum_request():
         join_timeout_s=0.5,
         expected=1,
         settle_s=0.0,
-        limits=ConnectionLimits(auth_timeout_s=0.3),
-        on_refused=lambda _, why: refused.append(why),
+        guard=PortGuard(
+            ConnectionLimits(auth_timeout_s=0.3), on_refused=lambda _, why: refused.append(why)
+        ),
     )
     try:
         lines = [

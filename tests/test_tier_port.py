@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from resilient_jax.control.line_server import ConnectionLimits
+from resilient_jax.control.line_server import ConnectionLimits, PortGuard
 from resilient_jax.control.tier_service import MAX_REQUEST_BYTES, TierServer, list_copies
 
 TOKEN = "tier-token-0123"
@@ -59,8 +59,7 @@ def test_tier_port_refuses_hostile_clients_and_serves_the_run(tmp_path):
         "127.0.0.1",
         0,
         TOKEN,
-        on_refused=reports.on_refused,
-        on_suppressed=reports.on_suppressed,
+        guard=PortGuard(on_refused=reports.on_refused, on_suppressed=reports.on_suppressed),
     )
     try:
         # The run's limits arrive later (with the supervisor's welcome).

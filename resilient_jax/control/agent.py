@@ -41,7 +41,7 @@ from resilient_jax.contracts.faults import FaultKind
 from resilient_jax.control import agent_protocol as ap
 from resilient_jax.control import processes, protocol, wire, worker_env
 from resilient_jax.control.line_client import LineConnection
-from resilient_jax.control.line_server import ConnectionLimits
+from resilient_jax.control.line_server import ConnectionLimits, PortGuard
 from resilient_jax.control.probe import probe_host
 from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.tier_service import TierServer
@@ -138,8 +138,7 @@ class HostAgent:
                 self._address or "0.0.0.0",
                 0,
                 self._token,
-                on_refused=refusals.refused,
-                on_suppressed=refusals.suppressed,
+                guard=PortGuard.reporting_to(refusals),
             )
         except BaseException:
             self._log.close()

@@ -52,7 +52,7 @@ from resilient_jax.control import (
     standby_cpu,
 )
 from resilient_jax.control.elastic_slice import SliceProcesses, output_file, runtime_env
-from resilient_jax.control.line_server import ConnectionLimits
+from resilient_jax.control.line_server import ConnectionLimits, PortGuard
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.run_result import SupervisorResult
@@ -181,9 +181,9 @@ class ElasticSupervisor:
             expected=self._slices,
             # the first quorum waits for every slice to have started (or this long)
             settle_s=float(config.coordinator.startup_timeout_s),
-            limits=ConnectionLimits.from_config(config.coordinator),
-            on_refused=refusals.refused,
-            on_suppressed=refusals.suppressed,
+            guard=PortGuard.reporting_to(
+                refusals, ConnectionLimits.from_config(config.coordinator)
+            ),
         )
 
     def _slice_env(self, devices_per_process: int) -> dict[str, str]:

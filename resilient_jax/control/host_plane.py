@@ -25,7 +25,7 @@ from resilient_jax.control import attach, compile_cache, detector, processes, pr
 from resilient_jax.control.cluster import ClusterSpec
 from resilient_jax.control.generation import Generation, Outcome, Watched
 from resilient_jax.control.hosts import HostRegistry
-from resilient_jax.control.line_server import ConnectionLimits
+from resilient_jax.control.line_server import ConnectionLimits, PortGuard
 from resilient_jax.control.local_hosts import LocalHosts
 from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.server import HeartbeatServer
@@ -85,10 +85,8 @@ class HostPlane:
             host,
             port,
             on_agent=self.hosts.on_message,
-            on_refused=refusals.refused,
             on_disconnect=self.hosts.on_disconnect,
-            limits=ConnectionLimits.from_config(self._c),
-            on_suppressed=refusals.suppressed,
+            guard=PortGuard.reporting_to(refusals, ConnectionLimits.from_config(self._c)),
         )
         self.hosts.bind(self.server.send, self.server.heard_until)
         ap.write_supervisor_file(self._workdir, self.server.address, os.getpid())

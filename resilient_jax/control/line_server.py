@@ -33,7 +33,12 @@ from typing import Any
 
 from resilient_jax.config import default_config
 from resilient_jax.control import protocol
-from resilient_jax.control.refusals import OnRefused, OnSuppressed, RefusalLimiter
+from resilient_jax.control.refusals import (
+    OnRefused,
+    OnSuppressed,
+    RefusalLimiter,
+    RefusalReports,
+)
 
 SEND_TIMEOUT_S = 1.0  # a peer that takes no bytes for this long is taken for gone
 _ACCEPTS_PER_TURN = 64  # a burst of connections is taken in a few turns, others still served
@@ -63,6 +68,23 @@ class ConnectionLimits:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class PortGuard:
+    """How a control port holds against clients that are not the run's: its limits, and whom it
+    tells of each refusal (`on_refused`) and of those it only counted (`on_suppressed`)."""
+
+    limits: ConnectionLimits = ConnectionLimits()
+    on_refused: OnRefused | None = None
+    on_suppressed: OnSuppressed | None = None
+
+    @classmethod
+    def reporting_to(
+        cls, reports: RefusalReports, limits: ConnectionLimits | None = None
+    ) -> PortGuard:
+        """`limits` (default: the config's defaults), each refusal an event and a log line."""
+        return cls(limits or ConnectionLimits(), reports.refused, reports.suppressed)
+
+
 @dataclasses.dataclass
 class _Connection:
     peer: str  # "host:port", read at accept: a reset connection no longer has one
@@ -85,13 +107,12 @@ class LineServer:
         name: str,
         poll_s: float,
         clock: Callable[[], float] = time.monotonic,
-        limits: ConnectionLimits | None = None,
-        on_refused: OnRefused | None = None,
-        on_suppressed: OnSuppressed | None = None,
+        guard: PortGuard | None = None,
         max_line_bytes: int = protocol.MAX_LINE_BYTES,
     ) -> None:
-        self._limits = limits or ConnectionLimits()
-        self._on_refused, self._on_suppressed = on_refused, on_suppressed
+        guard = guard or PortGuard()
+        self._limits = guard.limits
+        self._on_refused, self._on_suppressed = guard.on_refused, guard.on_suppressed
         self._refusals = self._limiter(self._limits)
         # set_limits's, for the server thread to take; the counts of the limiters it replaced.
         self._new_limits: ConnectionLimits | None = None

@@ -41,9 +41,8 @@ from typing import Any
 
 from resilient_jax.config import default_config
 from resilient_jax.control import protocol, wire
-from resilient_jax.control.line_server import ConnectionLimits, LineServer
+from resilient_jax.control.line_server import LineServer, PortGuard
 from resilient_jax.control.quorum_protocol import Assign, QuorumAnswer, QuorumRequest, StandbyReady
-from resilient_jax.control.refusals import OnRefused, OnSuppressed
 
 
 @dataclasses.dataclass
@@ -67,19 +66,9 @@ class QuorumServer(LineServer):
         join_timeout_s: float | None = None,  # None: elastic.join_timeout_s's default
         expected: int = 0,
         settle_s: float = 5.0,
-        limits: ConnectionLimits | None = None,
-        on_refused: OnRefused | None = None,
-        on_suppressed: OnSuppressed | None = None,
+        guard: PortGuard | None = None,
     ) -> None:
-        super().__init__(
-            host,
-            port,
-            name="rj-quorum",
-            poll_s=0.01,
-            limits=limits,
-            on_refused=on_refused,
-            on_suppressed=on_suppressed,
-        )
+        super().__init__(host, port, "rj-quorum", 0.01, guard=guard)
         self._token = token
         if join_timeout_s is None:
             join_timeout_s = float(default_config().elastic.join_timeout_s)

@@ -27,8 +27,7 @@ from typing import Any
 
 from resilient_jax.contracts.messages import PHASES, Phase
 from resilient_jax.control import protocol, wire
-from resilient_jax.control.line_server import ConnectionLimits, LineServer
-from resilient_jax.control.refusals import OnRefused, OnSuppressed
+from resilient_jax.control.line_server import LineServer, PortGuard
 
 
 @dataclasses.dataclass
@@ -62,21 +61,10 @@ class HeartbeatServer(LineServer):
         port: int = 0,
         clock: Callable[[], float] = time.monotonic,
         on_agent: Callable[[socket.socket, dict[str, Any]], str | None] | None = None,
-        on_refused: OnRefused | None = None,
         on_disconnect: Callable[[socket.socket], None] | None = None,
-        limits: ConnectionLimits | None = None,
-        on_suppressed: OnSuppressed | None = None,
+        guard: PortGuard | None = None,
     ) -> None:
-        super().__init__(
-            host,
-            port,
-            name="rj-heartbeat-server",
-            poll_s=0.1,
-            clock=clock,
-            limits=limits,
-            on_refused=on_refused,
-            on_suppressed=on_suppressed,
-        )
+        super().__init__(host, port, "rj-heartbeat-server", 0.1, clock=clock, guard=guard)
         self._token = token
         self._on_agent = on_agent
         self._on_disconnect = on_disconnect

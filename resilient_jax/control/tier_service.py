@@ -49,9 +49,8 @@ from resilient_jax.contracts.messages import TierRequest
 from resilient_jax.contracts.names import Name
 from resilient_jax.control import wire
 from resilient_jax.control.line_client import LineConnection
-from resilient_jax.control.line_server import ConnectionLimits, LineServer
+from resilient_jax.control.line_server import LineServer, PortGuard
 from resilient_jax.control.protocol import WRONG_TOKEN, encode
-from resilient_jax.control.refusals import OnRefused, OnSuppressed
 
 MAX_REQUEST_BYTES = 8 << 20  # a read names each piece of one copy: thousands of ranges at most
 _CLIENT_TIMEOUT_S = 30.0  # the server drops an accepted client that takes no bytes this long
@@ -95,19 +94,10 @@ class TierServer(LineServer):
         host: str,
         port: int,
         token: str,
-        limits: ConnectionLimits | None = None,
-        on_refused: OnRefused | None = None,
-        on_suppressed: OnSuppressed | None = None,
+        guard: PortGuard | None = None,
     ) -> None:
         super().__init__(
-            host,
-            port,
-            "tier-server",
-            poll_s=0.2,
-            limits=limits,
-            on_refused=on_refused,
-            on_suppressed=on_suppressed,
-            max_line_bytes=MAX_REQUEST_BYTES,
+            host, port, "tier-server", 0.2, guard=guard, max_line_bytes=MAX_REQUEST_BYTES
         )
         self._token = token
         self._root: str | None = None  # None: the local tier is not served (yet)

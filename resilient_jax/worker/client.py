@@ -218,9 +218,9 @@ class SupervisorClient(Hook):
             self._disconnect()
 
     def _disconnect(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        self._conn = None
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
     def _check_fence(self) -> None:
         """Ends this process when the supervisor said, or the generation file says, that a
