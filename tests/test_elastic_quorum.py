@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -353,3 +355,71 @@ def test_an_elastic_supervisor_touches_nothing_until_opened(tmp_path, monkeypatc
         socket.create_connection((host, int(port)), timeout=5).close()  # listening
     finally:
         opened.quorum.close()
+
+
+# A slice stand-in that counts the SIGTERMs it gets, and exits 0 once `exit` appears.
+_STOPPABLE_SLICE = """
+import os, signal, sys, time
+def on_term(signum, frame):
+    with open(os.path.join(sys.argv[1], "signals"), "a") as f:
+        f.write("TERM\\n")
+signal.signal(signal.SIGTERM, on_term)
+open(os.path.join(sys.argv[1], "ready"), "w").close()
+while not os.path.exists(os.path.join(sys.argv[1], "exit")):
+    time.sleep(0.02)
+"""
+
+
+def test_a_stop_request_reaches_every_slice_once_and_nothing_replaces_them(tmp_path):
+    """SIGTERM to the elastic supervisor (twice: the second cuts the save short) is passed on to
+    every slice exactly once each, and the slices that stop are not replaced."""
+    import io
+    import sys
+
+    from resilient_jax.config import default_config
+    from resilient_jax.control.elastic import ElasticSupervisor, slice_workdir
+
+    config = default_config()
+    config.elastic.slices = 2
+    config.elastic.standby = False
+    config.coordinator.startup_timeout_s = 1.0
+    supervisor = ElasticSupervisor(
+        config,
+        lambda _, slice_dir: [sys.executable, "-c", _STOPPABLE_SLICE, slice_dir],
+        str(tmp_path),
+        devices_per_process=1,
+        out=io.StringIO(),
+        token=TOKEN,
+    )
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(time_limit_s=60)))
+    thread.start()
+    dirs = [slice_workdir(str(tmp_path), s) for s in (0, 1)]
+
+    def terms(d: str) -> int:
+        try:
+            with open(os.path.join(d, "signals")) as f:
+                return f.read().count("TERM")
+        except FileNotFoundError:
+            return 0
+
+    try:
+        _wait_until(lambda: all(os.path.exists(os.path.join(d, "ready")) for d in dirs))
+        supervisor.request_stop(signal.SIGTERM)
+        _wait_until(lambda: all(terms(d) == 1 for d in dirs))
+        supervisor.request_stop(signal.SIGTERM)
+        _wait_until(lambda: all(terms(d) == 2 for d in dirs))
+        time.sleep(0.5)  # 10 of the supervisor's polls: nothing is passed on twice
+        assert [terms(d) for d in dirs] == [2, 2]
+    finally:
+        for d in dirs:
+            open(os.path.join(d, "exit"), "w").close()
+        thread.join(timeout=30)
+    assert (result["r"].exit_code, result["r"].replacements) == (0, 0), result["r"]
+
+
+def _wait_until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)

@@ -56,6 +56,7 @@ from resilient_jax.control.line_server import ConnectionLimits, PortGuard
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.run_result import SupervisorResult
+from resilient_jax.control.stop_requests import StopRequests
 from resilient_jax.control.worker_env import shared_env
 from resilient_jax.events import EventLog
 
@@ -107,7 +108,7 @@ class ElasticSupervisor:
         limit = config.coordinator.max_restarts if max_restarts is None else max_restarts
         self._max_restarts = int(limit)
         self._token_given = token
-        self._out = out if out is not None else sys.stdout
+        self._sink = processes.OutputSink(out if out is not None else sys.stdout)
         self._devices_per_process = devices_per_process
         self._opened = False
         self.workers: dict[int, SliceProcesses] = {}
@@ -122,7 +123,7 @@ class ElasticSupervisor:
         self._done: set[int] = set()
         self._replacements = 0
         self._failures = 0  # slices' and standbys' non-zero exits
-        self._stop_signal: int | None = None
+        self._stop = StopRequests(poll_s=0.05)
         self._stopping = False  # a stop was requested: nothing is replaced any more
 
     def open(self) -> ElasticSupervisor:
@@ -151,7 +152,9 @@ class ElasticSupervisor:
         return self
 
     def request_stop(self, signum: int) -> None:
-        self._stop_signal = signum
+        """Passes `signum` on to the slices (safe to call from a signal handler): they save and
+        stop, and nothing replaces them."""
+        self._stop.request(signum)
 
     def _refuse_foreign_takeover(self) -> None:
         """Raises TakeoverError when the slices to take over run with another run token."""
@@ -311,11 +314,10 @@ class ElasticSupervisor:
                 if self._done:
                     return self._result(0, "finished")
                 return self._result(1, "every slice failed")
-            if self._stop_signal is not None:
+            for signum in self._stop.unseen():
                 self._stopping = True
                 for worker in self.workers.values():
-                    worker.signal(self._stop_signal)
-                self._stop_signal = None
+                    worker.signal(signum)
             if deadline is not None and now > deadline:
                 return self._result(1, "time limit")
             time.sleep(poll_s)
@@ -509,8 +511,7 @@ class ElasticSupervisor:
             worker.kill()
 
     def _say(self, text: str) -> None:
-        self._out.write(f"[elastic] {text}\n")
-        self._out.flush()
+        self._sink.write_line(f"[elastic] {text}")
 
 
 def _pids(worker: SliceProcesses) -> dict[str, list[int]]:

@@ -15,6 +15,7 @@ class StopRequests:
     def __init__(self, poll_s: float) -> None:
         self._signals: list[int] = []
         self._poll_s = poll_s
+        self._taken = 0  # how many `unseen` handed out
 
     def request(self, signum: int) -> None:
         self._signals.append(signum)
@@ -27,6 +28,13 @@ class StopRequests:
     def hurry(self) -> bool:
         """A second request: stop without waiting for saves."""
         return len(self._signals) > 1
+
+    def unseen(self) -> list[int]:
+        """The signals received since the last call (each handed on once: elastic mode passes
+        every one to its slices, the second cutting their save short)."""
+        signals = self._signals[self._taken :]
+        self._taken += len(signals)
+        return signals
 
     def first_name(self) -> str:
         return signal.Signals(self._signals[0]).name
