@@ -266,3 +266,44 @@ def test_limits_are_validated(key, value):
     config.coordinator[key] = value
     with pytest.raises(ConfigError, match=f"coordinator.{key}"):
         validate(config)
+
+
+@pytest.mark.parametrize("kind", ["heartbeat", "quorum", "tier"])
+def test_no_line_a_peer_sends_ends_a_control_port(kind, tmp_path):
+    """Lines that make the parser itself fail (JSON nested past Python's recursion limit, a token
+    that is not ASCII) are refused like any other, and the port goes on serving the run."""
+    from resilient_jax.control.server import HeartbeatServer
+    from resilient_jax.control.tier_service import TierServer, list_copies
+
+    refused: list[str] = []
+    guard = PortGuard(on_refused=lambda _, why: refused.append(why))
+    token = "t" * 16
+    if kind == "heartbeat":
+        server: LineServer = HeartbeatServer(token, guard=guard)
+    elif kind == "quorum":
+        server = QuorumServer(token, expected=1, settle_s=0.0, guard=guard)
+    else:
+        server = TierServer("127.0.0.1", 0, token, guard=guard)
+        server.serve(str(tmp_path))
+    try:
+        for line in (b"[" * 4000 + b"\n", protocol.encode({"type": "x", "token": "\u00e9"})):
+            with _connect(server) as sock:
+                sock.sendall(line)
+                assert _closed_by_server(sock)
+        _wait(lambda: len(refused) == 2)
+        assert refused[0].startswith(("malformed", "not JSON", "not a JSON")), refused
+        assert refused[1] == protocol.WRONG_TOKEN
+        if kind == "heartbeat":  # the run's own lines are still read
+            with _connect(server) as sock:
+                beat = {"type": "heartbeat", "token": token, "generation": 0, "process": 0}
+                sock.sendall(protocol.encode(beat))
+                _wait(lambda: 0 in server.reports(0))
+        elif kind == "tier":  # and its requests answered
+            assert list_copies(server.address, token, "0123456789abcdef", timeout_s=5.0) == []
+        else:
+            with _connect(server) as sock:
+                sock.sendall(b"\n")  # not JSON: refused, by a server thread still running
+                assert _closed_by_server(sock)
+            _wait(lambda: len(refused) == 3)
+    finally:
+        server.close()

@@ -179,7 +179,13 @@ class HostRegistry:
     def _register(self, conn: socket.socket, name: str, message: ap.Register, now: float) -> None:
         reported = {}
         for w in message.workers:
-            if isinstance(w, dict) and isinstance(w.get("generation"), int):
+            if (
+                isinstance(w, dict)
+                and isinstance(w.get("generation"), int)
+                and isinstance(w.get("process"), int)
+                and isinstance(w.get("pid"), (int, type(None)))
+                and isinstance(w.get("exit_code"), (int, type(None)))
+            ):
                 reported[(w["generation"], w["process"])] = (w.get("pid"), w.get("exit_code"))
         with self._lock:
             previous = self._hosts.get(name)

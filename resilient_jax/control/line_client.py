@@ -57,10 +57,10 @@ class LineConnection:
         """This side's address, as the server sees it on this network."""
         return str(self._sock.getsockname()[0])
 
-    def send(self, message: wire.Message, **envelope: Any) -> None:
-        """Sends one message with the channel's `envelope` (the run token), within the
-        connection's timeout."""
-        self._sock.settimeout(self._timeout_s)
+    def send(self, message: wire.Message, timeout_s: float | None = None, **envelope: Any) -> None:
+        """Sends one message with the channel's `envelope` (the run token), within `timeout_s`
+        (None: the connection's timeout)."""
+        self._sock.settimeout(self._timeout_s if timeout_s is None else timeout_s)
         self._sock.sendall(wire.encode(message, **envelope))
 
     def lines(self, wait_s: float) -> list[bytes]:

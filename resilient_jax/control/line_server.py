@@ -202,6 +202,11 @@ class LineServer:
     def _on_drop(self, conn: socket.socket) -> None:
         """Hears that `conn` is about to close (in the server thread)."""
 
+    def _farewell(self, why: str) -> bytes | None:
+        """What a refused connection is sent before it is closed (after the refusal is reported);
+        None: nothing (a refusal answers nothing, by default)."""
+        return None
+
     def _detach(self, conn: socket.socket) -> None:
         """Takes an accepted connection out of the loop, open, for the subclass to answer and
         close from another thread (sends bounded by `SEND_TIMEOUT_S` until it sets another)."""
@@ -277,6 +282,9 @@ class LineServer:
         # Reported before the close: a peer that sees its connection end finds the refusal
         # already logged (the other order let a reader of the event log race the report).
         self._refusals.refused(connection.peer, why, self._clock())
+        farewell = self._farewell(why)
+        if farewell is not None:
+            self._send(conn, farewell)
         self._drop(conn)
 
     def _drop(self, conn: socket.socket) -> None:
@@ -317,7 +325,10 @@ class LineServer:
             return
         connection.buffer = bytearray(rest)
         for line in lines:
-            why = self._handle_line(conn, line)
+            try:
+                why = self._handle_line(conn, line)
+            except Exception as e:
+                why = f"malformed line ({type(e).__name__})"
             if why is not None:
                 self._refuse(conn, why)
                 return

@@ -83,7 +83,7 @@ def decode(line: bytes, token: str) -> dict[str, Any]:
         raise ProtocolError(f"not JSON ({type(e).__name__})") from e
     if not isinstance(message, dict):
         raise ProtocolError("not a JSON object")
-    if not hmac.compare_digest(str(message.get("token", "")), token):
+    if not token_matches(message.get("token"), token):
         raise ProtocolError(WRONG_TOKEN)
     if isinstance(message.get("host"), str):
         return message  # a host agent's line (`agent_protocol`): the server hands it on
@@ -102,6 +102,12 @@ def worker_line(message: dict[str, Any]) -> Heartbeat:
         raise ProtocolError(str(e)) from None
     except (KeyError, TypeError) as e:
         raise ProtocolError(f"malformed heartbeat: {e}") from None
+
+
+def token_matches(sent: Any, token: str) -> bool:
+    """Whether `sent` (a line's `token`, anything a peer wrote) is the run's token, in constant
+    time (compared as UTF-8: `compare_digest` refuses a str that is not ASCII)."""
+    return hmac.compare_digest(str(sent if sent is not None else "").encode(), token.encode())
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -31,7 +31,6 @@ sent the identity of the slice it replaces (`assign`) when the supervisor gives 
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import os
 import socket
@@ -143,7 +142,7 @@ class QuorumServer(LineServer):
     def _handle_line(self, conn: socket.socket, line: bytes) -> str | None:
         try:
             message = json.loads(line)
-            if not hmac.compare_digest(str(message.get("token", "")), self._token):
+            if not protocol.token_matches(message.get("token"), self._token):
                 return protocol.WRONG_TOKEN
             asked = wire.decode(message, QuorumRequest, StandbyReady)
             last = None

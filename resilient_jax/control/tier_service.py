@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hmac
 import json
 import os
 import socket
@@ -50,7 +49,7 @@ from resilient_jax.contracts.names import Name
 from resilient_jax.control import wire
 from resilient_jax.control.line_client import LineConnection
 from resilient_jax.control.line_server import LineServer, PortGuard
-from resilient_jax.control.protocol import WRONG_TOKEN, encode
+from resilient_jax.control.protocol import WRONG_TOKEN, encode, token_matches
 
 MAX_REQUEST_BYTES = 8 << 20  # a read names each piece of one copy: thousands of ranges at most
 _CLIENT_TIMEOUT_S = 30.0  # the server drops an accepted client that takes no bytes this long
@@ -120,12 +119,18 @@ class TierServer(LineServer):
             return "not a JSON request"
         if not isinstance(request, dict):
             return "not a JSON request"
-        if not hmac.compare_digest(str(request.get("token", "")), self._token):
-            self._send(conn, encode({"ok": False, "error": WRONG_TOKEN}))
-            return WRONG_TOKEN
+        if not token_matches(request.get("token"), self._token):
+            return WRONG_TOKEN  # answered by `_farewell`
         self._detach(conn)
-        threading.Thread(target=self._reply, args=(conn, request), daemon=True).start()
+        try:
+            threading.Thread(target=self._reply, args=(conn, request), daemon=True).start()
+        except RuntimeError:  # no thread to be had: this request goes unanswered
+            conn.close()
         return None
+
+    def _farewell(self, why: str) -> bytes | None:
+        # A wrong token is told so (a peer with a stale token sees why); other refusals not.
+        return encode({"ok": False, "error": WRONG_TOKEN}) if why == WRONG_TOKEN else None
 
     def _reply(self, conn: socket.socket, request: dict[str, Any]) -> None:
         try:
@@ -260,7 +265,7 @@ class _Request:
 
     def ask(self, message: wire.Message, token: str) -> dict[str, Any]:
         with self._peer_errors():
-            self._conn.send(message, token=token)
+            self._conn.send(message, self._left(), token=token)
             line = self._conn.read_line(self._left())
         try:
             header = json.loads(line)

@@ -91,7 +91,10 @@ def _checked(name: str, value: Any, hint: Any) -> Any:
         if isinstance(value, bool) and expected is not bool:
             continue  # JSON's true is no number
         if expected is float and isinstance(value, int):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:
+                raise TypeError(f"{name!r} is out of a float's range") from None
         if dataclasses.is_dataclass(expected) and isinstance(value, Mapping):
             return _build(expected, value)  # a nested message part, checked alike
         if isinstance(value, expected):

@@ -48,7 +48,7 @@ class QuorumClient:
             None if last is None else LastQuorum(last.quorum_id, list(last.slices)),
         )
         try:
-            conn.send(message, token=self._token)
+            conn.send(message, timeout_s, token=self._token)
             line = conn.read_line(timeout_s)
         except OSError:  # TimeoutError and ConnectionError are OSErrors
             self.close()
