@@ -181,7 +181,14 @@ def _message_names_spelled_here(tree: ast.Module) -> list[tuple[int, str]]:
     return found
 
 
-_MESSAGE_NAMES = ("WorkerMessage", "AgentMessage", "AgentCommand", "QuorumMessage", "TierRequest")
+_MESSAGE_NAMES = (
+    "WorkerMessage",
+    "AgentMessage",
+    "AgentCommand",
+    "StandbyMessage",
+    "QuorumMessage",
+    "TierRequest",
+)
 
 
 def _untyped_messages_here(tree: ast.Module) -> list[tuple[int, str]]:

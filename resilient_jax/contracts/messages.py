@@ -1,7 +1,8 @@
 """The name of every message that crosses a process boundary on the control plane's sockets (the
 `type` field of each JSON line), and the phases a worker reports. Each name's payload is a typed
 message (`control.wire`) of its channel: `control.protocol` (workers and supervisor),
-`control.agent_protocol` (host agents), `control.quorum_protocol` (elastic slices),
+`control.agent_protocol` (host agents), `control.standby_protocol` (an agent's standbys),
+`control.quorum_protocol` (elastic slices),
 `control.tier_service` (peers' local tiers)."""
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ class AgentCommand(Name):
     FENCE = "fence"
     FAULT = "fault"
     END = "end"
+
+
+class StandbyMessage(Name):
+    """Host agent -> one of its warm standbys (restart path), on the standby's stdin."""
+
+    ROLE = "role"  # {"env"}: the worker's whole environment; become that worker
 
 
 class QuorumMessage(Name):

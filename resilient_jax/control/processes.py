@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,9 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Protocol
+
+from resilient_jax.control import wire
+from resilient_jax.control.standby_protocol import StandbyRole
 
 
 @dataclasses.dataclass
@@ -180,7 +182,7 @@ def assign(
     Raises OSError if the standby is gone (its stdin is closed).
     """
     assert standby.popen.stdin is not None
-    standby.popen.stdin.write(json.dumps({"env": dict(env)}).encode() + b"\n")
+    standby.popen.stdin.write(wire.encode(StandbyRole(dict(env))))
     standby.popen.stdin.close()
     standby.prefix[0] = prefix
     return WorkerProcess(process, slice_id, generation, standby.popen, clock(), standby.reader)
