@@ -713,3 +713,28 @@ def test_outage_reader_reads_lose_slice_events_incrementally(tmp_path):
     (outage,) = reader.read_new()
     assert (outage.generation, outage.slice_index, outage.until) == (None, 0, 104.0)
     assert reader.read_new() == []
+
+
+def test_a_supervisor_touches_nothing_until_it_runs_and_a_bad_token_ends_it_in_one_line(
+    tmp_path, monkeypatch
+):
+    """Construction keeps its arguments (no workdir, no token read, no thread); `run` opens
+    what it needs, and a token file others may read ends it with exit 2 and one line."""
+    from resilient_jax.contracts.exit_codes import ExitCode
+    from resilient_jax.control import ClusterSpec, Supervisor
+
+    token_file = tmp_path / "token"
+    token_file.write_text("secret")
+    token_file.chmod(0o644)
+    monkeypatch.setenv(env_vars.RUN_TOKEN_FILE, str(token_file))
+    workdir, out = tmp_path / "run", io.StringIO()
+    threads = threading.active_count()
+    config = config_lib.default_config()
+    argv = [sys.executable, "-c", "pass"]
+    supervisor = Supervisor(config, ClusterSpec(1, 1, 1), argv, str(workdir), out=out)
+    assert not workdir.exists() and threading.active_count() == threads
+    result = supervisor.run(time_limit_s=10)
+    assert result.exit_code == ExitCode.BAD_INPUT and "mode 644; allowed: 600" in result.reason
+    assert out.getvalue().count("\n") == 1 and "mode 644" in out.getvalue(), out.getvalue()
+    with pytest.raises(ValueError, match="host_agents='remote'"):
+        Supervisor(config, ClusterSpec(1, 1, 1), argv, str(workdir), host_agents="remote")

@@ -48,8 +48,6 @@ class HostPlane:
         sink: processes.OutputSink,
         say: Callable[[str], None],
     ) -> None:
-        if host_agents not in HOST_AGENTS:
-            raise ValueError(f"host_agents={host_agents!r}; allowed: {', '.join(HOST_AGENTS)}")
         self._config = config
         self._c = config.coordinator
         self._cluster = cluster

@@ -38,7 +38,7 @@ from resilient_jax.control.generation import (
     blame,
     poll_exits,
 )
-from resilient_jax.control.host_plane import HostPlane
+from resilient_jax.control.host_plane import HOST_AGENTS, HostPlane
 from resilient_jax.control.launcher import WorkerLauncher
 from resilient_jax.control.local_hosts import ForeignAgent
 from resilient_jax.control.reconfigure import Reconfigurer
@@ -77,6 +77,10 @@ class Supervisor:
         self._c = config.coordinator
         self._cluster = cluster
         self._workdir = workdir
+        self._worker_argv, self._actions, self._cwd = list(worker_argv), list(actions), cwd
+        if host_agents not in HOST_AGENTS:
+            raise ValueError(f"host_agents={host_agents!r}; allowed: {', '.join(HOST_AGENTS)}")
+        self._host_agents, self._listen = host_agents, listen
         self._poll_s = poll_interval_s
         self._thresholds = detector.Thresholds.from_config(self._c)
         self._pool = SlicePool(
@@ -84,42 +88,35 @@ class Supervisor:
         )
         self._policy = RestartPolicy(self._c)
         self._sink = processes.OutputSink(out if out is not None else sys.stdout)
-        self._events = EventLog(workdir, process="supervisor", source="supervisor")
+        self._outages = OutageReader(workdir)
+        self._stop = StopRequests(poll_interval_s)
+        self._gen = Generation()
+        self._max_step: int | None = None  # highest step any worker reported, any generation
+        self._start_time = 0.0
+
+    def _open(self) -> None:
+        """At the run's start (construction touches nothing): the event log, earlier reshapes'
+        costs, the token, the hosts. Raises OSError or ValueError (a bad token, say)."""
+        self._events = EventLog(self._workdir, process="supervisor", source="supervisor")
+        # What a reshape costs and gains; which plan to follow when a slice is lost or returns.
+        self._reconfigure = Reconfigurer(
+            self._config, self._cluster, self._workdir, self._events, self._say
+        )
         self._plane = HostPlane(
-            config,
-            cluster,
-            workdir,
+            self._config,
+            self._cluster,
+            self._workdir,
             self._pool.all_slices,
-            host_agents,
-            listen,
+            self._host_agents,
+            self._listen,
             self._events,
             self._sink,
             self._say,
         )
         self._hosts = self._plane.hosts
-        self._faults = self._fault_injector(actions)
-        # Workers started ahead of the next generation (imports done while the job trains).
-        self._launcher = WorkerLauncher(
-            worker_argv,
-            self._hosts,
-            self._events,
-            bool(self._c.standby_workers),
-            cluster.devices_per_process,
-            compile_cache.cache_env(self._c, workdir),
-            cwd=cwd,
-        )
-        self._outages = OutageReader(workdir)
-        self._stop = StopRequests(poll_interval_s)
-        self._gen = Generation()
-        self._max_step: int | None = None  # highest step any worker reported, any generation
-        # What a reshape costs and gains; which plan to follow when a slice is lost or returns.
-        self._reconfigure = Reconfigurer(config, cluster, workdir, self._events, self._say)
-        self._start_time = 0.0
-
-    def _fault_injector(self, actions: Sequence[SupervisorAction]) -> FaultInjector:
-        """The planned faults, aimed at the pool's slices; host faults go through the plane."""
-        return FaultInjector(
-            actions,
+        # The planned faults, aimed at the pool's slices; host faults go through the plane.
+        self._faults = FaultInjector(
+            self._actions,
             self._pool.all_slices,
             self._cluster.processes_per_slice,
             float(self._c.readmit_after_s),
@@ -127,6 +124,16 @@ class Supervisor:
             self._events,
             self._say,
             self._plane.inject_fault,
+        )
+        # Workers started ahead of the next generation (imports done while the job trains).
+        self._launcher = WorkerLauncher(
+            self._worker_argv,
+            self._hosts,
+            self._events,
+            bool(self._c.standby_workers),
+            self._cluster.devices_per_process,
+            compile_cache.cache_env(self._c, self._workdir),
+            cwd=self._cwd,
         )
 
     # Public.
@@ -138,6 +145,11 @@ class Supervisor:
     def run(self, time_limit_s: float | None = None) -> SupervisorResult:
         self._start_time = time.monotonic()
         deadline = None if time_limit_s is None else self._start_time + time_limit_s
+        try:
+            self._open()
+        except (OSError, ValueError) as e:  # nothing started: no agent to end, no log to write
+            self._say(f"stop (exit {int(ExitCode.BAD_INPUT)}): {e}")
+            return SupervisorResult(ExitCode.BAD_INPUT, str(e), self._policy.failures)
         restore_handlers = self._stop.install_handlers()
         try:
             self._plane.open()
