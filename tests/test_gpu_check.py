@@ -1,5 +1,6 @@
 """experiments/gpu_check.py --smoke: the accelerator check runs every phase on CPU and writes
-strict JSON, so the command a lent GPU runs has not rotted in between."""
+strict JSON, so the command a lent GPU runs has not rotted in between. Slow (23 s of a 2-core
+machine): CI runs it with the slow tests."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import json
 import pathlib
 
+import pytest
 from conftest import REPO, run_python
 
 PHASES = [
@@ -43,6 +45,7 @@ def _refuse(constant: str) -> None:
     raise AssertionError(f"{constant} in the result: not strict JSON")
 
 
+@pytest.mark.slow
 def test_smoke_runs_every_phase(tmp_path):
     out = tmp_path / "gpu_check.json"
     digest_before = source_digest()
