@@ -67,12 +67,21 @@ class FencedReply(wire.Message):
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    return (json.dumps(message, separators=(",", ":")) + "\n").encode()
+    """A plain JSON object as one line (a typed message: `wire.encode`)."""
+    return wire.frame(message)
 
 
 def decode(line: bytes, token: str) -> dict[str, Any]:
     """Parses one line and checks it carries this run's token: a host agent's line as it is
     (`agent_protocol` types it), a worker's checked as a `Heartbeat` or a `Bye` would be."""
+    message = read(line, token)
+    if not is_agent_line(message):
+        worker_line(message)
+    return message
+
+
+def read(line: bytes, token: str) -> dict[str, Any]:
+    """One line as a JSON object that carries this run's token; raises `ProtocolError`."""
     if len(line) > MAX_LINE_BYTES:
         raise ProtocolError(f"message longer than {MAX_LINE_BYTES} bytes")
     try:
@@ -85,10 +94,12 @@ def decode(line: bytes, token: str) -> dict[str, Any]:
         raise ProtocolError("not a JSON object")
     if not token_matches(message.get("token"), token):
         raise ProtocolError(WRONG_TOKEN)
-    if isinstance(message.get("host"), str):
-        return message  # a host agent's line (`agent_protocol`): the server hands it on
-    worker_line(message)
     return message
+
+
+def is_agent_line(message: dict[str, Any]) -> bool:
+    """A host agent's line (`agent_protocol`: it names its host), not a worker's."""
+    return isinstance(message.get("host"), str)
 
 
 def worker_line(message: dict[str, Any]) -> Heartbeat:

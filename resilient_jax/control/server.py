@@ -103,12 +103,12 @@ class HeartbeatServer(LineServer):
 
     def _handle_line(self, conn: socket.socket, line: bytes) -> str | None:
         try:
-            message = protocol.decode(line, self._token)
+            message = protocol.read(line, self._token)
+            if protocol.is_agent_line(message):
+                return self._on_agent(conn, message) if self._on_agent is not None else None
+            heartbeat = protocol.worker_line(message)
         except protocol.ProtocolError as e:
             return str(e)
-        if "host" in message:
-            return self._on_agent(conn, message) if self._on_agent is not None else None
-        heartbeat = protocol.worker_line(message)
         self._record(heartbeat)
         with self._lock:
             current = self._current

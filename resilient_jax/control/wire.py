@@ -47,7 +47,11 @@ class UnknownMessage(ValueError):
 def encode(message: Message, **envelope: Any) -> bytes:
     """`message` as one JSON line: its type, then the channel's `envelope` (the run token; a host
     agent's name), then its fields."""
-    line = {"type": message.TYPE, **envelope, **message.fields()}
+    return frame({"type": message.TYPE, **envelope, **message.fields()})
+
+
+def frame(line: Mapping[str, Any]) -> bytes:
+    """A JSON object as one line: compact, newline-terminated (every channel's framing)."""
     return (json.dumps(line, separators=(",", ":")) + "\n").encode()
 
 

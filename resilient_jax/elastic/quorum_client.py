@@ -48,8 +48,9 @@ class QuorumClient:
             None if last is None else LastQuorum(last.quorum_id, list(last.slices)),
         )
         try:
+            deadline = time.monotonic() + timeout_s  # for the whole request, as it says
             conn.send(message, timeout_s, token=self._token)
-            line = conn.read_line(timeout_s)
+            line = conn.read_line(deadline - time.monotonic())
         except OSError:  # TimeoutError and ConnectionError are OSErrors
             self.close()
             return None
