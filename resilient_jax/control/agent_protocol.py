@@ -238,9 +238,4 @@ def decode_command(line: bytes) -> wire.Message:
 
 def decode_agent_line(line: Mapping[str, Any]) -> wire.Message:
     """A host agent's parsed line (its token checked) as its message; raises `ProtocolError`."""
-    try:
-        return wire.decode(line, *AGENT_MESSAGES)
-    except wire.UnknownMessage as e:
-        raise protocol.ProtocolError(str(e)) from None
-    except (KeyError, TypeError) as e:
-        raise protocol.ProtocolError(f"malformed agent message: {type(e).__name__}: {e}") from None
+    return protocol.typed_line(line, "agent message", *AGENT_MESSAGES)

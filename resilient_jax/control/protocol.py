@@ -14,11 +14,14 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
 
 from resilient_jax.contracts.messages import Phase, WorkerMessage
 from resilient_jax.contracts.names import Name
 from resilient_jax.control import wire
+
+M = TypeVar("M", bound=wire.Message)
 
 MAX_ERROR_CHARS = 300
 
@@ -107,12 +110,18 @@ def worker_line(message: dict[str, Any]) -> Heartbeat:
     for key in ("generation", "process"):
         if not isinstance(message.get(key), int) or isinstance(message.get(key), bool):
             raise ProtocolError(f"missing integer {key!r}")
+    return typed_line(message, "heartbeat", Heartbeat, Bye)
+
+
+def typed_line(message: Mapping[str, Any], what: str, *accepted: type[M]) -> M:
+    """A parsed line (its token checked) as one of the `accepted` messages; raises
+    `ProtocolError` naming `what` the line should have been when it is none of them."""
     try:
-        return wire.decode(message, Heartbeat, Bye)
+        return wire.decode(message, *accepted)
     except wire.UnknownMessage as e:
         raise ProtocolError(str(e)) from None
     except (KeyError, TypeError) as e:
-        raise ProtocolError(f"malformed heartbeat: {e}") from None
+        raise ProtocolError(f"malformed {what}: {type(e).__name__}: {e}") from None
 
 
 def token_matches(sent: Any, token: str) -> bool:
