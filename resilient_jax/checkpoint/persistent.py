@@ -14,6 +14,9 @@ committing, however long ago it started. The directory stays a plain Orbax one.
 Restore reads items with Orbax's handlers directly instead of `CheckpointManager.restore`, whose
 closing barrier would leave healthy processes waiting when one process fails to read its shards;
 the checkpointer agrees on success across processes itself, with a timeout.
+
+On the CPU backend a shard is written whole by the process holding replica 0 of it
+(`_whole_shards_on_cpu`), not split among its replicas.
 """
 
 from __future__ import annotations
@@ -68,6 +71,20 @@ class _Manager(ocp.CheckpointManager):
         return False
 
 
+def _whole_shards_on_cpu() -> None:
+    """Orbax splits a shard held by several replicas among them ("replica-parallel") by slicing
+    it on the device, in the thread that starts the save: here the persistent writer's thread,
+    beside the train step. On the CPU client, device work dispatched from another thread while
+    the step's collectives run can deadlock both (2 processes x 2 devices, one async save every
+    4 steps: the first save hung with it; 50 saves in 200 steps ran without it; BUILD.md). So
+    on CPU each shard is written whole by its replica 0, a transfer with no device computation;
+    Orbax already defaults to that on GPU. Process-wide: Orbax's handler registry is global."""
+    if jax.default_backend() == "cpu":
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
+        )
+
+
 @dataclasses.dataclass
 class PendingSave:
     step: int
@@ -120,6 +137,7 @@ class PersistentTier:
         read_only: bool = False,
         fence: GenerationFence | None = None,  # checked before each save and at its commit
     ) -> None:
+        _whole_shards_on_cpu()
         self.directory = epath.Path(directory)
         self._fence = fence
         self._temporary: set[int] = set()
