@@ -39,12 +39,12 @@ from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.messages import Phase
+from resilient_jax.control import standby
 from resilient_jax.data import BatchLoader, make_source
 from resilient_jax.data.position import DataPosition
 from resilient_jax.data.sources import make_dataset
 from resilient_jax.data.split import holdout
 from resilient_jax.elastic import runtime as elastic_runtime
-from resilient_jax.elastic import standby as elastic_standby
 from resilient_jax.events import EventLog
 from resilient_jax.goodput import accounting as goodput
 from resilient_jax.health import HealthMonitor, Watchdog
@@ -164,24 +164,23 @@ def _become_slice(ctx: RunContext, watchdog: Watchdog) -> str:
     ctx.events.emit(EventType.ELASTIC_STANDBY_READY)
     watchdog.suspend()
     try:
-        assignment = elastic_standby.wait_for_assignment(
+        role = standby.wait_on_quorum(
             os.environ.get(env_vars.QUORUM_ADDRESS, ""),
             os.environ.get(env_vars.RUN_TOKEN, ""),
             give_up_s=float(ctx.config.elastic.quorum_timeout_s),
         )
-    except elastic_standby.NoSupervisor as e:
+    except standby.NoSupervisor as e:
         raise RunError(str(e), ExitCode.FAILED) from e
     watchdog.resume()
-    elastic_standby.become(assignment, process=jax.process_index())
-    ctx.events.move(assignment.workdir)
-    ctx.events.update_common(slice=assignment.slice_id)
-    ctx.workdir = assignment.workdir
+    standby.become(role, process=jax.process_index())
+    slice_id = elastic_runtime.slice_id()  # the role's, now in the environment
+    ctx.events.move(role.workdir)
+    ctx.events.update_common(slice=slice_id)
+    ctx.workdir = role.workdir
     ctx.events.emit(
-        EventType.ELASTIC_STANDBY_ASSIGNED,
-        slice=assignment.slice_id,
-        waited_s=time.monotonic() - waiting,
+        EventType.ELASTIC_STANDBY_ASSIGNED, slice=slice_id, waited_s=time.monotonic() - waiting
     )
-    return assignment.workdir
+    return role.workdir
 
 
 def _checked(fn: Callable[[], _T]) -> _T:
@@ -271,14 +270,14 @@ def _train(
     candidates: CandidateCompiler | None,
 ) -> int:
     ctx = prepare(config, workdir, events, generation)
-    standby = config.elastic.enabled and elastic_standby.is_standby()
-    if config.elastic.enabled and not standby:  # the job's slice, not the runtime's (always 0)
+    is_standby = config.elastic.enabled and standby.is_standby_slice()
+    if config.elastic.enabled and not is_standby:  # the job's slice, not the runtime's (always 0)
         events.update_common(slice=elastic_runtime.slice_id())
     inputs = _open_inputs(config)
     # Elastic mode's exchange and programs close after the checkpointer, which saves through them.
     elastic = lifetime.enter_context(contextlib.ExitStack())
     warm = None
-    if standby:  # built ahead; then idle until given the identity of the slice it replaces
+    if is_standby:  # built ahead; then idle until given the identity of the slice it replaces
         warm = elastic.enter_context(contextlib.closing(elastic_runtime.warm_up(ctx, standby=True)))
         workdir = _become_slice(ctx, watchdog)
     checkpointer = _checked(lambda: lifetime.enter_context(Checkpointer(ctx)))

@@ -32,15 +32,15 @@ _SLICE = (
     "    f.write(json.dumps({'type': 'stop', 'pid': os.getpid(), 'exit_code': 0}) + '\\n')\n"
     "sys.exit(code)\n"
 )
-# A standby stand-in: waits like the real one (`elastic.standby`), then as the slice it was given
+# A standby stand-in: waits like the real one (`control.standby`), then as the slice it was given
 # runs argv[1] seconds and finishes (exit 0, `stop` event in the slice's workdir). argv[2]: an exit
 # code to end with before waiting (a standby that fails), -1 for none.
 _STANDBY = (
     "import json, os, sys, time\n"
-    "from resilient_jax.elastic.standby import wait_for_assignment\n"
+    "from resilient_jax.control.standby import wait_on_quorum\n"
     "if int(sys.argv[2]) >= 0:\n"
     "    sys.exit(int(sys.argv[2]))\n"
-    "a = wait_for_assignment(os.environ['RJ_QUORUM_ADDRESS'], os.environ['RJ_RUN_TOKEN'], 30)\n"
+    "a = wait_on_quorum(os.environ['RJ_QUORUM_ADDRESS'], os.environ['RJ_RUN_TOKEN'], 30)\n"
     "time.sleep(float(sys.argv[1]))\n"
     "f = open(os.path.join(a.workdir, 'events.jsonl'), 'a')\n"
     "f.write(json.dumps({'type': 'stop', 'pid': os.getpid(), 'exit_code': 0}) + '\\n')\n"

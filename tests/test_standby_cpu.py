@@ -133,12 +133,12 @@ def test_a_supervisor_in_the_root_autogroup_still_lowers_and_restores_the_standb
 
 # A standby stand-in: waits until it runs under SCHED_IDLE (set by the supervisor after its spawn;
 # bounded), starts a thread, writes the policy of every one of its threads and its autogroup's nice
-# into `waiting.json` in its workdir (argv[1]), waits like the real one (`elastic.standby`), and as
+# into `waiting.json` in its workdir (argv[1]), waits like the real one (`control.standby`), and as
 # the slice given writes them again, and the slice's `stop` event.
 _STANDBY = """
 import json, os, sys, threading, time
 from resilient_jax.control.standby_cpu import read_autogroup, thread_ids
-from resilient_jax.elastic.standby import wait_for_assignment
+from resilient_jax.control.standby import wait_on_quorum
 deadline = time.monotonic() + 10
 while os.sched_getscheduler(0) != os.SCHED_IDLE and time.monotonic() < deadline:
     time.sleep(0.01)
@@ -149,7 +149,7 @@ def policies():
     return [os.sched_getscheduler(tid) for tid in thread_ids(os.getpid())], group and group[1]
 with open(os.path.join(sys.argv[1], 'waiting.json'), 'w') as f:
     json.dump(policies(), f)
-a = wait_for_assignment(os.environ['RJ_QUORUM_ADDRESS'], os.environ['RJ_RUN_TOKEN'], 30)
+a = wait_on_quorum(os.environ['RJ_QUORUM_ADDRESS'], os.environ['RJ_RUN_TOKEN'], 30)
 with open(os.path.join(a.workdir, 'policies.json'), 'w') as f:
     json.dump(policies(), f)
 with open(os.path.join(a.workdir, 'events.jsonl'), 'a') as f:

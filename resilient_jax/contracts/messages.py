@@ -1,7 +1,7 @@
 """The name of every message that crosses a process boundary on the control plane's sockets (the
 `type` field of each JSON line), and the phases a worker reports. Each name's payload is a typed
 message (`control.wire`) of its channel: `control.protocol` (workers and supervisor),
-`control.agent_protocol` (host agents), `control.standby_protocol` (an agent's standbys),
+`control.agent_protocol` (host agents), `control.standby` (every standby's role),
 `control.quorum_protocol` (elastic slices),
 `control.tier_service` (peers' local tiers)."""
 
@@ -63,17 +63,17 @@ class AgentCommand(Name):
 
 
 class StandbyMessage(Name):
-    """Host agent -> one of its warm standbys (restart path), on the standby's stdin."""
+    """To a warm standby: from its host agent on its stdin (restart path), or from the quorum
+    server on its connection (elastic mode's standby slice)."""
 
-    ROLE = "role"  # {"env"}: the worker's whole environment; become that worker
+    ROLE = "role"  # {"env", "whole_env", "workdir"}: what the standby becomes
 
 
 class QuorumMessage(Name):
     """Between elastic slices (and their standbys) and the supervisor's quorum server."""
 
     QUORUM = "quorum"
-    STANDBY = "standby"  # a standby slice, ready: {"pid"}
-    ASSIGN = "assign"  # to a standby: {"slice", "workdir"}, the slice it becomes
+    STANDBY = "standby"  # a standby slice, ready: {"pid"}; answered with its role (StandbyMessage)
 
 
 class TierRequest(Name):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Protocol
 
 from resilient_jax.control import wire
-from resilient_jax.control.standby_protocol import StandbyRole
+from resilient_jax.control.standby import Role
 
 
 @dataclasses.dataclass
@@ -182,7 +182,7 @@ def assign(
     Raises OSError if the standby is gone (its stdin is closed).
     """
     assert standby.popen.stdin is not None
-    standby.popen.stdin.write(wire.encode(StandbyRole(dict(env))))
+    standby.popen.stdin.write(wire.encode(Role(dict(env), whole_env=True)))
     standby.popen.stdin.close()
     standby.prefix[0] = prefix
     return WorkerProcess(process, slice_id, generation, standby.popen, clock(), standby.reader)

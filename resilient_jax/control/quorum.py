@@ -25,7 +25,8 @@ taken over with its id: the slices' exchange group stays as it is. The messages 
 
 A warm standby slice (`elastic.standby`) waits here too, on a connection of its own: it registers
 with its pid (`standby`) once it is ready to join, is no slice (no quorum waits for it), and is
-sent the identity of the slice it replaces (`assign`) when the supervisor gives it one.
+sent its role (`control.standby.Role`: the slice it replaces, and its workdir) when the supervisor
+gives it one.
 """
 
 from __future__ import annotations
@@ -39,9 +40,11 @@ import time
 from typing import Any
 
 from resilient_jax.config import default_config
+from resilient_jax.contracts import env_vars
 from resilient_jax.control import protocol, wire
 from resilient_jax.control.line_server import LineServer, PortGuard
-from resilient_jax.control.quorum_protocol import Assign, QuorumAnswer, QuorumRequest, StandbyReady
+from resilient_jax.control.quorum_protocol import QuorumAnswer, QuorumRequest, StandbyReady
+from resilient_jax.control.standby import Role
 
 
 @dataclasses.dataclass
@@ -84,7 +87,7 @@ class QuorumServer(LineServer):
         self._known: set[int] = set()  # before the first quorum: members of the slices' quorums
         self._deferred = -1  # before the first quorum: the last step answered "no quorum yet"
         self._standbys: dict[socket.socket, int] = {}  # ready standbys' connections: their pids
-        self._assignments: dict[int, Assign] = {}  # by pid, until sent
+        self._assignments: dict[int, Role] = {}  # by pid, until sent
         self._lock = threading.Lock()
         self.decided: list[dict[str, Any]] = []  # every quorum sent: time, id, slices, steps
         self._start()
@@ -110,7 +113,7 @@ class QuorumServer(LineServer):
         """Makes the standby `pid` slice `slice_id` (working in `workdir`): sent at once if it is
         waiting here, else as soon as it is (it is still starting, or reconnecting)."""
         with self._lock:
-            self._assignments[pid] = Assign(slice_id, workdir)
+            self._assignments[pid] = Role({env_vars.ELASTIC_SLICE: str(slice_id)}, workdir=workdir)
 
     # The server thread.
 

@@ -1,9 +1,9 @@
 """What elastic slices, their warm standby and the quorum server say to each other (`quorum`,
-`elastic.quorum_client`, `elastic.standby`): typed messages (`wire`), each line with the run token.
+`elastic.quorum_client`, `control.standby`): typed messages (`wire`), each line with the run token.
 
 A slice asks before every step (`QuorumRequest`) and is answered with the step's quorum, or with
-none (`QuorumAnswer`); a standby registers once it is ready (`StandbyReady`) and is told which
-slice it becomes (`Assign`).
+none (`QuorumAnswer`); a standby registers once it is ready (`StandbyReady`) and is sent its role
+(`control.standby.Role`, the one message every standby is given) when it is needed.
 """
 
 from __future__ import annotations
@@ -52,12 +52,3 @@ class StandbyReady(wire.Message):
 
     TYPE: ClassVar[Name] = QuorumMessage.STANDBY
     pid: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Assign(wire.Message):
-    """To a standby: become slice `slice`, working in `workdir`."""
-
-    TYPE: ClassVar[Name] = QuorumMessage.ASSIGN
-    slice: int
-    workdir: str

@@ -6,10 +6,10 @@ for its place in a generation and runs the worker program as if it had been star
 WORKER_ARGV is the worker command without the interpreter: `launch/train.py --config=...` or
 `-m package.module --flag=...`. The supervisor starts standbys with the environment every worker
 of the job shares (JAX platform, device count, compilation cache: read when JAX is imported);
-when it needs a worker it writes one typed line to the standby's stdin
-(`control.standby_protocol.StandbyRole`): the worker's whole environment (its place in the job).
-End of input before that line (the supervisor no longer needs it, or died) ends the standby with
-exit 0.
+when it needs a worker it writes the standby's role on its stdin (`control.standby`: one typed
+line, the worker's whole environment, its place in the job). End of input before that line (the
+supervisor no longer needs it, or died) ends the standby with exit 0. Elastic mode's standby slice
+is the same concept with another transport (`control.standby`).
 
 Importing the trainer's dependencies (JAX, Flax, Optax, Orbax, Grain) takes a couple of CPU
 seconds per process; a restart that finds standbys ready skips them. Nothing imported here may
@@ -19,14 +19,12 @@ touch a JAX backend: `jax.distributed.initialize` must still come first in the w
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import runpy
 import sys
 
 from resilient_jax.contracts.exit_codes import ExitCode
-from resilient_jax.control import wire
-from resilient_jax.control.standby_protocol import StandbyRole
+from resilient_jax.control import standby
 
 _PRELOAD_FLAG = "--preload="
 
@@ -66,12 +64,10 @@ def main(argv: list[str]) -> int:
         return ExitCode.BAD_INPUT
     for module in preload:
         importlib.import_module(module)
-    line = sys.stdin.readline()
-    if not line.strip():  # not needed after all: nothing to do, nothing failed
+    role = standby.wait_on_stdin()
+    if role is None:  # not needed after all: nothing to do, nothing failed
         return ExitCode.FINISHED
-    role = wire.decode(json.loads(line), StandbyRole)
-    os.environ.clear()
-    os.environ.update({str(k): str(v) for k, v in role.env.items()})
+    standby.become(role)
     # The worker gets what a freshly started one gets on stdin: nothing.
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, sys.stdin.fileno())
