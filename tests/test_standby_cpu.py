@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO
 
 from resilient_jax.config import default_config
-from resilient_jax.control import elastic, standby_cpu
+from resilient_jax.control import elastic, processes, standby_cpu
 from resilient_jax.control.elastic import ElasticSupervisor
 from resilient_jax.events import read_events
 
@@ -201,3 +201,31 @@ def test_the_supervisor_runs_the_standby_idle_until_it_is_given_a_slice(tmp_path
     assert as_slice == [[own_policy] * 2, nices[1]]
     given = [e for e in read_events(str(tmp_path)) if e["type"] == "elastic_slice_start"][-1]
     assert (given["standby"], given["threads_raised"]) == (True, 2)
+
+
+def test_a_host_agents_standby_waits_under_sched_idle_and_works_at_the_agents_policy(tmp_path):
+    # The restart path's standby (`worker.standby`), as a host agent spawns and assigns it: its
+    # threads, the worker's thread included, wait under SCHED_IDLE; the worker it becomes reports
+    # its own policy, which is the agent's (this process's).
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os\n"
+        "print('policy', os.sched_getscheduler(0), os.environ['RJ_PROCESS_ID'], flush=True)\n"
+    )
+    out = io.StringIO()
+    sink = processes.OutputSink(out)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    argv = processes.standby_argv([sys.executable, str(script)], preload=("json",))
+    waiting = processes.spawn_standby(argv, env, sink, cwd=str(tmp_path), idle_cpu=True)
+    normal = processes.spawn_standby(argv, env, sink, cwd=str(tmp_path))
+    try:
+        assert waiting.idle and not normal.idle
+        policies = _policies(waiting.popen.pid)
+        assert policies and set(policies) == {os.SCHED_IDLE}
+        assert os.SCHED_IDLE not in _policies(normal.popen.pid)
+        worker = processes.assign(waiting, {**env, "RJ_PROCESS_ID": "2"}, "[g1 s0 p2] ", 2, 0, 1)
+        assert worker.popen.wait(timeout=60) == 0
+        worker.reader.join(timeout=5)
+        assert f"[g1 s0 p2] policy {standby_cpu.own_policy()[0]} 2" in out.getvalue()
+    finally:
+        processes.discard([waiting, normal])

@@ -341,7 +341,9 @@ class HostAgent:
         env = self._shared_env(spec.cache_env, spec.devices)
         while len(self._standbys) < spec.count:
             try:
-                standby = processes.spawn_standby(spec.argv, env, self._sink, spec.cwd)
+                standby = processes.spawn_standby(
+                    spec.argv, env, self._sink, spec.cwd, idle_cpu=spec.idle_cpu
+                )
             except OSError:
                 self._standby_spec = None
                 return

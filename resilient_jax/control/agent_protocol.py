@@ -186,7 +186,8 @@ class SignalWorkers(wire.Message):
 
 @dataclasses.dataclass(frozen=True)
 class Standbys(wire.Message):
-    """Keep `count` warm standbys started with `argv` (-1: one per worker slot; 0: none)."""
+    """Keep `count` warm standbys started with `argv` (-1: one per worker slot; 0: none); with
+    `idle_cpu`, under SCHED_IDLE until each is given a place (`processes.spawn_standby`)."""
 
     TYPE: ClassVar[Name] = AgentCommand.STANDBYS
     count: int
@@ -194,6 +195,7 @@ class Standbys(wire.Message):
     devices: int = 1
     cwd: str | None = None
     cache_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    idle_cpu: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import ml_collections
+
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.control import agent_protocol as ap
@@ -27,7 +29,7 @@ class WorkerLauncher:
         worker_argv: Sequence[str],
         hosts: HostRegistry,
         events: EventLog,
-        use_standbys: bool,
+        coordinator: ml_collections.ConfigDict,
         devices_per_process: int,
         cache_env: Mapping[str, str],
         cwd: str | None = None,
@@ -38,7 +40,9 @@ class WorkerLauncher:
         self._cwd = cwd
         self._devices = devices_per_process
         self._cache_env = dict(cache_env)
+        use_standbys = bool(coordinator.standby_workers)
         self._standby_argv = processes.standby_argv(self._argv) if use_standbys else None
+        self._standby_idle_cpu = bool(coordinator.standby_idle_cpu)
         self._standbys_asked = False
 
     def start_generation(
@@ -139,6 +143,7 @@ class WorkerLauncher:
                 devices=self._devices,
                 cwd=self._cwd,
                 cache_env=self._cache_env,
+                idle_cpu=self._standby_idle_cpu,
             )
         )
 

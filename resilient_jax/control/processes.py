@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Protocol
 
-from resilient_jax.control import wire
+from resilient_jax.control import standby_cpu, wire
 from resilient_jax.control.standby import Role
 
 
@@ -133,6 +134,7 @@ class Standby:
     popen: subprocess.Popen[bytes]
     reader: threading.Thread
     prefix: list[str]  # the output prefix, changed when it is assigned
+    idle: bool = False  # under SCHED_IDLE until assigned (`standby_cpu`)
 
     @property
     def alive(self) -> bool:
@@ -160,12 +162,26 @@ def standby_argv(
 
 
 def spawn_standby(
-    argv: Sequence[str], env: Mapping[str, str], sink: OutputSink, cwd: str | None = None
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    sink: OutputSink,
+    cwd: str | None = None,
+    idle_cpu: bool = False,
 ) -> Standby:
-    """Starts `argv` (from `standby_argv`) with the environment every worker shares."""
+    """Starts `argv` (from `standby_argv`) with the environment every worker shares; with
+    `idle_cpu`, under SCHED_IDLE until `assign` (where this process may raise it back: a worker
+    left idle would starve)."""
     prefix = ["[standby] "]
     popen, reader = _start(argv, env, cwd, subprocess.PIPE, sink, lambda: prefix[0])
-    return Standby(popen, reader, prefix)
+    idle = idle_cpu and _may_raise_threads()
+    if idle:
+        standby_cpu.lower(popen.pid)
+    return Standby(popen, reader, prefix, idle)
+
+
+@functools.cache
+def _may_raise_threads() -> bool:
+    return standby_cpu.raising_permitted()
 
 
 def assign(
@@ -182,6 +198,8 @@ def assign(
     Raises OSError if the standby is gone (its stdin is closed).
     """
     assert standby.popen.stdin is not None
+    if standby.idle:  # the worker runs at this process's own priority
+        standby_cpu.restore(standby.popen.pid)
     standby.popen.stdin.write(wire.encode(Role(dict(env), whole_env=True)))
     standby.popen.stdin.close()
     standby.prefix[0] = prefix

@@ -130,7 +130,7 @@ class Supervisor:
             self._worker_argv,
             self._hosts,
             self._events,
-            bool(self._c.standby_workers),
+            self._c,  # standby_workers, standby_idle_cpu
             self._cluster.devices_per_process,
             compile_cache.cache_env(self._c, self._workdir),
             cwd=self._cwd,
