@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import logging
 import os
 import time
 import uuid
@@ -71,6 +73,7 @@ class _Manager(ocp.CheckpointManager):
         return False
 
 
+@functools.cache
 def _whole_shards_on_cpu() -> None:
     """Orbax splits a shard held by several replicas among them ("replica-parallel") by slicing
     it on the device, in the thread that starts the save: here the persistent writer's thread,
@@ -78,11 +81,19 @@ def _whole_shards_on_cpu() -> None:
     the step's collectives run can deadlock both (2 processes x 2 devices, one async save every
     4 steps: the first save hung with it; 50 saves in 200 steps ran without it; BUILD.md). So
     on CPU each shard is written whole by its replica 0, a transfer with no device computation;
-    Orbax already defaults to that on GPU. Process-wide: Orbax's handler registry is global."""
-    if jax.default_backend() == "cpu":
+    Orbax already defaults to that on GPU. Process-wide (Orbax's handler registry is global),
+    once, without the warning Orbax logs for the override (bad input must end in one line)."""
+    if jax.default_backend() != "cpu":
+        return
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
+    try:
         ocp.type_handlers.register_type_handler(
             jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
         )
+    finally:
+        absl_logger.setLevel(level)
 
 
 @dataclasses.dataclass
