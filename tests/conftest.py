@@ -358,16 +358,28 @@ def supervise_tiny_cpu(
     result = supervisor.run(time_limit_s=time_limit_s)
     events = list(read_events(str(workdir)))
     if result.exit_code != 0 and out is None:
-        # Shown by pytest with a failing test: the supervisor's own account of the run.
-        # The supervisor's own lines first (the workers' tracebacks can fill any tail), then the
-        # end of everything.
-        said = "\n".join(line for line in log.getvalue().splitlines() if line.startswith("[supe"))
+        # Shown by pytest with a failing test: the supervisor's own account of the run first,
+        # then the end of each worker's output (a hung worker's thread dump: every process's,
+        # not only the last one's, which alone would fill a shared tail).
+        lines = log.getvalue().splitlines()
+        said = "\n".join(line for line in lines if line.startswith("[supe"))
         print(f"supervisor exited {result.exit_code}; its lines:\n{said[-8000:]}")
-        print(f"the end of all output:\n{log.getvalue()[-6000:]}")
+        print(f"the end of each worker's output:\n{_worker_tails(lines)}")
     for pid in [e["pid"] for e in events if e["type"] == "process_start" and "source" in e]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     return result.exit_code, events
+
+
+def _worker_tails(lines: list[str], per_worker: int = 45) -> str:
+    """The last `per_worker` lines of each worker's output (`[gG sS pP] ...`), Gloo's connection
+    lines and the interpreter's list of extension modules left out."""
+    by_worker: dict[str, list[str]] = {}
+    for line in lines:
+        prefix, _, text = line.partition("] ")
+        if prefix.startswith("[g") and not text.startswith(("[Gloo]", "Extension modules")):
+            by_worker.setdefault(prefix + "]", []).append(line)
+    return "\n".join(line for kept in by_worker.values() for line in kept[-per_worker:])
 
 
 def supervise_elastic(
