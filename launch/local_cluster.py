@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import sys
 
 from absl import app, flags
@@ -102,17 +101,10 @@ def run_elastic(config, argv: list[str], workdir: str) -> int:
     def argv_for(slice_id: int, slice_dir: str) -> list[str]:
         return [f"--workdir={slice_dir}" if a.startswith("--workdir=") else a for a in argv]
 
-    try:  # a supervisor started again takes over the slices still running in `workdir`
-        supervisor = ElasticSupervisor(
-            config, argv_for, workdir, _DEVICES.value, processes_per_slice=_PROCESSES.value
-        ).open()
-    except ValueError as e:  # another run token, or a bad one
-        print(f"error: {e}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-    except OSError as e:  # the job's quorum address is taken (its supervisor still runs?)
-        print(f"error: cannot listen for the slices' quorum clients: {e}", file=sys.stderr)
-        return 1
-    signal.signal(signal.SIGINT, lambda signum, _: supervisor.request_stop(signal.SIGTERM))
+    # A supervisor started again takes over the slices still running in `workdir`.
+    supervisor = ElasticSupervisor(
+        config, argv_for, workdir, _DEVICES.value, processes_per_slice=_PROCESSES.value
+    )
     result = supervisor.run(time_limit_s=_TIME_LIMIT.value or None)
     if result.exit_code:
         print(f"error: {result.reason}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ import pytest
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.elastic.data import owned_parts
 from resilient_jax.elastic.quorum_client import QuorumClient
+from resilient_jax.events import read_events
 
 TOKEN = "t" * 32
 
@@ -263,7 +265,7 @@ _FINISHING_SLICE = (
 )
 
 
-def _elastic_supervisor(workdir, token, sleep_s=2.0):
+def _elastic_supervisor(workdir, token, sleep_s=2.0, out=None):
     import io
     import sys
 
@@ -285,7 +287,7 @@ def _elastic_supervisor(workdir, token, sleep_s=2.0):
         ],
         str(workdir),
         devices_per_process=1,
-        out=io.StringIO(),
+        out=out if out is not None else io.StringIO(),
         token=token,
     )
 
@@ -383,12 +385,13 @@ def test_a_stop_request_reaches_every_slice_once_and_nothing_replaces_them(tmp_p
     config.elastic.slices = 2
     config.elastic.standby = False
     config.coordinator.startup_timeout_s = 1.0
+    out = io.StringIO()
     supervisor = ElasticSupervisor(
         config,
         lambda _, slice_dir: [sys.executable, "-c", _STOPPABLE_SLICE, slice_dir],
         str(tmp_path),
         devices_per_process=1,
-        out=io.StringIO(),
+        out=out,
         token=TOKEN,
     )
     result = {}
@@ -416,6 +419,29 @@ def test_a_stop_request_reaches_every_slice_once_and_nothing_replaces_them(tmp_p
             open(os.path.join(d, "exit"), "w").close()
         thread.join(timeout=30)
     assert (result["r"].exit_code, result["r"].replacements) == (0, 0), result["r"]
+    # The verdict as the restart path gives it (`supervisor_core`): one `stop` event, one line.
+    stops = [e for e in read_events(str(tmp_path)) if e["type"] == "stop"]
+    assert [(e["exit_code"], e["reason"], e["replacements"]) for e in stops] == [(0, "finished", 0)]
+    assert out.getvalue().splitlines()[-1] == "[elastic] stop (exit 0): finished"
+
+
+def test_an_elastic_run_that_cannot_start_ends_with_exit_2_and_one_line(tmp_path, monkeypatch):
+    """A token file others may read: `run` refuses it before anything starts, as the restart
+    path's supervisor does (exit 2, one line, no workdir written)."""
+    from resilient_jax.contracts import env_vars
+
+    token_file = tmp_path / "token"
+    token_file.write_text("secret")
+    token_file.chmod(0o644)
+    monkeypatch.delenv(env_vars.RUN_TOKEN, raising=False)
+    monkeypatch.setenv(env_vars.RUN_TOKEN_FILE, str(token_file))
+    out = io.StringIO()
+    supervisor = _elastic_supervisor(tmp_path / "job", token=None, out=out)
+    result = supervisor.run(time_limit_s=10)
+    assert result.exit_code == 2 and "mode 644; allowed: 600" in result.reason, result
+    said = out.getvalue()
+    assert said.count("\n") == 1 and said.startswith("[elastic] stop (exit 2): "), said
+    assert not (tmp_path / "job").exists()
 
 
 def _wait_until(predicate, timeout_s: float = 30.0) -> None:

@@ -33,10 +33,9 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import IO
+from typing import IO, Any
 
 import ml_collections
 
@@ -56,7 +55,7 @@ from resilient_jax.control.line_server import ConnectionLimits, PortGuard
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.run_result import SupervisorResult
-from resilient_jax.control.stop_requests import StopRequests
+from resilient_jax.control.supervisor_core import Refused, SupervisorCore
 from resilient_jax.control.worker_env import shared_env
 from resilient_jax.events import EventLog
 
@@ -80,10 +79,14 @@ class TakeoverError(ValueError):
     """The slices still running in the workdir cannot be taken over (another run token)."""
 
 
-class ElasticSupervisor:
+class ElasticSupervisor(SupervisorCore):
     """Runs `elastic.slices` slices on this machine and replaces the ones that fail while the
-    others train on. Construction keeps its arguments; `open` (or `run`) touches the workdir,
-    the token file and the network."""
+    others train on (the elastic quorum on `supervisor_core`). Construction keeps its arguments;
+    `open` (or `run`) touches the workdir, the token file and the network. A stop request
+    (SIGINT or SIGTERM) reaches every slice once as SIGTERM: they save and stop, and nothing
+    replaces them."""
+
+    NAME = "elastic"
 
     def __init__(
         self,
@@ -97,7 +100,10 @@ class ElasticSupervisor:
         token: str | None = None,
         cwd: str | None = None,
         processes_per_slice: int = 1,
+        poll_s: float = 0.05,
     ) -> None:
+        super().__init__(out, poll_s)
+        self._poll_s = poll_s
         self._cwd = cwd
         self._processes = processes_per_slice
         self._config = config
@@ -108,7 +114,6 @@ class ElasticSupervisor:
         limit = config.coordinator.max_restarts if max_restarts is None else max_restarts
         self._max_restarts = int(limit)
         self._token_given = token
-        self._sink = processes.OutputSink(out if out is not None else sys.stdout)
         self._devices_per_process = devices_per_process
         self._opened = False
         self.workers: dict[int, SliceProcesses] = {}
@@ -123,7 +128,6 @@ class ElasticSupervisor:
         self._done: set[int] = set()
         self._replacements = 0
         self._failures = 0  # slices' and standbys' non-zero exits
-        self._stop = StopRequests(poll_s=0.05)
         self._stopping = False  # a stop was requested: nothing is replaced any more
 
     def open(self) -> ElasticSupervisor:
@@ -150,11 +154,6 @@ class ElasticSupervisor:
         self._listening_since = time.monotonic()
         self._opened = True
         return self
-
-    def request_stop(self, signum: int) -> None:
-        """Passes `signum` on to the slices (safe to call from a signal handler): they save and
-        stop, and nothing replaces them."""
-        self._stop.request(signum)
 
     def _refuse_foreign_takeover(self) -> None:
         """Raises TakeoverError when the slices to take over run with another run token."""
@@ -242,27 +241,42 @@ class ElasticSupervisor:
                 )
         return SliceProcesses(members)
 
-    def run(self, time_limit_s: float | None = None, poll_s: float = 0.05) -> SupervisorResult:
-        self.open()
-        deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
-        try:
-            self._take_over()
-            for slice_id in range(self._slices):
-                if slice_id in self.workers or slice_id in self._done:
-                    continue
-                if self._standby_ready():  # an adopted standby: a slice lost meanwhile
-                    self._replacements += 1
-                    self._assign_standby(slice_id)
-                else:
-                    self.start_slice(slice_id)
-            if self._standby_enabled and self.standby is None and not self._done:
-                self.start_standby()
-            return self._watch(deadline, poll_s)
-        finally:
-            self._stop_all()
-            self.quorum.close()
+    # The run (`supervisor_core`).
 
-    def _watch(self, deadline: float | None, poll_s: float) -> SupervisorResult:
+    def _open_for_run(self) -> None:
+        try:
+            self.open()
+        except OSError as e:  # the job's quorum address is taken (its supervisor still runs?)
+            reason = f"cannot listen for the slices' quorum clients: {e}"
+            raise Refused(ExitCode.FAILED, reason) from e
+        except ValueError as e:  # another run token, or a bad one
+            raise Refused(ExitCode.BAD_INPUT, str(e)) from e
+
+    def _supervise(self, deadline: float | None) -> SupervisorResult:
+        self._take_over()
+        for slice_id in range(self._slices):
+            if slice_id in self.workers or slice_id in self._done:
+                continue
+            if self._standby_ready():  # an adopted standby: a slice lost meanwhile
+                self._replacements += 1
+                self._assign_standby(slice_id)
+            else:
+                self.start_slice(slice_id)
+        if self._standby_enabled and self.standby is None and not self._done:
+            self.start_standby()
+        return self._watch(deadline)
+
+    def _end(self, reason: str) -> None:
+        self._stop_all()
+
+    def _close(self) -> None:
+        self._stop_all()
+        self.quorum.close()
+
+    def _stop_fields(self) -> dict[str, Any]:
+        return {"failures": self._failures, "replacements": self._replacements}
+
+    def _watch(self, deadline: float | None) -> SupervisorResult:
         while True:
             now = time.monotonic()
             for slice_id, worker in list(self.workers.items()):
@@ -312,15 +326,15 @@ class ElasticSupervisor:
                 self._report_reconnected()
             if not self.workers and not self._restart_at:
                 if self._done:
-                    return self._result(0, "finished")
-                return self._result(1, "every slice failed")
-            for signum in self._stop.unseen():
+                    return self._finish(0, "finished")
+                return self._finish(1, "every slice failed")
+            for _ in self._stop.unseen():  # SIGTERM: the trainer's notice to save and stop
                 self._stopping = True
                 for worker in self.workers.values():
-                    worker.signal(signum)
+                    worker.signal(signal.SIGTERM)
             if deadline is not None and now > deadline:
-                return self._result(1, "time limit")
-            time.sleep(poll_s)
+                return self._finish(1, "time limit")
+            time.sleep(self._poll_s)
 
     def _after_failed_exit(self, who: str, code: int) -> SupervisorResult | None:
         """Reports a failed exit of a slice or the standby (already counted in `_failures`);
@@ -329,9 +343,9 @@ class ElasticSupervisor:
         self._say(f"{who} exited: {processes.describe_exit(code)}")
         if code == ExitCode.BAD_INPUT:
             reason = f"{who}: {processes.describe_exit(code)}"
-            return self._result(ExitCode.BAD_INPUT, reason)
+            return self._finish(ExitCode.BAD_INPUT, reason)
         if self._failures > self._max_restarts:
-            return self._result(1, f"{self._failures} slice failures")
+            return self._finish(1, f"{self._failures} slice failures")
         return None
 
     def _result(self, exit_code: int, reason: str) -> SupervisorResult:
@@ -509,9 +523,6 @@ class ElasticSupervisor:
         workers = list(self.workers.values()) + ([self.standby] if self.standby else [])
         for worker in workers:
             worker.kill()
-
-    def _say(self, text: str) -> None:
-        self._sink.write_line(f"[elastic] {text}")
 
 
 def _pids(worker: SliceProcesses) -> dict[str, list[int]]:

@@ -16,10 +16,9 @@ service misses the peer; a clean restart from a checkpoint is the one path that 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
 
 import ml_collections
 
@@ -45,20 +44,23 @@ from resilient_jax.control.reconfigure import Reconfigurer
 from resilient_jax.control.restart_policy import RestartPolicy, SlicePool, straggler_eviction_pays
 from resilient_jax.control.run_result import SupervisorResult
 from resilient_jax.control.server import HeartbeatServer, WorkerReport
-from resilient_jax.control.stop_requests import StopRequests
 from resilient_jax.control.stragglers import Straggler, StragglerWatch
+from resilient_jax.control.supervisor_core import Refused, SupervisorCore
 from resilient_jax.events import EventLog
 from resilient_jax.perf.plans import PlanKind
 
 
-class Supervisor:
-    """Runs `worker_argv` as S x P processes through the hosts' agents; `run()` returns the verdict.
+class Supervisor(SupervisorCore):
+    """Runs `worker_argv` as S x P processes through the hosts' agents; `run()` returns the verdict
+    (the restart policy on `supervisor_core`).
 
     host_agents: "local" starts one agent per slice on this machine (`local_hosts`); "external"
     waits for agents started elsewhere (Slurm, Kubernetes, a test bed) to register. `listen` is
     the control channel's host:port (default: loopback; after a restart, the address in
     `<workdir>/supervisor.json`, so running workers' heartbeats reach the new supervisor).
     """
+
+    NAME = "supervisor"
 
     def __init__(
         self,
@@ -73,6 +75,7 @@ class Supervisor:
         host_agents: str = "local",
         listen: str | None = None,
     ) -> None:
+        super().__init__(out, poll_interval_s)
         self._config = config
         self._c = config.coordinator
         self._cluster = cluster
@@ -87,12 +90,15 @@ class Supervisor:
             cluster.num_slices, cluster.spare_slices, float(self._c.readmit_after_s)
         )
         self._policy = RestartPolicy(self._c)
-        self._sink = processes.OutputSink(out if out is not None else sys.stdout)
         self._outages = OutageReader(workdir)
-        self._stop = StopRequests(poll_interval_s)
         self._gen = Generation()
         self._max_step: int | None = None  # highest step any worker reported, any generation
-        self._start_time = 0.0
+
+    def _open_for_run(self) -> None:
+        try:
+            self._open()
+        except (OSError, ValueError) as e:  # a bad token, say: nothing started yet
+            raise Refused(ExitCode.BAD_INPUT, str(e)) from e
 
     def _open(self) -> None:
         """At the run's start (construction touches nothing): the event log, earlier reshapes'
@@ -136,42 +142,21 @@ class Supervisor:
             cwd=self._cwd,
         )
 
-    # Public.
-
-    def request_stop(self, signum: int) -> None:
-        """Asks the supervisor to save and stop (safe to call from a signal handler)."""
-        self._stop.request(signum)
-
-    def run(self, time_limit_s: float | None = None) -> SupervisorResult:
-        self._start_time = time.monotonic()
-        deadline = None if time_limit_s is None else self._start_time + time_limit_s
-        try:
-            self._open()
-        except (OSError, ValueError) as e:  # nothing started: no agent to end, no log to write
-            self._say(f"stop (exit {int(ExitCode.BAD_INPUT)}): {e}")
-            return SupervisorResult(ExitCode.BAD_INPUT, str(e), self._policy.failures)
-        restore_handlers = self._stop.install_handlers()
-        try:
-            self._plane.open()
-        except ForeignAgent as e:  # a surviving agent answers to another run token
-            restore_handlers()
-            return self._finish(ExitCode.BAD_INPUT, str(e))
-        except (OSError, ValueError) as e:
-            restore_handlers()
-            return self._finish(ExitCode.BAD_INPUT, f"cannot listen: {e}")
-        try:
-            return self._supervise(deadline)
-        except OSError as e:  # the worker command cannot start (missing file, permissions)
-            return self._finish(ExitCode.BAD_INPUT, f"cannot start workers: {e}")
-        finally:
-            processes.stop(self._gen.workers, grace_s=0.0)
-            self._launcher.close()
-            self._plane.close()
-            restore_handlers()
-
     # The loop over generations.
 
     def _supervise(self, deadline: float | None) -> SupervisorResult:
+        try:
+            self._plane.open()
+        except ForeignAgent as e:  # a surviving agent answers to another run token
+            raise Refused(ExitCode.BAD_INPUT, str(e)) from e
+        except (OSError, ValueError) as e:
+            raise Refused(ExitCode.BAD_INPUT, f"cannot listen: {e}") from e
+        try:
+            return self._generations(deadline)
+        except OSError as e:  # the worker command cannot start (missing file, permissions)
+            raise Refused(ExitCode.BAD_INPUT, f"cannot start workers: {e}") from e
+
+    def _generations(self, deadline: float | None) -> SupervisorResult:
         slices = self._pool.choose([])
         fitted, reason = fit_slices(self._config, self._cluster, slices)
         if reason or len(fitted) < len(slices):
@@ -578,23 +563,22 @@ class Supervisor:
     def _stop_workers(self, grace_s: float) -> float:
         return processes.stop(self._gen.workers, grace_s, should_hurry=lambda: self._stop.hurry)
 
-    # Helpers.
+    # The verdict (`supervisor_core`).
 
-    def _finish(self, exit_code: int, reason: str) -> SupervisorResult:
+    def _end(self, reason: str) -> None:
         self._stop_workers(0.0)
         self._plane.end(reason)
-        self._events.emit(
-            EventType.STOP,
-            reason=reason,
-            exit_code=exit_code,
-            generation=self._gen.number,
-            step=self._gen.max_step,
-            failures=self._policy.failures,
-        )
-        self._say(f"stop (exit {int(exit_code)}): {reason}")
+
+    def _close(self) -> None:
+        processes.stop(self._gen.workers, grace_s=0.0)
+        self._launcher.close()
+        self._plane.close()
+
+    def _stop_fields(self) -> dict[str, Any]:
+        gen = self._gen
+        return {"generation": gen.number, "step": gen.max_step, "failures": self._policy.failures}
+
+    def _result(self, exit_code: int, reason: str) -> SupervisorResult:
         return SupervisorResult(
             exit_code, reason, self._policy.failures, generations=self._gen.number + 1
         )
-
-    def _say(self, message: str) -> None:
-        self._sink.write_line(f"[supervisor] {message}")

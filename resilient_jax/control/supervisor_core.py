@@ -1,0 +1,116 @@
+"""What every supervisor shares, whichever strategy keeps its job training: its lifetime, its stop
+requests, its output and its verdict.
+
+Two strategies run on this core:
+- the restart policy (`supervisor.Supervisor`): all workers of a generation started through the
+  hosts' agents; after a failure every worker stops and a new generation starts on the slices
+  left (or on the same ones, or on more);
+- the elastic quorum (`elastic.ElasticSupervisor`): each slice a JAX job of its own on this
+  machine; a failed slice is replaced (from a warm standby where one is ready) while the others
+  train on.
+
+Either one, through `run`:
+1. is constructed without I/O, then `open`s: reads what an earlier supervisor left in the
+   workdir, the run token, and listens. A run that cannot start raises `Refused` (an exit code,
+   one line): nothing started, nothing to end, and no event log to write to;
+2. routes SIGINT and SIGTERM to its `StopRequests` for the run (main thread only): the workers
+   save and stop, and nothing replaces them;
+3. `_supervise`s until a verdict, which `_finish` gives: the workers stopped (`_end`), one `stop`
+   event, one `stop (exit N): reason` line, one `SupervisorResult`;
+4. `_close`s what `open` opened, however the run ended.
+"""
+
+from __future__ import annotations
+
+import abc
+import sys
+import time
+from typing import IO, Any, ClassVar
+
+from resilient_jax.contracts.event_types import EventType
+from resilient_jax.control.processes import OutputSink
+from resilient_jax.control.run_result import SupervisorResult
+from resilient_jax.control.stop_requests import StopRequests
+from resilient_jax.events import EventLog
+
+
+class Refused(Exception):
+    """The run cannot start (or go on): `exit_code` and a one-line `reason`."""
+
+    def __init__(self, exit_code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.exit_code = exit_code
+        self.reason = reason
+
+
+class SupervisorCore(abc.ABC):
+    """The lifetime of a supervisor's run; a strategy fills in the abstract steps."""
+
+    NAME: ClassVar[str]  # the prefix of its lines: "[NAME] ..."
+
+    def __init__(self, out: IO[str] | None, poll_s: float) -> None:
+        self._sink = OutputSink(out if out is not None else sys.stdout)
+        self._stop = StopRequests(poll_s)
+        self._events: EventLog | None = None  # set by `open`
+        self._start_time = 0.0
+
+    def request_stop(self, signum: int) -> None:
+        """Asks the run to have its workers save and stop (safe to call from a signal handler)."""
+        self._stop.request(signum)
+
+    def run(self, time_limit_s: float | None = None) -> SupervisorResult:
+        """Supervises the job until its verdict, at most `time_limit_s` seconds."""
+        self._start_time = time.monotonic()
+        deadline = None if time_limit_s is None else self._start_time + time_limit_s
+        try:
+            self._open_for_run()
+        except Refused as e:
+            self._say(f"stop (exit {int(e.exit_code)}): {e.reason}")
+            return self._result(e.exit_code, e.reason)
+        restore_handlers = self._stop.install_handlers()
+        try:
+            return self._supervise(deadline)
+        except Refused as e:
+            return self._finish(e.exit_code, e.reason)
+        finally:
+            self._close()
+            restore_handlers()
+
+    def _finish(self, exit_code: int, reason: str) -> SupervisorResult:
+        """The run's verdict: its workers stopped, its `stop` event and line, its result."""
+        self._end(reason)
+        assert self._events is not None
+        self._events.emit(EventType.STOP, reason=reason, exit_code=exit_code, **self._stop_fields())
+        self._say(f"stop (exit {int(exit_code)}): {reason}")
+        return self._result(exit_code, reason)
+
+    def _say(self, message: str) -> None:
+        self._sink.write_line(f"[{self.NAME}] {message}")
+
+    # What a strategy provides.
+
+    @abc.abstractmethod
+    def _open_for_run(self) -> None:
+        """Opens what the run needs (event log, token, listening sockets); raises `Refused`,
+        with nothing left open, when it cannot start."""
+
+    @abc.abstractmethod
+    def _supervise(self, deadline: float | None) -> SupervisorResult:
+        """Starts and watches the workers until the run's verdict (`_finish`'s). May raise
+        `Refused`."""
+
+    @abc.abstractmethod
+    def _end(self, reason: str) -> None:
+        """Stops the workers at the verdict (`reason` goes to anyone who must hear it)."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Closes what `_open_for_run` opened and ends anything still running."""
+
+    @abc.abstractmethod
+    def _stop_fields(self) -> dict[str, Any]:
+        """The strategy's fields of the `stop` event (its failures, generation, replacements)."""
+
+    @abc.abstractmethod
+    def _result(self, exit_code: int, reason: str) -> SupervisorResult:
+        """The run's result with the strategy's counts."""
