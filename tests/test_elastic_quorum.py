@@ -444,6 +444,50 @@ def test_an_elastic_run_that_cannot_start_ends_with_exit_2_and_one_line(tmp_path
     assert not (tmp_path / "job").exists()
 
 
+# A slice stand-in as the trainer takes SIGTERM: it saves (here: nothing) and exits 42.
+_SAVING_SLICE = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(42))
+open(os.path.join(sys.argv[1], "ready"), "w").close()
+time.sleep(60)
+"""
+
+
+def test_slices_that_save_and_stop_on_request_end_the_run_interrupted_not_failed(tmp_path):
+    """Stopped on request, slices exit 42 (saved): the verdict is 130 as on the restart path,
+    with no failure counted and nothing replaced (it was 1, "every slice failed")."""
+    import sys
+
+    from resilient_jax.config import default_config
+    from resilient_jax.control.elastic import ElasticSupervisor, slice_workdir
+
+    config = default_config()
+    config.elastic.slices = 2
+    config.elastic.standby = False
+    supervisor = ElasticSupervisor(
+        config,
+        lambda _, slice_dir: [sys.executable, "-c", _SAVING_SLICE, slice_dir],
+        str(tmp_path),
+        devices_per_process=1,
+        out=io.StringIO(),
+        token=TOKEN,
+    )
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(time_limit_s=60)))
+    thread.start()
+    dirs = [slice_workdir(str(tmp_path), s) for s in (0, 1)]
+    try:
+        _wait_until(lambda: all(os.path.exists(os.path.join(d, "ready")) for d in dirs))
+        supervisor.request_stop(signal.SIGTERM)
+    finally:
+        thread.join(timeout=30)
+    r = result["r"]
+    assert (r.exit_code, r.failures, r.replacements) == (130, 0, 0), r
+    assert r.reason == "interrupted by SIGTERM; slices asked to save and stop"
+    exits = [e for e in read_events(str(tmp_path)) if e["type"] == "elastic_slice_exit"]
+    assert sorted((e["slice"], e["exit_code"]) for e in exits) == [(0, 42), (1, 42)]
+
+
 def _wait_until(predicate, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -41,7 +41,7 @@ import ml_collections
 
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
-from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.contracts.exit_codes import PREEMPTED_STATUSES, ExitCode
 from resilient_jax.control import (
     agent_protocol,
     compile_cache,
@@ -297,6 +297,9 @@ class ElasticSupervisor(SupervisorCore):
                     self._stop_standby()
                     continue
                 self._save_state()
+                if self._stopping and code in PREEMPTED_STATUSES:  # saved and stopped, as asked
+                    self._events.emit(EventType.ELASTIC_SLICE_EXIT, slice=slice_id, exit_code=code)
+                    continue
                 self._failures += 1
                 self._events.emit(
                     EventType.ELASTIC_SLICE_EXIT,
@@ -327,6 +330,10 @@ class ElasticSupervisor(SupervisorCore):
             if not self.workers and not self._restart_at:
                 if self._done:
                     return self._finish(0, "finished")
+                if self._stopping:
+                    name = self._stop.first_name()
+                    reason = f"interrupted by {name}; slices asked to save and stop"
+                    return self._finish(ExitCode.INTERRUPTED, reason)
                 return self._finish(1, "every slice failed")
             for _ in self._stop.unseen():  # SIGTERM: the trainer's notice to save and stop
                 self._stopping = True
