@@ -488,6 +488,44 @@ def test_slices_that_save_and_stop_on_request_end_the_run_interrupted_not_failed
     assert sorted((e["slice"], e["exit_code"]) for e in exits) == [(0, 42), (1, 42)]
 
 
+def test_a_stop_request_cancels_a_replacement_still_waiting_to_start(tmp_path):
+    """Slice 0 fails; its cold replacement is due after the restart delay. A stop requested
+    meanwhile cancels it: a slice started after the stop would never hear it and train on."""
+    import sys
+
+    from resilient_jax.config import default_config
+    from resilient_jax.control.elastic import ElasticSupervisor, slice_workdir
+
+    config = default_config()
+    config.elastic.slices = 2
+    config.elastic.standby = False
+
+    def argv(slice_id: int, slice_dir: str) -> list[str]:
+        program = "import sys; sys.exit(3)" if slice_id == 0 else _SAVING_SLICE
+        return [sys.executable, "-c", program, slice_dir]
+
+    supervisor = ElasticSupervisor(
+        config, argv, str(tmp_path), 1, out=io.StringIO(), restart_delay_s=5.0, token=TOKEN
+    )
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(r=supervisor.run(time_limit_s=60)))
+    thread.start()
+
+    def exits() -> list[dict]:
+        return [e for e in read_events(str(tmp_path)) if e["type"] == "elastic_slice_exit"]
+
+    try:
+        _wait_until(lambda: os.path.exists(os.path.join(slice_workdir(str(tmp_path), 1), "ready")))
+        _wait_until(lambda: len(exits()) == 1)  # slice 0 failed: its replacement is due in 5 s
+        supervisor.request_stop(signal.SIGTERM)
+    finally:
+        thread.join(timeout=30)
+    r = result["r"]
+    assert (r.exit_code, r.failures, r.replacements) == (130, 1, 0), r
+    starts = [e for e in read_events(str(tmp_path)) if e["type"] == "elastic_slice_start"]
+    assert sorted(e["slice"] for e in starts) == [0, 1]
+
+
 def _wait_until(predicate, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -34,6 +35,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+
+# Where Orbax's own default array handler gets its metadata store (not re-exported).
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from resilient_jax.checkpoint.errors import CheckpointError, InvalidCheckpoint
 from resilient_jax.contracts.generation_file import Fenced, GenerationFence
@@ -73,6 +77,9 @@ class _Manager(ocp.CheckpointManager):
         return False
 
 
+_REGISTERING = threading.Lock()  # the first tiers of a process may be built by two threads
+
+
 @functools.cache
 def _whole_shards_on_cpu() -> None:
     """Orbax splits a shard held by several replicas among them ("replica-parallel") by slicing
@@ -81,19 +88,22 @@ def _whole_shards_on_cpu() -> None:
     the step's collectives run can deadlock both (2 processes x 2 devices, one async save every
     4 steps: the first save hung with it; 50 saves in 200 steps ran without it; BUILD.md). So
     on CPU each shard is written whole by its replica 0, a transfer with no device computation;
-    Orbax already defaults to that on GPU. Process-wide (Orbax's handler registry is global),
-    once, without the warning Orbax logs for the override (bad input must end in one line)."""
+    Orbax already defaults to that on GPU. Otherwise the handler is Orbax's default one (with
+    its per-array metadata store). Process-wide (Orbax's handler registry is global), once,
+    without the warning Orbax logs for the override (bad input must end in one line)."""
     if jax.default_backend() != "cpu":
         return
+    handler = ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=False, array_metadata_store=array_metadata_store.Store()
+    )
     absl_logger = logging.getLogger("absl")
-    level = absl_logger.level
-    absl_logger.setLevel(logging.ERROR)
-    try:
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True
-        )
-    finally:
-        absl_logger.setLevel(level)
+    with _REGISTERING:
+        level = absl_logger.level
+        absl_logger.setLevel(logging.ERROR)
+        try:
+            ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+        finally:
+            absl_logger.setLevel(level)
 
 
 @dataclasses.dataclass

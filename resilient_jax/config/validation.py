@@ -226,6 +226,9 @@ def _validate_health(h: ml_collections.ConfigDict) -> None:
 
 
 def _validate_coordinator(c: ml_collections.ConfigDict) -> None:
+    for key in ("standby_workers", "standby_idle_cpu"):
+        if not isinstance(c[key], bool):
+            _fail(f"coordinator.{key}", c[key], "must be true or false")
     for key in (
         "heartbeat_interval_s",
         "agent_timeout_s",

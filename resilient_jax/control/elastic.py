@@ -267,7 +267,7 @@ class ElasticSupervisor(SupervisorCore):
         return self._watch(deadline)
 
     def _end(self, reason: str) -> None:
-        self._stop_all()
+        pass  # its slices are ended by `_close`, which follows every verdict (ended once, by pid)
 
     def _close(self) -> None:
         self._stop_all()
@@ -286,37 +286,9 @@ class ElasticSupervisor(SupervisorCore):
                 if code is None:
                     continue
                 del self.workers[slice_id]
-                if code == 0:
-                    self._done.add(slice_id)
-                    self._save_state()
-                    # The run's last step is trained: a replacement still waiting to start, or
-                    # started but not yet joined, would find no live slice to heal from and
-                    # train the whole run again alone.
-                    self._restart_at.clear()
-                    self._stop_unjoined()
-                    self._stop_standby()
-                    continue
-                self._save_state()
-                if self._stopping and code in PREEMPTED_STATUSES:  # saved and stopped, as asked
-                    self._events.emit(EventType.ELASTIC_SLICE_EXIT, slice=slice_id, exit_code=code)
-                    continue
-                self._failures += 1
-                self._events.emit(
-                    EventType.ELASTIC_SLICE_EXIT,
-                    slice=slice_id,
-                    exit_code=code,
-                    failures=self._failures,
-                )
-                ended = self._after_failed_exit(f"slice {slice_id}", code)
+                ended = self._after_exit(slice_id, code, now)
                 if ended is not None:
                     return ended
-                if self._done or self._stopping:
-                    continue  # the job is finished or being stopped: nothing replaces it
-                if self._standby_ready():  # warm: it heals and joins at once
-                    self._replacements += 1
-                    self._assign_standby(slice_id)
-                else:  # started cold, after the restart delay
-                    self._restart_at[slice_id] = now + self._restart_delay_s
             for slice_id, when in list(self._restart_at.items()):
                 if now >= when:
                     del self._restart_at[slice_id]
@@ -337,11 +309,43 @@ class ElasticSupervisor(SupervisorCore):
                 return self._finish(1, "every slice failed")
             for _ in self._stop.unseen():  # SIGTERM: the trainer's notice to save and stop
                 self._stopping = True
+                self._restart_at.clear()  # a replacement due now would never hear the stop
                 for worker in self.workers.values():
                     worker.signal(signal.SIGTERM)
             if deadline is not None and now > deadline:
                 return self._finish(1, "time limit")
             time.sleep(self._poll_s)
+
+    def _after_exit(self, slice_id: int, code: int, now: float) -> SupervisorResult | None:
+        """Acts on slice `slice_id`'s exit with `code` (the state file first says what ran and
+        what is done); the job's result when it must end."""
+        if code == 0:
+            self._done.add(slice_id)
+        self._save_state()
+        if code == 0:
+            # The run's last step is trained: a replacement still waiting to start, or started
+            # but not yet joined, would find no live slice to heal from and train the whole run
+            # again alone.
+            self._restart_at.clear()
+            self._stop_unjoined()
+            self._stop_standby()
+            return None
+        if self._stopping and code in PREEMPTED_STATUSES:  # saved and stopped, as asked
+            self._events.emit(EventType.ELASTIC_SLICE_EXIT, slice=slice_id, exit_code=code)
+            return None
+        self._failures += 1
+        self._events.emit(
+            EventType.ELASTIC_SLICE_EXIT, slice=slice_id, exit_code=code, failures=self._failures
+        )
+        ended = self._after_failed_exit(f"slice {slice_id}", code)
+        if ended is not None or self._done or self._stopping:
+            return ended  # the job ends, is finished or is being stopped: nothing replaces it
+        if self._standby_ready():  # warm: it heals and joins at once
+            self._replacements += 1
+            self._assign_standby(slice_id)
+        else:  # started cold, after the restart delay
+            self._restart_at[slice_id] = now + self._restart_delay_s
+        return None
 
     def _after_failed_exit(self, who: str, code: int) -> SupervisorResult | None:
         """Reports a failed exit of a slice or the standby (already counted in `_failures`);

@@ -174,8 +174,8 @@ def spawn_standby(
     prefix = ["[standby] "]
     popen, reader = _start(argv, env, cwd, subprocess.PIPE, sink, lambda: prefix[0])
     idle = idle_cpu and _may_raise_threads()
-    if idle:
-        standby_cpu.lower(popen.pid)
+    if idle:  # the group's write tried once: an agent's loop must not wait out the rate limit
+        standby_cpu.lower(popen.pid, group_tries=1)
     return Standby(popen, reader, prefix, idle)
 
 
@@ -195,11 +195,15 @@ def assign(
 ) -> WorkerProcess:
     """Makes a standby the worker `process` of `generation`, with the worker's environment.
 
-    Raises OSError if the standby is gone (its stdin is closed).
+    Raises OSError if the standby is gone (its stdin is closed), or if its CPU group could not
+    be raised back (the kernel limits those writes): a worker there would starve its job, so the
+    caller starts one cold instead.
     """
     assert standby.popen.stdin is not None
     if standby.idle:  # the worker runs at this process's own priority
         standby_cpu.restore(standby.popen.pid)
+        if standby_cpu.group_left_lowered(standby.popen.pid):
+            raise OSError(f"standby {standby.popen.pid}: its CPU group is still lowered")
     standby.popen.stdin.write(wire.encode(Role(dict(env), whole_env=True)))
     standby.popen.stdin.close()
     standby.prefix[0] = prefix

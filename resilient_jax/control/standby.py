@@ -93,7 +93,7 @@ def become(role: Role, process: int = 0, environ: MutableMapping[str, str] | Non
     environ = os.environ if environ is None else environ
     if role.whole_env:
         environ.clear()
-    environ.update(role.env)
+    environ.update({str(k): str(v) for k, v in role.env.items()})
     environ.pop(env_vars.ELASTIC_STANDBY, None)
     if not role.workdir:
         return

@@ -1,12 +1,13 @@
-"""The warm standby's CPU priority on a host it shares with training slices (Linux).
+"""A warm standby's CPU priority on a host it shares with training (Linux).
 
-A standby's start-up (Python imports, the JAX runtime, loading the job's executables, a first run
-of its gradient-sums program: about 20 s of CPU for tiny_cpu) is work nobody waits for. On a host
-where slices train, at normal priority it takes their CPU for those seconds, right after each join
-(the next standby starts then). So the elastic supervisor puts the standby under SCHED_IDLE (it runs
-only on CPU no other thread wants) from its spawn until it is given a slice, and puts every thread
-of it back under the supervisor's own policy (the one its slices inherit) before it sends the
-slice's identity: the takeover and the slice's training run at full priority.
+A standby's start-up is work nobody waits for: elastic mode's standby slice (Python imports, the
+JAX runtime, loading the job's executables, a first run of its gradient-sums program: about 20 s
+of CPU for tiny_cpu), the restart path's standby workers (imports: about 2 CPU-s each, right after
+a generation starts). At normal priority it takes the training's CPU for those seconds. So its
+spawner (the elastic supervisor; a host agent, `processes.spawn_standby`) puts it under SCHED_IDLE
+(it runs only on CPU no other thread wants) until it is given its role, and puts every thread of
+it back under the spawner's own policy (the one its workers inherit) before it sends the role:
+the takeover and the training run at full priority.
 
 A thread's policy alone does not do it where the kernel groups tasks by session (autogroup,
 /proc/sys/kernel/sched_autogroup_enabled): the CPU is first shared fairly between the groups, and
@@ -102,7 +103,7 @@ def read_autogroup(pid: int | str) -> tuple[str, int] | None:
         return None
 
 
-def set_autogroup_nice(pid: int, nice: int) -> bool:
+def set_autogroup_nice(pid: int, nice: int, tries: int = AUTOGROUP_TRIES) -> bool:
     """Sets the nice of process `pid`'s autogroup, unless it is this process's own (the
     supervisor's session: never lowered) or the root group (which has no nice of its own to set).
     Whether it was set: not where the kernel's rate limit refused every try (the threads' policy
@@ -110,25 +111,26 @@ def set_autogroup_nice(pid: int, nice: int) -> bool:
     theirs, own = read_autogroup(pid), read_autogroup("self")
     if theirs is None or own is None or theirs[0] in (own[0], ROOT_AUTOGROUP):
         return False
-    for attempt in range(AUTOGROUP_TRIES):
+    for attempt in range(tries):
         try:
             with open(f"/proc/{pid}/autogroup", "w") as f:
                 f.write(str(nice))
             return True
         except BlockingIOError:  # EAGAIN: the kernel's rate limit on these writes (kernel-wide)
-            if attempt + 1 < AUTOGROUP_TRIES:
+            if attempt + 1 < tries:
                 time.sleep(AUTOGROUP_RETRY_S)
         except (FileNotFoundError, ProcessLookupError):  # it ended
             return False
     return False
 
 
-def lower(pid: int) -> int:
+def lower(pid: int, group_tries: int = AUTOGROUP_TRIES) -> int:
     """Puts process `pid`'s session's autogroup at the lowest nice, then every thread of it under
     SCHED_IDLE; returns how many threads it changed. The group first: a process that finds itself
     under SCHED_IDLE is already in the lowered group (the group's write may wait out the kernel's
-    rate limit)."""
-    set_autogroup_nice(pid, LOWEST_NICE)
+    rate limit, `group_tries` times; a caller that must not wait tries once, and the threads'
+    policy applies either way)."""
+    set_autogroup_nice(pid, LOWEST_NICE, group_tries)
     return set_policy(pid, os.SCHED_IDLE)
 
 
@@ -140,6 +142,16 @@ def restore(pid: int) -> int:
         set_autogroup_nice(pid, own[1])
     policy, priority = own_policy()
     return set_policy(pid, policy, priority, only_from=os.SCHED_IDLE)
+
+
+def group_left_lowered(pid: int) -> bool:
+    """Whether process `pid`'s autogroup is still below this process's (a `restore` whose
+    group write the kernel's rate limit refused every time): its threads would get a sliver of
+    a busy CPU however they are scheduled."""
+    theirs, own = read_autogroup(pid), read_autogroup("self")
+    if theirs is None or own is None or theirs[0] in (own[0], ROOT_AUTOGROUP):
+        return False
+    return theirs[1] > own[1]
 
 
 def raising_permitted() -> bool:

@@ -97,7 +97,10 @@ class Supervisor(SupervisorCore):
     def _open_for_run(self) -> None:
         try:
             self._open()
-        except (OSError, ValueError) as e:  # a bad token, say: nothing started yet
+        except (OSError, ValueError) as e:  # a bad token, say: no worker or agent started yet
+            plane = getattr(self, "_plane", None)
+            if plane is not None:  # its host registry's thread runs from its construction
+                plane.hosts.close()
             raise Refused(ExitCode.BAD_INPUT, str(e)) from e
 
     def _open(self) -> None:

@@ -69,12 +69,14 @@ class SupervisorCore(abc.ABC):
             return self._result(e.exit_code, e.reason)
         restore_handlers = self._stop.install_handlers()
         try:
-            return self._supervise(deadline)
-        except Refused as e:
-            return self._finish(e.exit_code, e.reason)
+            try:
+                return self._supervise(deadline)
+            except Refused as e:
+                return self._finish(e.exit_code, e.reason)
+            finally:
+                self._close()
         finally:
-            self._close()
-            restore_handlers()
+            restore_handlers()  # even if closing failed: no signal may reach a run that ended
 
     def _finish(self, exit_code: int, reason: str) -> SupervisorResult:
         """The run's verdict: its workers stopped, its `stop` event and line, its result."""
