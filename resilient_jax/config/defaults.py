@@ -229,11 +229,14 @@ def default_config() -> ml_collections.ConfigDict:
     # The local supervisor starts the next generation's workers while the job trains, so that a
     # restart does not wait for Python's imports (launch/local_cluster.py only).
     c.coordinator.standby_workers = True
-    # The standbys run under SCHED_IDLE until they are given a place (control/standby_cpu.py, as
-    # elastic.standby_idle_cpu does for elastic mode's standby): their imports (about 2 CPU-s
-    # each, right after a generation starts) take only CPU its workers leave idle. Only where
-    # the host agent may raise a thread back (CAP_SYS_NICE or RLIMIT_NICE 20, Linux).
-    c.coordinator.standby_idle_cpu = True
+    # Run the standbys under SCHED_IDLE until they are given a place (control/standby_cpu.py, as
+    # elastic.standby_idle_cpu does for elastic mode's standby; only where the host agent may
+    # raise a thread back: CAP_SYS_NICE or RLIMIT_NICE 20, Linux). Off: measured on 2 cores
+    # (experiments/standby_cpu_restart.py), a restart's first step came 0.81x as late, but its
+    # imports (about 2 CPU-s), spread over the steps after it, made them 1.5x as slow and
+    # progress was regained 1.26x as late. A standby's imports are short; elastic mode's
+    # start-up (about 20 s of CPU) is what the idle policy pays for.
+    c.coordinator.standby_idle_cpu = False
     # JAX's persistent compilation cache for supervised workers, so a restart skips the XLA
     # compile of the step: a relative path is under the workdir; "" = off.
     c.coordinator.compilation_cache_dir = ".jax_cache"

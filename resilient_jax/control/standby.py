@@ -10,9 +10,10 @@ One concept, used twice:
   its exchange). Its `Role` (the slice it replaces: its id in the environment, its workdir) comes
   from the quorum server (`wait_on_quorum`), which a restarted supervisor serves again.
 
-Either way the role is one typed message (`Role`), taken with `become`, and the spawner runs the
-standby under the idle CPU policy until it gives the role (`standby_cpu`): its start-up is work
-nobody waits for.
+Either way the role is one typed message (`Role`), taken with `become`, and the spawner can run
+the standby under the idle CPU policy until it gives the role (`standby_cpu`: on by default for
+elastic mode's, whose start-up is about 20 s of CPU; off for the restart path's, whose imports
+are short, `coordinator.standby_idle_cpu`).
 """
 
 from __future__ import annotations
