@@ -55,18 +55,23 @@ def wait_for(predicate, timeout_s: float = 5.0):
 
 
 def test_message_round_trip_and_rejections():
+    def decode(line: bytes, token: str) -> dict:  # as the heartbeat server reads a worker's line
+        message = protocol.read(line, token)
+        protocol.worker_line(message)
+        return message
+
     message = {"type": "heartbeat", "token": TOKEN, "generation": 1, "process": 3, "step": 7}
-    assert protocol.decode(protocol.encode(message).strip(), TOKEN) == message
+    assert decode(protocol.encode(message).strip(), TOKEN) == message
     with pytest.raises(protocol.ProtocolError, match="token"):
-        protocol.decode(protocol.encode({**message, "token": "other"}), TOKEN)
+        decode(protocol.encode({**message, "token": "other"}), TOKEN)
     with pytest.raises(protocol.ProtocolError, match="JSON"):
-        protocol.decode(b"{not json", TOKEN)
+        decode(b"{not json", TOKEN)
     with pytest.raises(protocol.ProtocolError, match="process"):
-        protocol.decode(protocol.encode({**message, "process": "3"}), TOKEN)
+        decode(protocol.encode({**message, "process": "3"}), TOKEN)
     with pytest.raises(protocol.ProtocolError, match="type"):
-        protocol.decode(protocol.encode({**message, "type": "shell"}), TOKEN)
+        decode(protocol.encode({**message, "type": "shell"}), TOKEN)
     with pytest.raises(protocol.ProtocolError, match="longer"):
-        protocol.decode(b"x" * (protocol.MAX_LINE_BYTES + 1), TOKEN)
+        decode(b"x" * (protocol.MAX_LINE_BYTES + 1), TOKEN)
 
 
 # Heartbeat server and client.

@@ -74,15 +74,6 @@ def encode(message: dict[str, Any]) -> bytes:
     return wire.frame(message)
 
 
-def decode(line: bytes, token: str) -> dict[str, Any]:
-    """Parses one line and checks it carries this run's token: a host agent's line as it is
-    (`agent_protocol` types it), a worker's checked as a `Heartbeat` or a `Bye` would be."""
-    message = read(line, token)
-    if not is_agent_line(message):
-        worker_line(message)
-    return message
-
-
 def read(line: bytes, token: str) -> dict[str, Any]:
     """One line as a JSON object that carries this run's token; raises `ProtocolError`."""
     if len(line) > MAX_LINE_BYTES:
