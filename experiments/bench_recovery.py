@@ -67,10 +67,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import report  # noqa: E402
-from cluster_runs import extra_overrides, load_config, trainer_argv  # noqa: E402
+from cluster_runs import (  # noqa: E402
+    SUPERVISED_SMALL,
+    extra_overrides,
+    load_config,
+    trainer_argv,
+)
 from host_scenarios import host_detection, supervisor_restart  # noqa: E402
 
-from configs import small_cpu  # noqa: E402
 from resilient_jax.contracts import env_vars  # noqa: E402
 from resilient_jax.contracts.faults import HOST_FAULT_KINDS, FaultKind  # noqa: E402
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
@@ -100,19 +104,7 @@ PHASES = (
     "compile",
     "first_step",
 )
-BASE_OVERRIDES = {
-    **small_cpu.MODEL,
-    "global_batch_size": 8,
-    "log.progress_bar": False,
-    "log.tensorboard": False,
-    "coordinator.heartbeat_interval_s": 0.25,
-    "coordinator.heartbeat_timeout_s": 2.0,
-    "coordinator.jax_heartbeat_timeout_s": 5,
-    "coordinator.hang_floor_s": 30.0,
-    "coordinator.startup_timeout_s": 120.0,
-    "coordinator.kill_grace_s": 0.5,
-    "coordinator.readmit_after_s": -1.0,
-}
+BASE_OVERRIDES = SUPERVISED_SMALL
 
 
 def run_scenario(

@@ -18,6 +18,7 @@ from absl import flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the config files import resilient_jax
 
+from configs import small_cpu  # noqa: E402
 
 # Config overrides a driver (`growth.py`) passes to a cluster benchmark, on top of its own: the
 # model's shapes of one state size, e.g. `--overrides=model.d_model=768,model.num_layers=8`.
@@ -49,6 +50,23 @@ STEP_LOG_ONLY: dict[str, Any] = {
     "eval.every_steps": 0,
     "checkpoint.every_steps": 0,
     "checkpoint.local_every_steps": 0,
+}
+
+
+# A supervised tiny_cpu run whose failures are found and restarted fast: the small model, its
+# batch, no progress bar or TensorBoard, quick heartbeats and kills, no re-admission.
+SUPERVISED_SMALL: dict[str, Any] = {
+    **small_cpu.MODEL,
+    "global_batch_size": 8,
+    "log.progress_bar": False,
+    "log.tensorboard": False,
+    "coordinator.heartbeat_interval_s": 0.25,
+    "coordinator.heartbeat_timeout_s": 2.0,
+    "coordinator.jax_heartbeat_timeout_s": 5,
+    "coordinator.hang_floor_s": 30.0,
+    "coordinator.startup_timeout_s": 120.0,
+    "coordinator.kill_grace_s": 0.5,
+    "coordinator.readmit_after_s": -1.0,
 }
 
 

@@ -38,9 +38,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import report  # noqa: E402
-from cluster_runs import extra_overrides, load_config, trainer_argv  # noqa: E402
+from cluster_runs import (  # noqa: E402
+    SUPERVISED_SMALL,
+    extra_overrides,
+    load_config,
+    trainer_argv,
+)
 
-from configs import small_cpu  # noqa: E402
 from resilient_jax.control import ClusterSpec, Supervisor, SupervisorAction  # noqa: E402
 from resilient_jax.events import read_events  # noqa: E402
 
@@ -55,18 +59,9 @@ _OUT = flags.DEFINE_string(
 CONFIG_FILE = "configs/tiny_cpu.py"
 SETTINGS = {"idle": True, "normal": False}
 BASE_OVERRIDES = {
-    **small_cpu.MODEL,
-    "global_batch_size": 8,
-    "log.progress_bar": False,
-    "log.tensorboard": False,
+    **SUPERVISED_SMALL,
     "checkpoint.every_steps": 20,
     "checkpoint.local_every_steps": 5,
-    "coordinator.heartbeat_interval_s": 0.25,
-    "coordinator.heartbeat_timeout_s": 2.0,
-    "coordinator.hang_floor_s": 30.0,
-    "coordinator.startup_timeout_s": 120.0,
-    "coordinator.kill_grace_s": 0.5,
-    "coordinator.readmit_after_s": -1.0,
     "coordinator.precompile_candidates": False,
     "coordinator.standby_workers": True,
 }

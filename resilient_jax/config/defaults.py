@@ -232,10 +232,10 @@ def default_config() -> ml_collections.ConfigDict:
     # Run the standbys under SCHED_IDLE until they are given a place (control/standby_cpu.py, as
     # elastic.standby_idle_cpu does for elastic mode's standby; only where the host agent may
     # raise a thread back: CAP_SYS_NICE or RLIMIT_NICE 20, Linux). Off: measured on 2 cores
-    # (experiments/standby_cpu_restart.py), a restart's first step came 0.81x as late, but its
-    # imports (about 2 CPU-s), spread over the steps after it, made them 1.5x as slow and
-    # progress was regained 1.26x as late. A standby's imports are short; elastic mode's
-    # start-up (about 20 s of CPU) is what the idle policy pays for.
+    # (experiments/standby_cpu_restart.py), a restart's first step came 0.81-0.83x as late, but
+    # its imports (about 2 CPU-s), spread over the steps after it, made them 1.5x as slow: no
+    # net gain in the time to regain progress. Elastic mode's start-up (about 20 s of CPU) is
+    # what the idle policy pays for.
     c.coordinator.standby_idle_cpu = False
     # JAX's persistent compilation cache for supervised workers, so a restart skips the XLA
     # compile of the step: a relative path is under the workdir; "" = off.
