@@ -382,6 +382,55 @@ def _worker_tails(lines: list[str], per_worker: int = 45) -> str:
     return "\n".join(line for kept in by_worker.values() for line in kept[-per_worker:])
 
 
+def stand_in_elastic_config(slices: int, standby: bool = False):
+    """The default config for an elastic run of `slices` stand-in slices (no JAX): their hosts'
+    agents probe no JAX, and the run waits for the agents as long as a loaded machine may need."""
+    from resilient_jax.config import default_config
+
+    config = default_config()
+    config.elastic.slices = slices
+    config.elastic.standby = standby
+    config.coordinator.probe_jax = False
+    config.coordinator.startup_timeout_s = 30.0
+    return config
+
+
+def elastic_stand_in_process(
+    workdir: str, argv: dict, token: str, standby: bool = False, restart_delay_s: float = 1.0
+) -> subprocess.Popen:
+    """An elastic supervisor of stand-in slices in a process of its own (`helpers/
+    elastic_stand_in.py`), to be killed: argv maps each slice id (-1: the standby) to its
+    command, "{workdir}" standing for the slice's workdir."""
+    spec = os.path.join(workdir, "stand_in.json")
+    os.makedirs(workdir, exist_ok=True)
+    with open(spec, "w") as f:
+        json.dump(
+            {
+                "workdir": workdir,
+                "slices": len([s for s in argv if s >= 0]),
+                "standby": standby,
+                "restart_delay_s": restart_delay_s,
+                "argv": {str(s): a for s, a in argv.items()},
+            },
+            f,
+        )
+    helper = os.path.join(REPO, "tests", "helpers", "elastic_stand_in.py")
+    env = {**os.environ, "RJ_RUN_TOKEN": token, "PYTHONPATH": REPO}
+    with open(os.path.join(workdir, "stand_in.log"), "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, helper, spec], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def wait_for_events(workdir: str, kind: str, count: int, timeout_s: float = 60.0) -> list[dict]:
+    """The events of one type in a run's events.jsonl once there are `count` of them."""
+    deadline = time.monotonic() + timeout_s
+    while len(found := events_of(workdir, kind)) < count:
+        assert time.monotonic() < deadline, f"no {count} {kind} events in {timeout_s:g} s"
+        time.sleep(0.05)
+    return found
+
+
 def supervise_elastic(
     workdir: str,
     overrides: dict,

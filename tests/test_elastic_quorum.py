@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from conftest import elastic_stand_in_process, stand_in_elastic_config, wait_for_events
 
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.elastic.data import owned_parts
@@ -205,13 +206,9 @@ def test_a_replacement_still_waiting_when_a_slice_finishes_the_run_is_never_star
     import io
     import sys
 
-    from resilient_jax.config import default_config
     from resilient_jax.control.elastic import ElasticSupervisor
 
-    config = default_config()
-    config.elastic.slices = 2
-    config.elastic.standby = False  # test_elastic_standby.py has the standby's
-    config.coordinator.startup_timeout_s = 1.0
+    config = stand_in_elastic_config(2)  # test_elastic_standby.py has the standby's
     outcomes = {0: "import time; time.sleep(0.5)", 1: "raise SystemExit(1)"}
     supervisor = ElasticSupervisor(
         config,
@@ -233,13 +230,9 @@ def test_a_slice_not_in_the_last_quorum_when_the_run_finishes_is_ended(tmp_path)
     import sys
     import time
 
-    from resilient_jax.config import default_config
     from resilient_jax.control.elastic import ElasticSupervisor
 
-    config = default_config()
-    config.elastic.slices = 2
-    config.elastic.standby = False  # test_elastic_standby.py has the standby's
-    config.coordinator.startup_timeout_s = 1.0
+    config = stand_in_elastic_config(2)  # test_elastic_standby.py has the standby's
     outcomes = {0: "import time; time.sleep(0.5)", 1: "import time; time.sleep(60)"}
     supervisor = ElasticSupervisor(
         config,
@@ -269,13 +262,9 @@ def _elastic_supervisor(workdir, token, sleep_s=2.0, out=None):
     import io
     import sys
 
-    from resilient_jax.config import default_config
     from resilient_jax.control.elastic import ElasticSupervisor
 
-    config = default_config()
-    config.elastic.slices = 2
-    config.elastic.standby = False  # test_elastic_standby.py has the standby's
-    config.coordinator.startup_timeout_s = 1.0
+    config = stand_in_elastic_config(2)  # test_elastic_standby.py has the standby's
     return ElasticSupervisor(
         config,
         lambda slice_id, slice_dir: [
@@ -293,46 +282,41 @@ def _elastic_supervisor(workdir, token, sleep_s=2.0, out=None):
 
 
 def test_a_supervisor_started_again_takes_over_the_running_slices(tmp_path):
-    """The supervisor's process dies with its slices running: one started again on the workdir
-    listens on the same quorum address, adopts both (none restarted) and sees them finish."""
+    """The supervisor's process dies (SIGKILL) with its slices running under their hosts'
+    agents: one started with another run token is refused (one line, nothing taken over), and
+    one started with the job's listens on the same quorum address, adopts both slices (none
+    restarted) and sees them finish."""
     import json
+    import sys
 
-    first = _elastic_supervisor(tmp_path, TOKEN).open()
-    first.start_slice(0)
-    first.start_slice(1)
-    pids = {s: w.pid for s, w in first.workers.items()}
-    address = first.quorum.address
-    first.quorum.close()  # its process died: nothing else of it runs
+    from resilient_jax.control.local_hosts import ForeignAgent
+
+    workdir = str(tmp_path)
+    argv = [sys.executable, "-c", _FINISHING_SLICE, "{workdir}", "8"]
+    first = elastic_stand_in_process(workdir, {0: argv, 1: argv}, TOKEN)
+    try:
+        starts = wait_for_events(workdir, "elastic_slice_start", 2)
+    finally:
+        first.kill()  # SIGKILL: its agents and slices stay behind
+        first.wait(timeout=10)
+    pids = {e["slice"]: e["pid"] for e in starts}
+    with open(tmp_path / "elastic.json") as f:
+        address = json.load(f)["address"]
+    refused = _elastic_supervisor(tmp_path, "u" * 32)
+    with pytest.raises(ForeignAgent, match="another run token"):
+        refused.open()
     second = _elastic_supervisor(tmp_path, TOKEN).open()
     assert second.quorum.address == address
     result = second.run(time_limit_s=30)
-    for worker in first.workers.values():
-        worker.wait(timeout=5)  # reaped here: in the test, this process is still their parent
     assert (result.exit_code, result.replacements) == (0, 0), result
     assert second.adopted == [0, 1]
-    with open(tmp_path / "events.jsonl") as f:
-        events = [e for e in map(json.loads, f) if e["type"].startswith("elastic_slice")]
+    events = [e for e in read_events(workdir) if e["type"].startswith("elastic_slice")]
     assert [(e["type"], e["slice"], e["pid"]) for e in events] == [
         ("elastic_slice_start", 0, pids[0]),
         ("elastic_slice_start", 1, pids[1]),
         ("elastic_slice_adopted", 0, pids[0]),
         ("elastic_slice_adopted", 1, pids[1]),
     ]
-
-
-def test_a_supervisor_with_another_token_does_not_take_over(tmp_path):
-    from resilient_jax.control.elastic import TakeoverError
-
-    first = _elastic_supervisor(tmp_path, TOKEN, sleep_s=30.0).open()
-    first.start_slice(0)
-    first.quorum.close()
-    try:
-        refused = _elastic_supervisor(tmp_path, "u" * 32)  # constructing reads nothing yet
-        with pytest.raises(TakeoverError, match="another run token"):
-            refused.open()
-    finally:
-        first.workers[0].kill()
-        first.workers[0].wait(timeout=5)
 
 
 def test_an_elastic_supervisor_touches_nothing_until_opened(tmp_path, monkeypatch):
@@ -356,7 +340,7 @@ def test_an_elastic_supervisor_touches_nothing_until_opened(tmp_path, monkeypatc
         host, _, port = opened.quorum.address.rpartition(":")
         socket.create_connection((host, int(port)), timeout=5).close()  # listening
     finally:
-        opened.quorum.close()
+        opened._close()  # nothing was started: no agent, no slice
 
 
 # A slice stand-in that counts the SIGTERMs it gets, and exits 0 once `exit` appears.
@@ -378,13 +362,9 @@ def test_a_stop_request_reaches_every_slice_once_and_nothing_replaces_them(tmp_p
     import io
     import sys
 
-    from resilient_jax.config import default_config
     from resilient_jax.control.elastic import ElasticSupervisor, slice_workdir
 
-    config = default_config()
-    config.elastic.slices = 2
-    config.elastic.standby = False
-    config.coordinator.startup_timeout_s = 1.0
+    config = stand_in_elastic_config(2)  # test_elastic_standby.py has the standby's
     out = io.StringIO()
     supervisor = ElasticSupervisor(
         config,
@@ -458,12 +438,9 @@ def test_slices_that_save_and_stop_on_request_end_the_run_interrupted_not_failed
     with no failure counted and nothing replaced (it was 1, "every slice failed")."""
     import sys
 
-    from resilient_jax.config import default_config
     from resilient_jax.control.elastic import ElasticSupervisor, slice_workdir
 
-    config = default_config()
-    config.elastic.slices = 2
-    config.elastic.standby = False
+    config = stand_in_elastic_config(2)  # test_elastic_standby.py has the standby's
     supervisor = ElasticSupervisor(
         config,
         lambda _, slice_dir: [sys.executable, "-c", _SAVING_SLICE, slice_dir],
@@ -493,12 +470,9 @@ def test_a_stop_request_cancels_a_replacement_still_waiting_to_start(tmp_path):
     meanwhile cancels it: a slice started after the stop would never hear it and train on."""
     import sys
 
-    from resilient_jax.config import default_config
     from resilient_jax.control.elastic import ElasticSupervisor, slice_workdir
 
-    config = default_config()
-    config.elastic.slices = 2
-    config.elastic.standby = False
+    config = stand_in_elastic_config(2)  # test_elastic_standby.py has the standby's
 
     def argv(slice_id: int, slice_dir: str) -> list[str]:
         program = "import sys; sys.exit(3)" if slice_id == 0 else _SAVING_SLICE

@@ -6,8 +6,7 @@ every exchange agreed on), and the state as this process's pieces of it."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+import signal
 
 import jax
 import numpy as np
@@ -18,71 +17,69 @@ from resilient_jax.control import elastic_state
 from resilient_jax.control.elastic_slice import SliceProcesses, output_file, runtime_env
 
 
-def _start(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+class _Member:
+    """A slice's process as an agent reports it (`hosts.RemoteWorker`'s interface)."""
+
+    def __init__(self, pid: int, exit_code: int | None = None) -> None:
+        self.pid, self.exit_code, self.slice, self.host = pid, exit_code, 3, "host3"
+        self.signals: list[tuple[int, bool]] = []
+
+    def poll(self) -> int | None:
+        return self.exit_code
+
+    def signal(self, signum: int, group: bool = False) -> None:
+        self.signals.append((signum, group))
+        if signum == signal.SIGKILL and self.exit_code is None:
+            self.exit_code = -signal.SIGKILL  # as its agent reports it
+
+    def wait(self, timeout: float) -> None:
+        pass
 
 
 def test_a_slice_is_lost_with_any_of_its_processes_and_the_others_are_ended():
-    sleeper = _start("import time; time.sleep(60)")
-    failing = _start("raise SystemExit(3)")
-    processes = SliceProcesses([sleeper, failing])
+    running, failed = _Member(11), _Member(12, exit_code=3)
+    processes = SliceProcesses([running, failed], launch=5)
     assert processes.wait(timeout=30) == 3
-    assert sleeper.returncode == -9  # ended with the slice, not left to train alone
-    assert processes.poll() == 3 and processes.pid == sleeper.pid
+    # The other process ended with the slice (its process group), not left to train alone.
+    assert (signal.SIGKILL, True) in running.signals and running.exit_code == -signal.SIGKILL
+    assert processes.poll() == 3 and processes.pid == 11 and processes.pids == [11, 12]
+    assert (processes.launch, processes.host_slice, processes.host) == (5, 3, "host3")
 
 
 def test_a_slice_is_done_when_every_process_exited_0():
-    quick, slower = _start("pass"), _start("import time; time.sleep(1)")
-    processes = SliceProcesses([quick, slower])
-    quick.wait(timeout=30)
+    quick, slower = _Member(11, exit_code=0), _Member(12)
+    processes = SliceProcesses([quick, slower], launch=0)
     assert processes.poll() is None  # one still runs: not done yet
-    assert processes.wait(timeout=30) == 0
+    slower.exit_code = 0
+    assert processes.wait(timeout=30) == 0 and not slower.signals
 
 
 def test_each_process_of_a_slice_gets_its_place_in_the_slice_runtime():
     assert runtime_env(1) == [{}]  # one process: no runtime of its own to join
-    envs = runtime_env(2)
+    envs = runtime_env(2, "10.0.0.7")
     assert [e["RJ_PROCESS_ID"] for e in envs] == ["0", "1"]
     assert {e["RJ_NUM_PROCESSES"] for e in envs} == {"2"}
     assert {e["RJ_NUM_SLICES"] for e in envs} == {"1"}
     assert envs[0]["RJ_COORDINATOR_ADDRESS"] == envs[1]["RJ_COORDINATOR_ADDRESS"]
+    assert envs[0]["RJ_COORDINATOR_ADDRESS"].startswith("10.0.0.7:")  # on its host
     assert runtime_env(2)[0]["RJ_COORDINATOR_ADDRESS"] != envs[0]["RJ_COORDINATOR_ADDRESS"]
     assert (output_file(0), output_file(1)) == ("output.log", "output.p1.log")
 
 
-def test_every_process_of_a_slice_is_recorded_for_a_takeover(tmp_path):
-    sleeper = _start("import time; time.sleep(60)")
-    ended = _start("pass")
-    ended.wait(timeout=30)
-    try:
-        records = elastic_state.process_records(SliceProcesses([sleeper, ended]))
-        assert records is not None and [r.pid for r in records] == [sleeper.pid, ended.pid]
-        state = elastic_state.ElasticState("127.0.0.1:1", 1, "t", {1: records}, [0], records)
-        elastic_state.write_state(str(tmp_path), state)
-        read = elastic_state.read_state(str(tmp_path))
-        assert read is not None and read.slices == {1: records} and read.standby == records
-        # Running while any of its processes runs; adopted as a whole, lost with the one gone.
-        assert read.running() == {1: records}
-        adopted = elastic_state.adopt(records, str(tmp_path))
-        assert adopted.pids == [sleeper.pid, ended.pid]
-        assert adopted.wait(timeout=30) == elastic_state.NO_STOP_EVENT
-        assert elastic_state.start_time(sleeper.pid) is None
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-    assert elastic_state.process_records(SliceProcesses([ended])) is None
+def test_each_slice_is_recorded_by_its_launch_for_a_takeover(tmp_path):
+    state = elastic_state.ElasticState("127.0.0.1:1", 1, "t", {1: 4, 0: 2}, [2], 6, next_launch=5)
+    elastic_state.write_state(str(tmp_path), state)
+    assert elastic_state.read_state(str(tmp_path)) == state
+    assert state.launches() == 7  # past every launch recorded, the standby's too
 
 
-def test_a_state_file_of_single_process_slices_is_still_read(tmp_path):
+def test_a_state_file_of_slices_run_without_agents_is_not_taken_over(tmp_path):
     with open(os.path.join(tmp_path, elastic_state.STATE_FILE), "w") as f:
         f.write(
             '{"address": "h:1", "supervisor_pid": 1, "token_sha256": "t", '
-            '"slices": {"0": [11, 22]}, "done": [], "standby": [33, 44]}'
+            '"slices": {"0": [[11, 22]]}, "done": [], "standby": [[33, 44]]}'
         )
-    state = elastic_state.read_state(str(tmp_path))
-    assert state is not None
-    assert state.slices == {0: (elastic_state.SliceRecord(11, 22),)}
-    assert state.standby == (elastic_state.SliceRecord(33, 44),)
+    assert elastic_state.read_state(str(tmp_path)) is None
 
 
 class _Exchange:

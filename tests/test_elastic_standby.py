@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, elastic_stand_in_process, stand_in_elastic_config, wait_for_events
 
-from resilient_jax.config import default_config
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.control import elastic, elastic_state
 from resilient_jax.control.elastic import ElasticSupervisor
+from resilient_jax.control.local_hosts import process_gone
 from resilient_jax.events import read_events
 
 TOKEN = "s" * 32
@@ -49,9 +48,7 @@ _STANDBY = (
 
 def _supervisor(workdir, slices: dict, standby_exit: int = -1, max_restarts: int = 5):
     """slices: slice id -> (seconds, exit code) of its stand-in."""
-    config = default_config()
-    config.elastic.slices = len(slices)
-    config.coordinator.startup_timeout_s = 1.0
+    config = stand_in_elastic_config(len(slices), standby=True)
     # At normal priority: under SCHED_IDLE a stand-in could wait for idle CPU on a busy host and
     # fail these tests' timing (the priority itself: test_standby_cpu.py).
     config.elastic.standby_idle_cpu = False
@@ -80,7 +77,7 @@ def _events(workdir, kind: str) -> list[dict]:
 
 
 def _running(pid: int) -> bool:
-    return elastic_state.start_time(pid) is not None
+    return not process_gone(pid)
 
 
 @pytest.fixture(autouse=True)
@@ -127,19 +124,24 @@ def test_a_standby_that_dies_is_started_again_within_the_restart_budget(
 
 
 def test_a_restarted_supervisor_adopts_the_standby_and_gives_it_a_lost_slice(tmp_path):
-    first = _supervisor(tmp_path, {0: (6.0, 0), 1: (2.5, 1)}).open()
-    first.start_slice(0)
-    first.start_slice(1)
-    first.start_standby()
-    standby = first.standby.pid
-    first.quorum.close()  # its process died: the standby waits for the next one
-    second = _supervisor(tmp_path, {0: (6.0, 0), 1: (2.5, 1)})
+    """The supervisor dies (SIGKILL) with its slices and standby running under their agents;
+    slice 1 fails while none is there. The next supervisor adopts the standby and gives it
+    slice 1 at once."""
+    slices = {0: (6.0, 0), 1: (2.5, 1)}
+    argv = {
+        s: [sys.executable, "-c", _SLICE, "{workdir}", str(t), str(c)]
+        for s, (t, c) in slices.items()
+    }
+    argv[-1] = [sys.executable, "-c", _STANDBY, "0.5", "-1"]
+    first = elastic_stand_in_process(str(tmp_path), argv, TOKEN, standby=True)
+    try:
+        (started,) = wait_for_events(str(tmp_path), "elastic_standby_start", 1)
+    finally:
+        first.kill()  # SIGKILL: its agents, slices and standby stay behind
+        first.wait(timeout=10)
+    standby = started["pid"]
+    second = _supervisor(tmp_path, slices)
     result = second.run(time_limit_s=30)
-    for worker in [*first.workers.values(), first.standby]:
-        try:
-            worker.wait(timeout=5)  # reaped here: in the test, this process is their parent
-        except subprocess.TimeoutExpired:
-            worker.kill()
     assert (result.exit_code, result.replacements) == (0, 1), result
     adopted = _events(tmp_path, "elastic_standby_start")
     assert [(e["pid"], e.get("adopted")) for e in adopted[:2]] == [(standby, None), (standby, True)]

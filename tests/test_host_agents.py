@@ -160,6 +160,41 @@ def test_agent_registers_is_probed_starts_a_worker_and_reports_its_exit_at_once(
         agent.wait()
 
 
+def test_agent_starts_an_elastic_slice_with_its_own_output_file_and_no_heartbeats(plane, tmp_path):
+    """An elastic slice's process (`Start(output=..., heartbeats=False)`): its output goes to its
+    own file, not the host's log, and it is not told the supervisor's address or pid."""
+    agent = _agent(tmp_path, **{env_vars.RUN_TOKEN: TOKEN})
+    try:
+        _wait(lambda: 0 in plane.hosts.ready_slices(1))
+        (record,) = plane.hosts.hosts_for(0)
+        output = tmp_path / "slices" / "0" / "output.log"
+        code = (
+            "import os; print('slice says', os.environ.get('RJ_SUPERVISOR_ADDRESS'), "
+            "os.environ.get('RJ_SUPERVISOR_PID'), os.environ['RJ_ELASTIC_SLICE'], flush=True)"
+        )
+        command = Start(
+            generation=4,
+            process=0,
+            slice=0,
+            argv=[sys.executable, "-c", code],
+            placement={env_vars.ELASTIC_SLICE: "0"},
+            devices=1,
+            output=str(output),
+            heartbeats=False,
+        )
+        worker = plane.hosts.start(record, 4, 0, command)
+        plane.hosts.await_started([worker])
+        _wait(lambda: worker.exit_code is not None)
+        assert worker.exit_code == 0
+        assert output.read_text() == "slice says None None 0\n"
+        assert "slice says" not in (tmp_path / "logs" / "h0" / "workers.log").read_text()
+        plane.end("done")
+        assert agent.wait(timeout=10) == 0
+    finally:
+        agent.kill()
+        agent.wait()
+
+
 def test_agent_without_a_supervisor_stops_after_the_orphan_timeout(tmp_path):
     agent = subprocess.run(
         [

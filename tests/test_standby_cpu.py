@@ -12,9 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, stand_in_elastic_config
 
-from resilient_jax.config import default_config
 from resilient_jax.control import elastic, processes, standby_cpu
 from resilient_jax.control.elastic import ElasticSupervisor
 from resilient_jax.events import read_events
@@ -174,9 +173,7 @@ sys.exit(int(sys.argv[3]))
 def test_the_supervisor_runs_the_standby_idle_until_it_is_given_a_slice(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", REPO)
     monkeypatch.setattr(elastic, "STANDBY_AFTER_S", 60.0)  # no second standby in this test
-    config = default_config()
-    config.elastic.slices = 2
-    config.coordinator.startup_timeout_s = 1.0
+    config = stand_in_elastic_config(2, standby=True)
     runs = {0: (5.0, 0), 1: (0.5, 1)}  # slice 1 fails once the standby waits: it becomes slice 1
 
     def argv(slice_id: int, slice_dir: str) -> list[str]:

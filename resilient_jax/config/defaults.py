@@ -330,7 +330,8 @@ def default_config() -> ml_collections.ConfigDict:
     # built, its steps loaded from the job's executable cache, its exchange open), waiting idle
     # (no CPU) at the join point; a lost slice's identity is given to it, and it heals and joins
     # within about a second instead of a cold start's tens of seconds; a new standby is then
-    # started. Costs one process's memory while idle (on a cluster: a spare host).
+    # started. Costs one process's memory while idle; it runs under a host agent of its own (on
+    # a cluster: a spare host), and the host a lost slice leaves takes the next standby.
     c.elastic.standby = True
     # The standby runs under SCHED_IDLE (only on CPU no slice wants) until it is given a slice,
     # then under the supervisor's own policy again: on a host it shares with training slices its

@@ -6,12 +6,14 @@
 It connects to the supervisor (the address given, else the one in `<workdir>/supervisor.json`,
 read again before every attempt, so a restarted supervisor is found), registers its host, slice,
 devices and worker slots, and heartbeats. On command it starts workers with the environment the
-supervisor gives, signals them, keeps warm standbys, and reports each worker's exit the moment a
+supervisor gives (the restart path's generations, or elastic mode's slices, each launch numbered
+as a generation), signals them, keeps warm standbys, and reports each worker's exit the moment a
 waiter thread sees it. It serves the host's local checkpoint tier read-only to the workers of
 other hosts (`tier_service`): the RAM disk outlives the workers, and a replaced host restores
-from it. Its own lines and its workers' output go to `<workdir>/logs/<host>/workers.log` (a
-supervisor may follow it) and to stdout unless `--log_only`; a stream that fails a write (a pipe
-whose reader died with the supervisor) is dropped, never the agent.
+from it. Its own lines and its workers' output (but an elastic slice's, which has a file of its
+own) go to `<workdir>/logs/<host>/workers.log` (a supervisor may follow it) and to stdout unless
+`--log_only`; a stream that fails a write (a pipe whose reader died with the supervisor) is
+dropped, never the agent.
 
 Workers keep training while no supervisor is connected: a restarted one finds them in the
 agent's next registration. With no supervisor for `coordinator.orphan_timeout_s` the agent asks
@@ -35,6 +37,7 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from resilient_jax.config import default_config
+from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.faults import FaultKind
@@ -294,9 +297,14 @@ class HostAgent:
         generation, process, slice_id = command.generation, command.process, command.slice
         env = self._shared_env(command.cache_env, command.devices)
         env.update(command.placement)
+        if not command.heartbeats:  # an elastic slice: the quorum server hears from it
+            env.pop(env_vars.SUPERVISOR_ADDRESS, None)
+            env.pop(env_vars.SUPERVISOR_PID, None)
         prefix = f"[g{generation} s{slice_id} p{process}] "
         try:
-            worker = self._from_standby(env, prefix, process, slice_id, generation)
+            worker = None
+            if command.output is None and command.heartbeats:  # a standby is a supervised worker
+                worker = self._from_standby(env, prefix, process, slice_id, generation)
             warm = worker is not None
             if worker is None:
                 worker = processes.spawn(
@@ -308,6 +316,7 @@ class HostAgent:
                     slice_id,
                     generation,
                     cwd=command.cwd,
+                    output=command.output,
                 )
         except OSError as e:
             self._send(ap.Started(generation, process, error=str(e)))

@@ -159,7 +159,9 @@ class Welcome(wire.Message):
 @dataclasses.dataclass(frozen=True)
 class Start(wire.Message):
     """Start one worker: its command line, working directory, place in the job (`placement`: its
-    environment) and the devices it sees; the agent adds the run's shared environment."""
+    environment) and the devices it sees; the agent adds the run's shared environment. `output`:
+    a file its output is appended to instead of the host's log; without `heartbeats` it is not
+    told the supervisor's address (an elastic slice: the quorum server hears from it)."""
 
     TYPE: ClassVar[Name] = AgentCommand.START
     generation: int
@@ -170,6 +172,8 @@ class Start(wire.Message):
     devices: int
     cwd: str | None = None
     cache_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    output: str | None = None
+    heartbeats: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

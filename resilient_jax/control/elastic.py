@@ -6,33 +6,33 @@ Unlike `supervisor.Supervisor`, which stops every worker at a failure and restar
 is left, this one never stops a survivor: the survivors re-form their exchange without the lost
 slice within a step (the quorum server sees its connection close) and take over its part of the
 global batch, and the replacement, started after `restart_delay_s`, heals from a live slice at a
-step boundary and takes its part back. Each slice writes into `<workdir>/slices/<id>/` (events,
+step boundary and takes its part back. Both strategies run their workers through the hosts'
+agents (`host_plane`): here one host per slice on this machine, plus one for the standby, each
+slice on a free host (`elastic_slice`). Each slice writes into `<workdir>/slices/<id>/` (events,
 metrics, its own checkpoints, and its output in `output.log`, `output.p<p>.log` for its process
-p > 0: no pipe through this process, so a slice outlives it). A slice is lost when any of its
-processes exits non-zero (the others are ended with it), and done when all of them have exited 0.
-The job is done when every slice is; it fails after more than `max_restarts` failures in all.
-The quorum server lives in this process; the workers keep their last quorum while it is away
-(`elastic.trainer`). Started again on the same workdir with the same run token (`RJ_RUN_TOKEN` or
-`RJ_RUN_TOKEN_FILE`), it takes over the slices still running (`elastic_state`): same quorum
-address, no slice restarted.
+p > 0). A slice is lost when any of its processes exits non-zero (the others are ended with it),
+and done when all of them have exited 0. The job is done when every slice is; it fails after
+more than `max_restarts` failures in all. The quorum server lives in this process; the workers
+keep their last quorum while it is away (`elastic.trainer`), and their agents keep them running
+for up to `coordinator.orphan_timeout_s`. Started again on the same workdir with the same run
+token (`RJ_RUN_TOKEN` or `RJ_RUN_TOKEN_FILE`), it takes over the agents and the slices still
+running (`elastic_state`): same quorum address, no slice restarted.
 
 With `elastic.standby` (the default) it also keeps one warm standby slice: a slice's processes
-started ahead that wait, idle, at the join point (`<workdir>/standby/`: their output and events
-until they are given a slice). A lost slice's identity goes to it at once (no restart delay: it
-heals and joins within about a second), and a new standby is started; only when none is running
-is a replacement started cold. A standby that dies is started again; at the run's end it is
-ended by its pids. Until it is given a slice the standby runs under SCHED_IDLE
-(`elastic.standby_idle_cpu`, `standby_cpu`): on a host shared with the slices its start-up takes
-only the CPU they leave idle.
+started ahead on the spare host that wait, idle, at the join point (`<workdir>/standby/`: their
+output and events until they are given a slice). A lost slice's identity goes to it at once (no
+restart delay: it heals and joins within about a second), and a new standby is started on the
+host the lost slice left; only when none is running is a replacement started cold. A standby that
+dies is started again; at the run's end it is ended with the others. Until it is given a slice
+the standby runs under SCHED_IDLE (`elastic.standby_idle_cpu`, `standby_cpu`): on a host shared
+with the slices its start-up takes only the CPU they leave idle.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
@@ -44,19 +44,20 @@ from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import PREEMPTED_STATUSES, ExitCode
 from resilient_jax.control import (
     agent_protocol,
+    attach,
     compile_cache,
     elastic_state,
     processes,
-    protocol,
     standby_cpu,
 )
-from resilient_jax.control.elastic_slice import SliceProcesses, output_file, runtime_env
-from resilient_jax.control.line_server import ConnectionLimits, PortGuard
+from resilient_jax.control.cluster import ClusterSpec
+from resilient_jax.control.elastic_slice import SliceProcesses, pids_field, start_slice
+from resilient_jax.control.host_plane import HostPlane
+from resilient_jax.control.local_hosts import ForeignAgent
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.run_result import SupervisorResult
 from resilient_jax.control.supervisor_core import Refused, SupervisorCore
-from resilient_jax.control.worker_env import shared_env
 from resilient_jax.events import EventLog
 
 # argv of slice `slice_id`'s worker, whose workdir is the given one
@@ -75,16 +76,12 @@ STANDBY = -1  # the slice id `argv_for` is called with for the standby (it has n
 STANDBY_AFTER_S = 30.0  # the next standby starts when the last has joined, or this long after
 
 
-class TakeoverError(ValueError):
-    """The slices still running in the workdir cannot be taken over (another run token)."""
-
-
 class ElasticSupervisor(SupervisorCore):
-    """Runs `elastic.slices` slices on this machine and replaces the ones that fail while the
-    others train on (the elastic quorum on `supervisor_core`). Construction keeps its arguments;
-    `open` (or `run`) touches the workdir, the token file and the network. A stop request
-    (SIGINT or SIGTERM) reaches every slice once as SIGTERM: they save and stop, and nothing
-    replaces them."""
+    """Runs `elastic.slices` slices on this machine's hosts and replaces the ones that fail while
+    the others train on (the elastic quorum on `supervisor_core`). Construction keeps its
+    arguments; `open` (or `run`) touches the workdir, the token file and the network, and `run`
+    starts the agents. A stop request (SIGINT or SIGTERM) reaches every slice once as SIGTERM:
+    they save and stop, and nothing replaces them."""
 
     NAME = "elastic"
 
@@ -105,20 +102,25 @@ class ElasticSupervisor(SupervisorCore):
         super().__init__(out, poll_s)
         self._poll_s = poll_s
         self._cwd = cwd
-        self._processes = processes_per_slice
         self._config = config
         self._slices = int(config.elastic.slices)
+        self._standby_enabled = bool(config.elastic.standby)
+        # One host per slice, and a spare one for the standby.
+        self._cluster = ClusterSpec(
+            self._slices,
+            processes_per_slice,
+            devices_per_process,
+            spare_slices=1 if self._standby_enabled else 0,
+        )
         self._argv_for = argv_for
         self._workdir = workdir
         self._restart_delay_s = restart_delay_s
         limit = config.coordinator.max_restarts if max_restarts is None else max_restarts
         self._max_restarts = int(limit)
         self._token_given = token
-        self._devices_per_process = devices_per_process
         self._opened = False
         self.workers: dict[int, SliceProcesses] = {}
         self.adopted: list[int] = []
-        self._standby_enabled = bool(config.elastic.standby)
         self.standby: SliceProcesses | None = None
         self._standby_at: float | None = None  # when to start the next standby
         # the slice given to the last standby, its pid, when
@@ -126,120 +128,132 @@ class ElasticSupervisor(SupervisorCore):
         self._reconnected = False
         self._restart_at: dict[int, float] = {}
         self._done: set[int] = set()
+        self._next_launch = 0
         self._replacements = 0
         self._failures = 0  # slices' and standbys' non-zero exits
         self._stopping = False  # a stop was requested: nothing is replaced any more
 
     def open(self) -> ElasticSupervisor:
         """Reads what a supervisor before this one left in the workdir and listens for the
-        slices (`run` opens it when nobody did). Raises `TakeoverError` for slices running with
-        another token and `OSError` when the job's quorum address is taken; nothing stays open."""
+        slices' quorum clients (`run` opens it when nobody did; `run` starts the agents). Raises
+        `local_hosts.ForeignAgent` (a ValueError) for an agent left running with another run
+        token and `OSError` when the job's quorum address is taken; nothing stays open."""
         if self._opened:
             return self
         given = self._token_given
         self._token = given or agent_protocol.read_token(os.environ) or secrets.token_hex(16)
         os.makedirs(self._workdir, exist_ok=True)
         self._events = EventLog(self._workdir, process="supervisor", source="supervisor")
-        # A job whose supervisor died: its running slices are taken over, on the same address.
         self._previous = elastic_state.read_state(self._workdir)
-        self._adoptable = self._previous.running() if self._previous else {}
-        self._refuse_foreign_takeover()
-        self.quorum = self._quorum_server()
+        if self._previous and self._previous.token_sha256 != elastic_state.token_digest(
+            self._token
+        ):
+            self._previous = None  # another job's: its agents, if alive, are refused below
+        self._plane = HostPlane(
+            self._config,
+            self._cluster,
+            self._workdir,
+            list(range(self._cluster.num_slices + self._cluster.spare_slices)),
+            "local",
+            None,
+            self._events,
+            self._sink,
+            self._say,
+            token=self._token,
+        )
         try:
-            self._env = self._slice_env(self._devices_per_process)
-            self._standby_idle = self._standby_enabled and _idle_cpu_usable(self._config, self._say)
+            # A job whose supervisor died: its agents' slices reconnect to the same address.
+            survivors = self._plane.survivors()  # raises ForeignAgent: another token's
+            takeover = self._previous is not None and bool(survivors)
+            # Where the slices it takes over reconnect, else a free loopback port.
+            address = self._previous.address if takeover and self._previous else "127.0.0.1:0"
+            self.quorum = QuorumServer.for_job(
+                self._config, self._token, address, RefusalReports(self._events, self._say)
+            )
+            self._standby_idle = self._standby_enabled and standby_cpu.idle_usable(
+                bool(self._config.elastic.standby_idle_cpu), "the standby", self._say
+            )
         except BaseException:
-            self.quorum.close()
+            self._plane.hosts.close()  # its registry's thread runs from its construction
             raise
         self._listening_since = time.monotonic()
         self._opened = True
         return self
 
-    def _refuse_foreign_takeover(self) -> None:
-        """Raises TakeoverError when the slices to take over run with another run token."""
-        if not self._adoptable:
-            return
-        assert self._previous is not None
-        if self._previous.token_sha256 != elastic_state.token_digest(self._token):
-            raise TakeoverError(
-                f"slices {sorted(self._adoptable)} of {self._workdir} run with another run token: "
-                "start the supervisor again with the job's RJ_RUN_TOKEN or RJ_RUN_TOKEN_FILE"
-            )
+    def _free_host(self, preferred: int | None = None) -> int | None:
+        """A ready host running no slice and no standby (`preferred` if it is one)."""
+        busy = {w.host_slice for w in [*self.workers.values(), self.standby] if w is not None}
+        free = sorted(self._plane.ready_slices() - busy)
+        if preferred in free:
+            return preferred
+        return free[0] if free else None
 
-    def _quorum_server(self) -> QuorumServer:
-        """The slices' quorum server, listening on the address of the slices it takes over (they
-        reconnect there), else on a free loopback port."""
-        host, port = "127.0.0.1", 0
-        if self._adoptable:
-            assert self._previous is not None
-            host, port = protocol.split_address(self._previous.address)
-        refusals = RefusalReports(self._events, self._say)
-        config = self._config
-        return QuorumServer(
-            self._token,
-            host,
-            port,
-            join_timeout_s=float(config.elastic.join_timeout_s),
-            expected=self._slices,
-            # the first quorum waits for every slice to have started (or this long)
-            settle_s=float(config.coordinator.startup_timeout_s),
-            guard=PortGuard.reporting_to(
-                refusals, ConnectionLimits.from_config(config.coordinator)
-            ),
+    def _launch(self, slice_id: int, workdir: str, role: dict[str, str]) -> SliceProcesses | None:
+        """The slice's (or standby's) processes started on a free host, None when there is none.
+        Raises OSError when the agent cannot start them."""
+        host_slice = self._free_host(preferred=slice_id if slice_id >= 0 else None)
+        if host_slice is None:
+            return None
+        os.makedirs(workdir, exist_ok=True)
+        launch, self._next_launch = self._next_launch, self._next_launch + 1
+        return start_slice(
+            self._plane.hosts,
+            host_slice,
+            launch,
+            self._argv_for(slice_id, workdir),
+            workdir,
+            {env_vars.QUORUM_ADDRESS: self.quorum.address, **role},
+            self._cluster.processes_per_slice,
+            self._cluster.devices_per_process,
+            self._cwd,
+            # One executable cache for the job's slices (they compile the same programs for the
+            # same local devices): a replacement loads its steps instead of compiling them.
+            compile_cache.cache_env(self._config.coordinator, self._workdir),
         )
 
-    def _slice_env(self, devices_per_process: int) -> dict[str, str]:
-        """The environment every process of every slice (and the standby) starts with."""
-        # One executable cache for the job's slices (they compile the same programs for the
-        # same local devices): a replacement loads its steps instead of compiling them.
-        cache = compile_cache.cache_env(self._config.coordinator, self._workdir)
-        env = shared_env(os.environ, "", os.getpid(), self._token, devices_per_process, cache)
-        env.pop(env_vars.SUPERVISOR_ADDRESS, None)  # no heartbeats: the quorum server sees them
-        env.pop(env_vars.SUPERVISOR_PID, None)  # a slice outlives this process
-        env[env_vars.QUORUM_ADDRESS] = self.quorum.address
-        return env
-
-    def start_slice(self, slice_id: int) -> None:
+    def start_slice(self, slice_id: int) -> bool:
+        """Starts slice `slice_id` on a free host; False when no host is free."""
         workdir = slice_workdir(self._workdir, slice_id)
-        worker = self._spawn(slice_id, workdir, {env_vars.ELASTIC_SLICE: str(slice_id)})
+        worker = self._launch(slice_id, workdir, {env_vars.ELASTIC_SLICE: str(slice_id)})
+        if worker is None:
+            return False
         self.workers[slice_id] = worker
         self._save_state()
         self._events.emit(
-            EventType.ELASTIC_SLICE_START, slice=slice_id, pid=worker.pid, **_pids(worker)
+            EventType.ELASTIC_SLICE_START,
+            slice=slice_id,
+            pid=worker.pid,
+            host=worker.host,
+            **pids_field(worker),
         )
-        self._say(f"slice {slice_id} started ({_describe(worker)}, output in {workdir}/output.log)")
+        self._say(
+            f"slice {slice_id} started on {worker.host} ({worker.describe()}, "
+            f"output in {workdir}/output.log)"
+        )
+        return True
 
     def start_standby(self) -> None:
+        """Starts the standby on a free host (or tries again after the restart delay)."""
         self._standby_at = None
         workdir = standby_workdir(self._workdir)
-        self.standby = self._spawn(STANDBY, workdir, {env_vars.ELASTIC_STANDBY: "1"})
-        if self._standby_idle:  # before their first threads: every thread they make inherits it
+        self.standby = self._launch(STANDBY, workdir, {env_vars.ELASTIC_STANDBY: "1"})
+        if self.standby is None:
+            self._standby_at = time.monotonic() + self._restart_delay_s
+            return
+        if self._standby_idle:  # its agent is on this machine
             for pid in self.standby.pids:
                 standby_cpu.lower(pid)
         self._save_state()
         self._events.emit(
-            EventType.ELASTIC_STANDBY_START, pid=self.standby.pid, **_pids(self.standby)
+            EventType.ELASTIC_STANDBY_START,
+            pid=self.standby.pid,
+            host=self.standby.host,
+            **pids_field(self.standby),
         )
-        self._say(f"standby started ({_describe(self.standby)}, output in {workdir}/output.log)")
-
-    def _spawn(self, slice_id: int, workdir: str, extra_env: dict[str, str]) -> SliceProcesses:
-        """The slice's processes, started together (with their own JAX coordinator if several)."""
-        os.makedirs(workdir, exist_ok=True)
-        members = []
-        for process, place in enumerate(runtime_env(self._processes)):
-            with open(os.path.join(workdir, output_file(process)), "ab") as log:
-                members.append(
-                    subprocess.Popen(
-                        list(self._argv_for(slice_id, workdir)),
-                        env={**self._env, **extra_env, **place},
-                        cwd=self._cwd,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,  # ended by PID with its children
-                    )
-                )
-        return SliceProcesses(members)
+        self._say(
+            f"standby started on {self.standby.host} ({self.standby.describe()}, "
+            f"output in {workdir}/output.log)"
+        )
 
     # The run (`supervisor_core`).
 
@@ -249,29 +263,51 @@ class ElasticSupervisor(SupervisorCore):
         except OSError as e:  # the job's quorum address is taken (its supervisor still runs?)
             reason = f"cannot listen for the slices' quorum clients: {e}"
             raise Refused(ExitCode.FAILED, reason) from e
-        except ValueError as e:  # another run token, or a bad one
+        except ValueError as e:  # another run token's agent, or a bad token
             raise Refused(ExitCode.BAD_INPUT, str(e)) from e
 
     def _supervise(self, deadline: float | None) -> SupervisorResult:
-        self._take_over()
-        for slice_id in range(self._slices):
-            if slice_id in self.workers or slice_id in self._done:
-                continue
-            if self._standby_ready():  # an adopted standby: a slice lost meanwhile
-                self._replacements += 1
-                self._assign_standby(slice_id)
-            else:
-                self.start_slice(slice_id)
-        if self._standby_enabled and self.standby is None and not self._done:
-            self.start_standby()
-        return self._watch(deadline)
+        try:
+            self._plane.open()
+        except ForeignAgent as e:  # one that survived since `open` looked
+            raise Refused(ExitCode.BAD_INPUT, str(e)) from e
+        except (OSError, ValueError) as e:
+            raise Refused(ExitCode.BAD_INPUT, f"cannot listen: {e}") from e
+        reason = attach.await_hosts(
+            self._plane.hosts,
+            list(range(self._cluster.num_slices + self._cluster.spare_slices)),
+            self._cluster.processes_per_slice,
+            float(self._config.coordinator.startup_timeout_s),
+            self._slices,  # the standby's host may come later
+            self._stop.sleep,
+            self._plane.tick,
+        )
+        if reason:
+            return self._finish(ExitCode.FAILED, reason)
+        try:
+            self._take_over()
+            for slice_id in range(self._slices):
+                if slice_id in self.workers or slice_id in self._done:
+                    continue
+                if self._standby_ready():  # an adopted standby: a slice lost meanwhile
+                    self._replacements += 1
+                    self._assign_standby(slice_id)
+                elif not self.start_slice(slice_id):
+                    self._restart_at[slice_id] = time.monotonic() + self._restart_delay_s
+            if self._standby_enabled and self.standby is None and not self._done:
+                self.start_standby()
+            return self._watch(deadline)
+        except OSError as e:  # the worker command cannot start (missing file, permissions)
+            raise Refused(ExitCode.BAD_INPUT, f"cannot start slices: {e}") from e
 
     def _end(self, reason: str) -> None:
-        pass  # its slices are ended by `_close`, which follows every verdict (ended once, by pid)
+        self._stop_all()
+        self._plane.end(reason)  # the agents leave
 
     def _close(self) -> None:
         self._stop_all()
         self.quorum.close()
+        self._plane.close()
 
     def _stop_fields(self) -> dict[str, Any]:
         return {"failures": self._failures, "replacements": self._replacements}
@@ -292,8 +328,11 @@ class ElasticSupervisor(SupervisorCore):
             for slice_id, when in list(self._restart_at.items()):
                 if now >= when:
                     del self._restart_at[slice_id]
-                    self._replacements += 1
-                    self.start_slice(slice_id)
+                    if self.start_slice(slice_id):
+                        self._replacements += 1
+                    else:  # no free host yet
+                        self._restart_at[slice_id] = now + self._restart_delay_s
+            self._say_lost_hosts()
             stopped = self._watch_standby(now)
             if stopped is not None:
                 return stopped
@@ -373,9 +412,6 @@ class ElasticSupervisor(SupervisorCore):
         worker, self.standby = self.standby, None
         assert worker is not None
         self.workers[slice_id] = worker
-        for member in worker.members:
-            if isinstance(member, elastic_state.AdoptedWorker):  # its `stop` event goes there now
-                member.workdir = slice_workdir(self._workdir, slice_id)
         self._save_state()  # first: a supervisor restarted from here on knows it as the slice
         raised = 0
         for pid in worker.pids:  # every process of the standby becomes this slice's
@@ -386,10 +422,10 @@ class ElasticSupervisor(SupervisorCore):
             slice=slice_id,
             pid=worker.pid,
             standby=True,
-            **_pids(worker),
+            **pids_field(worker),
             threads_raised=raised,
         )
-        self._say(f"slice {slice_id} given to the standby ({_describe(worker)})")
+        self._say(f"slice {slice_id} given to the standby ({worker.describe()})")
         # The next standby starts once this one has joined (its start-up would take CPU from the
         # join on a shared host), or at the latest after STANDBY_AFTER_S.
         self._joining = (slice_id, worker.pid, time.monotonic())
@@ -463,46 +499,60 @@ class ElasticSupervisor(SupervisorCore):
             self._say(f"slice {slice_id} stopped: the run finished before it joined")
 
     def _take_over(self) -> None:
-        """Adopts the slices of an earlier supervisor of this job still running; one that
-        finished the run (its worker's `stop` event says exit 0) stays done."""
-        standby = self._previous.standby_running() if self._previous else None
-        ours = self._previous is not None and self._previous.token_sha256 == (
-            elastic_state.token_digest(self._token)
-        )
-        if standby is not None and not self._adoptable and ours:
-            # Its slices are gone: the job starts afresh, on another quorum address it cannot
-            # reach. Ended (this job's, by its recorded pids and start times).
-            for record in standby:
-                if elastic_state.start_time(record.pid) == record.started:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(record.pid, signal.SIGKILL)
-        if not self._adoptable:
+        """Adopts what an earlier supervisor of this job left running, as the agents registered
+        it: each slice's launch and the standby's. A slice whose every process exited 0 finished
+        the run; one with a failed process is adopted all the same, then lost and replaced."""
+        previous = self._previous
+        hosts = self._plane.hosts
+        self._next_launch = max([0, *(g + 1 for g in hosts.generations_reported())])
+        if previous is None:
             self._save_state()
             return
-        assert self._previous is not None
-        self._done.update(self._previous.done)
-        if standby is not None:
-            self.standby = elastic_state.adopt(standby, standby_workdir(self._workdir))
-            self._events.emit(
-                EventType.ELASTIC_STANDBY_START,
-                pid=self.standby.pid,
-                adopted=True,
-                **_pids(self.standby),
-            )
-            self._say(f"standby adopted ({_describe(self.standby)}, still running)")
-        for slice_id, records in sorted(self._previous.slices.items()):
-            slice_dir = slice_workdir(self._workdir, slice_id)
-            if slice_id in self._adoptable:
-                worker = elastic_state.adopt(records, slice_dir)
-                self.workers[slice_id] = worker
-                self.adopted.append(slice_id)
+        self._next_launch = max(self._next_launch, previous.launches())
+        self._done.update(previous.done)
+        if previous.standby is not None:
+            standby = self._adopt(previous.standby)
+            if standby is not None and standby.poll() is None:
+                self.standby = standby
                 self._events.emit(
-                    EventType.ELASTIC_SLICE_ADOPTED, slice=slice_id, pid=worker.pid, **_pids(worker)
+                    EventType.ELASTIC_STANDBY_START,
+                    pid=standby.pid,
+                    host=standby.host,
+                    adopted=True,
+                    **pids_field(standby),
                 )
-                self._say(f"slice {slice_id} adopted ({_describe(worker)}, still running)")
-            elif elastic_state.finished(records, slice_dir):
+                self._say(f"standby adopted ({standby.describe()}, still running)")
+        for slice_id, launch in sorted(previous.slices.items()):
+            worker = self._adopt(launch)
+            if worker is None:
+                continue  # its agent is gone: started afresh
+            if all(m.poll() == 0 for m in worker.members):
                 self._done.add(slice_id)
+                continue
+            self.workers[slice_id] = worker
+            self.adopted.append(slice_id)
+            self._events.emit(
+                EventType.ELASTIC_SLICE_ADOPTED,
+                slice=slice_id,
+                pid=worker.pid,
+                host=worker.host,
+                **pids_field(worker),
+            )
+            self._say(f"slice {slice_id} adopted ({worker.describe()}, still running)")
         self._save_state()
+
+    def _adopt(self, launch: int) -> SliceProcesses | None:
+        """The processes of `launch` the agents registered, None when none did."""
+        hosts = self._plane.hosts
+        reported = hosts.reported(launch)
+        if not reported:
+            return None
+        return SliceProcesses(hosts.adopt(launch, reported), launch)
+
+    def _say_lost_hosts(self) -> None:
+        """Says which hosts were found lost (their slices' processes count as gone)."""
+        for record, cause, silent_s in self._plane.hosts.newly_lost():
+            self._say(f"host {record.name} lost: {cause} for {silent_s:.2f}s")
 
     def _report_reconnected(self) -> None:
         self._reconnected = True
@@ -524,38 +574,16 @@ class ElasticSupervisor(SupervisorCore):
                 address=self.quorum.address,
                 supervisor_pid=os.getpid(),
                 token_sha256=elastic_state.token_digest(self._token),
-                slices=elastic_state.slice_records(self.workers),
+                slices={s: w.launch for s, w in self.workers.items() if w.returncode is None},
                 done=sorted(self._done),
-                standby=elastic_state.process_records(self.standby),
+                standby=None if self.standby is None else self.standby.launch,
+                next_launch=self._next_launch,
             ),
         )
 
     def _stop_all(self) -> None:
+        """Ends every slice and the standby still running (through their agents)."""
         workers = list(self.workers.values()) + ([self.standby] if self.standby else [])
         for worker in workers:
-            worker.kill()
-
-
-def _pids(worker: SliceProcesses) -> dict[str, list[int]]:
-    """An event's `pids` field for a slice of several processes (none for one)."""
-    return {"pids": worker.pids} if len(worker.members) > 1 else {}
-
-
-def _describe(worker: SliceProcesses) -> str:
-    if len(worker.members) == 1:
-        return f"pid {worker.pid}"
-    return "pids " + ", ".join(str(pid) for pid in worker.pids)
-
-
-def _idle_cpu_usable(config: ml_collections.ConfigDict, say: Callable[[str], None]) -> bool:
-    """Whether the standby runs under SCHED_IDLE until it is given a slice (`standby_cpu`):
-    `elastic.standby_idle_cpu`, where this process may raise its threads back."""
-    if not config.elastic.standby_idle_cpu:
-        return False
-    if standby_cpu.raising_permitted():
-        return True
-    say(
-        "the standby starts at normal CPU priority: this process may not raise a thread out of "
-        "SCHED_IDLE (needs CAP_SYS_NICE or RLIMIT_NICE 20, on Linux)"
-    )
-    return False
+            if worker.returncode is None:
+                worker.kill()

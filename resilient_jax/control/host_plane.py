@@ -47,6 +47,7 @@ class HostPlane:
         events: EventLog,
         sink: processes.OutputSink,
         say: Callable[[str], None],
+        token: str | None = None,
     ) -> None:
         self._config = config
         self._c = config.coordinator
@@ -55,7 +56,7 @@ class HostPlane:
         self._listen = listen
         self._events = events
         self._say = say
-        self.token = ap.read_token(os.environ) or secrets.token_hex(16)
+        self.token = token or ap.read_token(os.environ) or secrets.token_hex(16)
         self.hosts = HostRegistry(events, say, self._welcome(), float(self._c.agent_timeout_s))
         self._local = None
         if host_agents == "local":
@@ -68,6 +69,11 @@ class HostPlane:
                 sink,
             )
         self.server: HeartbeatServer | None = None
+
+    def survivors(self) -> dict[int, int]:
+        """Slice -> pid of each local agent an earlier supervisor left running ({} with external
+        agents). Raises `local_hosts.ForeignAgent` when one answers to another run token."""
+        return self._local.survivors() if self._local is not None else {}
 
     def open(self) -> None:
         """Listens, says where in supervisor.json, starts local agents for hosts whose agent is

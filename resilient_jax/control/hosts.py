@@ -367,16 +367,41 @@ class HostRegistry:
     def adopt(
         self, generation: int, processes: Sequence[tuple[str, int, int]]
     ) -> list[RemoteWorker]:
-        """RemoteWorkers for running workers a previous supervisor started: (host, process, pid)."""
+        """RemoteWorkers for workers a previous supervisor started: (host, process, pid); one its
+        agent saw exit has the exit code the agent registered."""
         adopted = []
         with self._lock:
             for host, process, pid in processes:
-                slice_id = self._hosts[host].slice
-                worker = RemoteWorker(process, slice_id, generation, host, self._clock(), self)
+                record = self._hosts[host]
+                worker = RemoteWorker(process, record.slice, generation, host, self._clock(), self)
                 worker.pid = pid
+                worker.exit_code = record.reported.get((generation, process), (pid, None))[1]
                 self._workers[(generation, process)] = worker
                 adopted.append(worker)
         return adopted
+
+    def reported(self, generation: int) -> list[tuple[str, int, int]]:
+        """The workers of `generation` the connected agents registered, running or exited:
+        (host, process, pid), by process."""
+        with self._lock:
+            found = [
+                (record.name, p, pid)
+                for record in self._hosts.values()
+                if not record.lost and record.conn is not None
+                for (g, p), (pid, _) in record.reported.items()
+                if g == generation and pid is not None
+            ]
+        return sorted(found, key=lambda r: r[1])
+
+    def generations_reported(self) -> set[int]:
+        """Every generation of which a connected agent registered a worker."""
+        with self._lock:
+            return {
+                g
+                for record in self._hosts.values()
+                if not record.lost and record.conn is not None
+                for g, _ in record.reported
+            }
 
     def running_reported(self) -> dict[int, list[tuple[str, int, int]]]:
         """Running workers the agents registered, by generation: (host, process, pid)."""

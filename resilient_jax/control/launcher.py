@@ -21,6 +21,26 @@ from resilient_jax.control.worker_env import free_port, placement_env
 from resilient_jax.events import EventLog
 
 
+def worker_places(
+    hosts: HostRegistry, slices: Sequence[int], processes_per_slice: int
+) -> list[tuple[int, int, HostRecord]]:
+    """(process, slice, host) of every worker of a job on `slices`: each slice's processes on its
+    admitted hosts in name order, as many on each as it has slots. Raises OSError when a slice's
+    hosts have too few slots."""
+    places = []
+    for index, slice_id in enumerate(slices):
+        free = [(h, h.slots) for h in hosts.hosts_for(slice_id)]
+        for local in range(processes_per_slice):
+            while free and free[0][1] == 0:
+                free.pop(0)
+            if not free:
+                raise OSError(f"slice {slice_id} has too few worker slots on its hosts")
+            host, left = free[0]
+            free[0] = (host, left - 1)
+            places.append((index * processes_per_slice + local, slice_id, host))
+    return places
+
+
 class WorkerLauncher:
     """Starts `worker_argv` as the workers of each generation through the hosts' agents."""
 
@@ -56,7 +76,7 @@ class WorkerLauncher:
         the slice's hosts in name order, as many as each has slots) and writes a `process_start`
         event for each. Raises OSError when a start fails."""
         num_processes = len(slices) * processes_per_slice
-        places = self._places(slices, processes_per_slice)
+        places = worker_places(self._hosts, slices, processes_per_slice)
         coordinator = places[0][2].address
         port = free_port()
         workers: list[RemoteWorker] = []
@@ -86,25 +106,6 @@ class WorkerLauncher:
                 standby=worker.from_standby,
             )
         return workers
-
-    def _places(
-        self, slices: Sequence[int], processes_per_slice: int
-    ) -> list[tuple[int, int, HostRecord]]:
-        """(process, slice, host) of every worker of a generation on `slices`: each slice's
-        processes on its hosts in name order, as many on each as it has slots. Raises OSError when
-        a slice's hosts have too few slots."""
-        places = []
-        for index, slice_id in enumerate(slices):
-            free = [(h, h.slots) for h in self._hosts.hosts_for(slice_id)]
-            for local in range(processes_per_slice):
-                while free and free[0][1] == 0:
-                    free.pop(0)
-                if not free:
-                    raise OSError(f"slice {slice_id} has too few worker slots on its hosts")
-                host, left = free[0]
-                free[0] = (host, left - 1)
-                places.append((index * processes_per_slice + local, slice_id, host))
-        return places
 
     def _command(
         self,

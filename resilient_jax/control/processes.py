@@ -32,7 +32,7 @@ class WorkerProcess:
     generation: int
     popen: subprocess.Popen[bytes]
     started_at: float  # supervisor clock
-    reader: threading.Thread
+    reader: threading.Thread | None  # pumps its output into a sink (None: it writes to a file)
     exit_code: int | None = None  # Popen convention: -N = killed by signal N
 
     @property
@@ -54,7 +54,8 @@ class WorkerProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=timeout)
         self.poll()
-        self.reader.join(timeout=1.0)
+        if self.reader is not None:
+            self.reader.join(timeout=1.0)
 
     def signal(self, signum: int, group: bool = False) -> None:
         """Sends `signum` to the worker (or its whole process group); a gone process is fine."""
@@ -122,9 +123,25 @@ def spawn(
     generation: int,
     clock: Callable[[], float] = time.monotonic,
     cwd: str | None = None,
+    output: str | None = None,
 ) -> WorkerProcess:
-    popen, reader = _start(argv, env, cwd, subprocess.DEVNULL, sink, lambda: prefix)
-    return WorkerProcess(process, slice_id, generation, popen, clock(), reader)
+    """Starts a worker, its output into `sink` under `prefix`, or appended to the file `output`
+    (an elastic slice's: no pipe through the agent, whose output mixes every worker's)."""
+    if output is None:
+        popen, reader = _start(argv, env, cwd, subprocess.DEVNULL, sink, lambda: prefix)
+        return WorkerProcess(process, slice_id, generation, popen, clock(), reader)
+    os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+    with open(output, "ab") as log:
+        popen = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # ended by PID with its children
+        )
+    return WorkerProcess(process, slice_id, generation, popen, clock(), None)
 
 
 @dataclasses.dataclass

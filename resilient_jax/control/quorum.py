@@ -39,11 +39,14 @@ import threading
 import time
 from typing import Any
 
+import ml_collections
+
 from resilient_jax.config import default_config
 from resilient_jax.contracts import env_vars
 from resilient_jax.control import protocol, wire
-from resilient_jax.control.line_server import LineServer, PortGuard
+from resilient_jax.control.line_server import ConnectionLimits, LineServer, PortGuard
 from resilient_jax.control.quorum_protocol import QuorumAnswer, QuorumRequest, StandbyReady
+from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.standby import Role
 
 
@@ -91,6 +94,26 @@ class QuorumServer(LineServer):
         self._lock = threading.Lock()
         self.decided: list[dict[str, Any]] = []  # every quorum sent: time, id, slices, steps
         self._start()
+
+    @classmethod
+    def for_job(
+        cls, config: ml_collections.ConfigDict, token: str, address: str, refusals: RefusalReports
+    ) -> QuorumServer:
+        """The quorum server of an elastic job of `config` on `address` (host:port, port 0: a
+        free one), its port held to `coordinator.*`'s limits."""
+        host, port = protocol.split_address(address)
+        return cls(
+            token,
+            host,
+            port,
+            join_timeout_s=float(config.elastic.join_timeout_s),
+            expected=int(config.elastic.slices),
+            # the first quorum waits for every slice to have started (or this long)
+            settle_s=float(config.coordinator.startup_timeout_s),
+            guard=PortGuard.reporting_to(
+                refusals, ConnectionLimits.from_config(config.coordinator)
+            ),
+        )
 
     def connected_slices(self) -> list[int]:
         with self._lock:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 MAX_PASSES = 10  # passes over a process's threads; each finds only threads created meanwhile
 LOWEST_NICE = 19
@@ -176,3 +177,17 @@ def raising_permitted() -> bool:
     thread.start()
     thread.join()
     return permitted == [True]
+
+
+def idle_usable(wanted: bool, who: str, say: Callable[[str], None]) -> bool:
+    """Whether `who` waits under SCHED_IDLE: when `wanted` and this process may raise its
+    threads back (a standby left idle would starve the job it joins); says why not otherwise."""
+    if not wanted:
+        return False
+    if raising_permitted():
+        return True
+    say(
+        f"{who} starts at normal CPU priority: this process may not raise a thread out of "
+        "SCHED_IDLE (needs CAP_SYS_NICE or RLIMIT_NICE 20, on Linux)"
+    )
+    return False

@@ -5,9 +5,12 @@ Two strategies run on this core:
 - the restart policy (`supervisor.Supervisor`): all workers of a generation started through the
   hosts' agents; after a failure every worker stops and a new generation starts on the slices
   left (or on the same ones, or on more);
-- the elastic quorum (`elastic.ElasticSupervisor`): each slice a JAX job of its own on this
-  machine; a failed slice is replaced (from a warm standby where one is ready) while the others
-  train on.
+- the elastic quorum (`elastic.ElasticSupervisor`): each slice a JAX job of its own; a failed
+  slice is replaced (from a warm standby where one is ready) while the others train on.
+
+Both start their workers through the hosts' agents (`host_plane`, `hosts`: the same listener,
+registry, commands and takeover after a supervisor's restart); the restart policy numbers its
+starts by generation, elastic mode each slice's start (a launch) on its own.
 
 Either one, through `run`:
 1. is constructed without I/O, then `open`s: reads what an earlier supervisor left in the
