@@ -44,7 +44,6 @@ from resilient_jax.contracts.event_types import EventType
 from resilient_jax.contracts.exit_codes import PREEMPTED_STATUSES, ExitCode
 from resilient_jax.control import (
     agent_protocol,
-    attach,
     compile_cache,
     elastic_state,
     processes,
@@ -53,7 +52,6 @@ from resilient_jax.control import (
 from resilient_jax.control.cluster import ClusterSpec
 from resilient_jax.control.elastic_slice import SliceProcesses, pids_field, start_slice
 from resilient_jax.control.host_plane import HostPlane
-from resilient_jax.control.local_hosts import ForeignAgent
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.refusals import RefusalReports
 from resilient_jax.control.run_result import SupervisorResult
@@ -267,20 +265,11 @@ class ElasticSupervisor(SupervisorCore):
             raise Refused(ExitCode.BAD_INPUT, str(e)) from e
 
     def _supervise(self, deadline: float | None) -> SupervisorResult:
-        try:
-            self._plane.open()
-        except ForeignAgent as e:  # one that survived since `open` looked
-            raise Refused(ExitCode.BAD_INPUT, str(e)) from e
-        except (OSError, ValueError) as e:
-            raise Refused(ExitCode.BAD_INPUT, f"cannot listen: {e}") from e
-        reason = attach.await_hosts(
-            self._plane.hosts,
+        reason = self._open_hosts(
             list(range(self._cluster.num_slices + self._cluster.spare_slices)),
             self._cluster.processes_per_slice,
             float(self._config.coordinator.startup_timeout_s),
             self._slices,  # the standby's host may come later
-            self._stop.sleep,
-            self._plane.tick,
         )
         if reason:
             return self._finish(ExitCode.FAILED, reason)
@@ -302,12 +291,10 @@ class ElasticSupervisor(SupervisorCore):
 
     def _end(self, reason: str) -> None:
         self._stop_all()
-        self._plane.end(reason)  # the agents leave
 
     def _close(self) -> None:
         self._stop_all()
         self.quorum.close()
-        self._plane.close()
 
     def _stop_fields(self) -> dict[str, Any]:
         return {"failures": self._failures, "replacements": self._replacements}

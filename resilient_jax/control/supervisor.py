@@ -39,7 +39,6 @@ from resilient_jax.control.generation import (
 )
 from resilient_jax.control.host_plane import HOST_AGENTS, HostPlane
 from resilient_jax.control.launcher import WorkerLauncher
-from resilient_jax.control.local_hosts import ForeignAgent
 from resilient_jax.control.reconfigure import Reconfigurer
 from resilient_jax.control.restart_policy import RestartPolicy, SlicePool, straggler_eviction_pays
 from resilient_jax.control.run_result import SupervisorResult
@@ -98,9 +97,8 @@ class Supervisor(SupervisorCore):
         try:
             self._open()
         except (OSError, ValueError) as e:  # a bad token, say: no worker or agent started yet
-            plane = getattr(self, "_plane", None)
-            if plane is not None:  # its host registry's thread runs from its construction
-                plane.hosts.close()
+            if self._plane is not None:  # its host registry's thread runs from its construction
+                self._plane.hosts.close()
             raise Refused(ExitCode.BAD_INPUT, str(e)) from e
 
     def _open(self) -> None:
@@ -149,12 +147,6 @@ class Supervisor(SupervisorCore):
 
     def _supervise(self, deadline: float | None) -> SupervisorResult:
         try:
-            self._plane.open()
-        except ForeignAgent as e:  # a surviving agent answers to another run token
-            raise Refused(ExitCode.BAD_INPUT, str(e)) from e
-        except (OSError, ValueError) as e:
-            raise Refused(ExitCode.BAD_INPUT, f"cannot listen: {e}") from e
-        try:
             return self._generations(deadline)
         except OSError as e:  # the worker command cannot start (missing file, permissions)
             raise Refused(ExitCode.BAD_INPUT, f"cannot start workers: {e}") from e
@@ -167,14 +159,11 @@ class Supervisor(SupervisorCore):
         history = attach.read_history(self._workdir)
         for step in history.failure_steps:  # a restarted supervisor keeps the run's budget
             self._policy.record_failure(step)
-        reason = attach.await_hosts(
-            self._hosts,
+        reason = self._open_hosts(
             self._pool.all_slices,
             self._cluster.processes_per_slice,
             float(self._c.startup_timeout_s),
             int(self._c.min_slices),
-            self._stop.sleep,
-            self._plane.tick,
         )
         if reason:
             return self._finish(ExitCode.FAILED, reason)
@@ -570,12 +559,10 @@ class Supervisor(SupervisorCore):
 
     def _end(self, reason: str) -> None:
         self._stop_workers(0.0)
-        self._plane.end(reason)
 
     def _close(self) -> None:
         processes.stop(self._gen.workers, grace_s=0.0)
         self._launcher.close()
-        self._plane.close()
 
     def _stop_fields(self) -> dict[str, Any]:
         gen = self._gen

@@ -14,13 +14,15 @@ starts by generation, elastic mode each slice's start (a launch) on its own.
 
 Either one, through `run`:
 1. is constructed without I/O, then `open`s: reads what an earlier supervisor left in the
-   workdir, the run token, and listens. A run that cannot start raises `Refused` (an exit code,
-   one line): nothing started, nothing to end, and no event log to write to;
+   workdir, the run token, and makes its `HostPlane`. A run that cannot start raises `Refused`
+   (an exit code, one line): nothing started, nothing to end, and no event log to write to;
 2. routes SIGINT and SIGTERM to its `StopRequests` for the run (main thread only): the workers
    save and stop, and nothing replaces them;
-3. `_supervise`s until a verdict, which `_finish` gives: the workers stopped (`_end`), one `stop`
-   event, one `stop (exit N): reason` line, one `SupervisorResult`;
-4. `_close`s what `open` opened, however the run ended.
+3. `_supervise`s until a verdict: first `_open_hosts` (listen, start the local agents, wait for
+   the hosts to be admitted), then its own way of keeping the job training. `_finish` gives the
+   verdict: the workers stopped (`_end`), the agents told to leave, one `stop` event, one
+   `stop (exit N): reason` line, one `SupervisorResult`;
+4. `_close`s what `open` opened, the hosts' plane last, however the run ended.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ import time
 from typing import IO, Any, ClassVar
 
 from resilient_jax.contracts.event_types import EventType
+from resilient_jax.contracts.exit_codes import ExitCode
+from resilient_jax.control import attach
+from resilient_jax.control.host_plane import HostPlane
+from resilient_jax.control.local_hosts import ForeignAgent
 from resilient_jax.control.processes import OutputSink
 from resilient_jax.control.run_result import SupervisorResult
 from resilient_jax.control.stop_requests import StopRequests
@@ -55,6 +61,7 @@ class SupervisorCore(abc.ABC):
         self._sink = OutputSink(out if out is not None else sys.stdout)
         self._stop = StopRequests(poll_s)
         self._events: EventLog | None = None  # set by `open`
+        self._plane: HostPlane | None = None  # the hosts' agents, made by `open`
         self._start_time = 0.0
 
     def request_stop(self, signum: int) -> None:
@@ -77,13 +84,43 @@ class SupervisorCore(abc.ABC):
             except Refused as e:
                 return self._finish(e.exit_code, e.reason)
             finally:
-                self._close()
+                try:
+                    self._close()
+                finally:
+                    if self._plane is not None:  # its agents end what is left of the workers
+                        self._plane.close()
         finally:
             restore_handlers()  # even if closing failed: no signal may reach a run that ended
+
+    def _open_hosts(
+        self, slices: list[int], processes_per_slice: int, timeout_s: float, enough: int
+    ) -> str | None:
+        """Listens for the hosts' agents, starts the local ones, and waits until every slice of
+        `slices` has admitted hosts, or `timeout_s` passed with `enough` of them: None when the
+        run can start, else why not. Raises `Refused` when it cannot listen, or a surviving agent
+        answers to another run token."""
+        assert self._plane is not None
+        try:
+            self._plane.open()
+        except ForeignAgent as e:
+            raise Refused(ExitCode.BAD_INPUT, str(e)) from e
+        except (OSError, ValueError) as e:
+            raise Refused(ExitCode.BAD_INPUT, f"cannot listen: {e}") from e
+        return attach.await_hosts(
+            self._plane.hosts,
+            slices,
+            processes_per_slice,
+            timeout_s,
+            enough,
+            self._stop.sleep,
+            self._plane.tick,
+        )
 
     def _finish(self, exit_code: int, reason: str) -> SupervisorResult:
         """The run's verdict: its workers stopped, its `stop` event and line, its result."""
         self._end(reason)
+        if self._plane is not None:
+            self._plane.end(reason)  # the agents leave
         assert self._events is not None
         self._events.emit(EventType.STOP, reason=reason, exit_code=exit_code, **self._stop_fields())
         self._say(f"stop (exit {int(exit_code)}): {reason}")
@@ -110,7 +147,8 @@ class SupervisorCore(abc.ABC):
 
     @abc.abstractmethod
     def _close(self) -> None:
-        """Closes what `_open_for_run` opened and ends anything still running."""
+        """Closes what `_open_for_run` opened but the hosts' plane, and ends the workers still
+        running."""
 
     @abc.abstractmethod
     def _stop_fields(self) -> dict[str, Any]:
