@@ -392,6 +392,8 @@ def stand_in_elastic_config(slices: int, standby: bool = False):
     config.elastic.standby = standby
     config.coordinator.probe_jax = False
     config.coordinator.startup_timeout_s = 30.0
+    # Agents left behind by a supervisor a test killed end their stand-ins soon after.
+    config.coordinator.orphan_timeout_s = 20.0
     return config
 
 

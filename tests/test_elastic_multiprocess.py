@@ -172,7 +172,7 @@ def test_a_slice_that_loses_one_process_is_replaced_by_the_standby(undisturbed, 
     for slice_id in (0, 1):
         _assert_same(_final_params(workdir, slice_id), _final_params(undisturbed, 0))
 
-    # A new standby was started after the first was used, and stopped at the end by its pids.
+    # A new standby was started after the first was used, and ended at the end (by its agent).
     supervisor_events = list(read_events(workdir))
     standbys = [e for e in supervisor_events if e["type"] == "elastic_standby_start"]
     assert sorted(standbys[0]["pids"]) == sorted(standby) and len(standbys) == 2

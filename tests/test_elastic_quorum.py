@@ -341,6 +341,7 @@ def test_an_elastic_supervisor_touches_nothing_until_opened(tmp_path, monkeypatc
         socket.create_connection((host, int(port)), timeout=5).close()  # listening
     finally:
         opened._close()  # nothing was started: no agent, no slice
+        opened._plane.close()
 
 
 # A slice stand-in that counts the SIGTERMs it gets, and exits 0 once `exit` appears.

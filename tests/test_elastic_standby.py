@@ -1,7 +1,7 @@
 """The elastic supervisor's warm standby slice, with stand-in processes for the slices and the
 standby (no JAX): a lost slice's identity goes to the waiting standby, a new standby is started,
 a standby that dies is started again (bounded), a restarted supervisor adopts the standby, and the
-standby is ended by its pid when the run finishes. The real trainer's standby path is
+standby is ended (through its agent) when the run finishes. The real trainer's standby path is
 `test_elastic_multiprocess.py::test_a_slice_that_loses_one_process_is_replaced_by_the_standby`
 (slow)."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import time
 
 import pytest
 from conftest import REPO, elastic_stand_in_process, stand_in_elastic_config, wait_for_events
@@ -100,7 +101,7 @@ def test_a_lost_slice_is_given_to_the_standby_and_a_new_standby_is_started(tmp_p
     failed = _events(tmp_path, "elastic_slice_exit")[0]
     assert starts[2]["time"] - failed["time"] < 0.5
     # The standby finished as slice 1 (its stop event there); the second one, never used, was
-    # ended by its pid when the run finished.
+    # ended through its agent when the run finished.
     assert len(standbys) == 2
     assert [e["pid"] for e in _events(tmp_path, "elastic_standby_exit")] == [standbys[1]]
     assert not any(_running(pid) for pid in standbys)
@@ -140,6 +141,11 @@ def test_a_restarted_supervisor_adopts_the_standby_and_gives_it_a_lost_slice(tmp
         first.kill()  # SIGKILL: its agents, slices and standby stay behind
         first.wait(timeout=10)
     standby = started["pid"]
+    (failing,) = [e["pid"] for e in _events(tmp_path, "elastic_slice_start") if e["slice"] == 1]
+    deadline = time.monotonic() + 30
+    while _running(failing):  # slice 1 fails while no supervisor is there
+        assert time.monotonic() < deadline, "slice 1 did not end"
+        time.sleep(0.05)
     second = _supervisor(tmp_path, slices)
     result = second.run(time_limit_s=30)
     assert (result.exit_code, result.replacements) == (0, 1), result

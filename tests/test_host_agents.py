@@ -20,7 +20,7 @@ from resilient_jax.config import default_config
 from resilient_jax.contracts import env_vars
 from resilient_jax.contracts.exit_codes import ExitCode
 from resilient_jax.contracts.messages import AgentMessage
-from resilient_jax.control import agent_protocol, processes, protocol
+from resilient_jax.control import agent_protocol, processes, protocol, wire
 from resilient_jax.control.agent_protocol import Start
 from resilient_jax.control.cluster import ClusterSpec
 from resilient_jax.control.host_plane import HostPlane
@@ -244,3 +244,41 @@ def test_supervisor_file_round_trip(tmp_path):
     agent_protocol.write_supervisor_file(str(tmp_path), "10.0.0.1:7077", 12)
     assert agent_protocol.read_supervisor_address(str(tmp_path)) == "10.0.0.1:7077"
     assert json.loads((tmp_path / "supervisor.json").read_text())["pid"] == 12
+
+
+class _Connection:
+    """An agent's connection as the registry keeps it (identity and the peer's address)."""
+
+    def getpeername(self) -> tuple[str, int]:
+        return ("127.0.0.1", 1)
+
+
+def test_a_worker_that_ends_before_a_restarted_supervisor_adopts_it_is_adopted_ended(tmp_path):
+    """An agent registers a running worker with a supervisor that does not know it yet (one
+    restarted), and the worker's exit arrives before the supervisor adopts it: the exit is kept,
+    so the adopted worker is not taken for running forever (an elastic slice sends no
+    heartbeats that would tell otherwise)."""
+    from resilient_jax.control.hosts import HostRegistry
+
+    events = EventLog(str(tmp_path), process="supervisor", source="supervisor")
+    welcome = agent_protocol.Welcome(settings={}, probe={})
+    registry = HostRegistry(events, lambda _: None, welcome, agent_timeout_s=60.0)
+    registry.bind(lambda conn, message: True, lambda now: now)
+    conn = _Connection()
+
+    def line(message) -> dict:
+        return {**json.loads(wire.encode(message)), "token": TOKEN, "host": "h0"}
+
+    try:
+        worker = {"generation": 7, "process": 0, "slice": 0, "pid": 4242, "exit_code": None}
+        registry.on_message(conn, line(agent_protocol.Register(slice=0, workers=[worker])))
+        assert registry.generations_reported() == {7}
+        registry.on_message(conn, line(agent_protocol.WorkerExit(7, 0, 3, pid=4242)))
+        (adopted,) = registry.adopt(7, registry.reported(7))
+        assert (adopted.pid, adopted.poll()) == (4242, 3)
+        # The same numbers reported by another host are not this worker's.
+        other = {**line(agent_protocol.WorkerExit(7, 0, 9, pid=5151)), "host": "h1"}
+        registry.on_message(conn, other)
+        assert adopted.poll() == 3
+    finally:
+        registry.close()

@@ -6,17 +6,16 @@ Unlike `supervisor.Supervisor`, which stops every worker at a failure and restar
 is left, this one never stops a survivor: the survivors re-form their exchange without the lost
 slice within a step (the quorum server sees its connection close) and take over its part of the
 global batch, and the replacement, started after `restart_delay_s`, heals from a live slice at a
-step boundary and takes its part back. Both strategies run their workers through the hosts'
-agents (`host_plane`): here one host per slice on this machine, plus one for the standby, each
-slice on a free host (`elastic_slice`). Each slice writes into `<workdir>/slices/<id>/` (events,
-metrics, its own checkpoints, and its output in `output.log`, `output.p<p>.log` for its process
-p > 0). A slice is lost when any of its processes exits non-zero (the others are ended with it),
-and done when all of them have exited 0. The job is done when every slice is; it fails after
-more than `max_restarts` failures in all. The quorum server lives in this process; the workers
-keep their last quorum while it is away (`elastic.trainer`), and their agents keep them running
-for up to `coordinator.orphan_timeout_s`. Started again on the same workdir with the same run
-token (`RJ_RUN_TOKEN` or `RJ_RUN_TOKEN_FILE`), it takes over the agents and the slices still
-running (`elastic_state`): same quorum address, no slice restarted.
+step boundary and takes its part back. Its slices run under the hosts' agents (`host_plane`): one
+host per slice on this machine, one for the standby, each slice on a free host (`elastic_slice`);
+a lost host's processes are ended by pid and it gets a fresh agent. Each slice writes into
+`<workdir>/slices/<id>/` (events, metrics, checkpoints, output in `output.log`, `output.p<p>.log`
+for process p > 0). A slice is lost when any of its processes exits non-zero (the others are
+ended with it), done when all exited 0; the job is done when every slice is, and fails after more
+than `max_restarts` failures. The quorum server lives in this process; the workers keep their
+last quorum while it is away (`elastic.trainer`), their agents keep them running up to
+`coordinator.orphan_timeout_s`, and one started again on the workdir with the run token takes
+them over (`elastic_takeover`): same quorum address, no slice restarted.
 
 With `elastic.standby` (the default) it also keeps one warm standby slice: a slice's processes
 started ahead on the spare host that wait, idle, at the join point (`<workdir>/standby/`: their
@@ -45,12 +44,14 @@ from resilient_jax.contracts.exit_codes import PREEMPTED_STATUSES, ExitCode
 from resilient_jax.control import (
     agent_protocol,
     compile_cache,
+    elastic_slice,
     elastic_state,
+    elastic_takeover,
     processes,
     standby_cpu,
 )
 from resilient_jax.control.cluster import ClusterSpec
-from resilient_jax.control.elastic_slice import SliceProcesses, pids_field, start_slice
+from resilient_jax.control.elastic_slice import SliceProcesses, end_by_pid, pids_field
 from resilient_jax.control.host_plane import HostPlane
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.refusals import RefusalReports
@@ -125,6 +126,7 @@ class ElasticSupervisor(SupervisorCore):
         self._joining: tuple[int, int, float] | None = None
         self._reconnected = False
         self._restart_at: dict[int, float] = {}
+        self._no_host_since: dict[int, float] = {}  # replacements waiting for a free host
         self._done: set[int] = set()
         self._next_launch = 0
         self._replacements = 0
@@ -194,7 +196,8 @@ class ElasticSupervisor(SupervisorCore):
             return None
         os.makedirs(workdir, exist_ok=True)
         launch, self._next_launch = self._next_launch, self._next_launch + 1
-        return start_slice(
+        self._save_state()  # first: a supervisor restarted from here on knows the number taken
+        return elastic_slice.start_slice(
             self._plane.hosts,
             host_slice,
             launch,
@@ -285,9 +288,9 @@ class ElasticSupervisor(SupervisorCore):
                     self._restart_at[slice_id] = time.monotonic() + self._restart_delay_s
             if self._standby_enabled and self.standby is None and not self._done:
                 self.start_standby()
-            return self._watch(deadline)
         except OSError as e:  # the worker command cannot start (missing file, permissions)
             raise Refused(ExitCode.BAD_INPUT, f"cannot start slices: {e}") from e
+        return self._watch(deadline)
 
     def _end(self, reason: str) -> None:
         self._stop_all()
@@ -308,6 +311,7 @@ class ElasticSupervisor(SupervisorCore):
                 code = worker.poll()
                 if code is None:
                     continue
+                self._end_on_lost_host(worker)
                 del self.workers[slice_id]
                 ended = self._after_exit(slice_id, code, now)
                 if ended is not None:
@@ -315,11 +319,10 @@ class ElasticSupervisor(SupervisorCore):
             for slice_id, when in list(self._restart_at.items()):
                 if now >= when:
                     del self._restart_at[slice_id]
-                    if self.start_slice(slice_id):
-                        self._replacements += 1
-                    else:  # no free host yet
-                        self._restart_at[slice_id] = now + self._restart_delay_s
-            self._say_lost_hosts()
+                    ended = self._replace(slice_id, now)
+                    if ended is not None:
+                        return ended
+            self._after_lost_hosts()
             stopped = self._watch_standby(now)
             if stopped is not None:
                 return stopped
@@ -433,6 +436,7 @@ class ElasticSupervisor(SupervisorCore):
             code = self.standby.poll()
             if code is None:
                 return None
+            self._end_on_lost_host(self.standby)
             pid, self.standby = self.standby.pid, None
             self._save_state()
             self._failures += 1
@@ -453,7 +457,11 @@ class ElasticSupervisor(SupervisorCore):
                 self._joining = None
                 self._standby_at = now
         if self._standby_at is not None and now >= self._standby_at:
-            self.start_standby()
+            try:
+                self.start_standby()
+            except OSError as e:
+                self._standby_at = now + self._restart_delay_s
+                return self._start_failed("the standby", e)
         return None
 
     def _stop_standby(self) -> None:
@@ -486,36 +494,23 @@ class ElasticSupervisor(SupervisorCore):
             self._say(f"slice {slice_id} stopped: the run finished before it joined")
 
     def _take_over(self) -> None:
-        """Adopts what an earlier supervisor of this job left running, as the agents registered
-        it: each slice's launch and the standby's. A slice whose every process exited 0 finished
-        the run; one with a failed process is adopted all the same, then lost and replaced."""
-        previous = self._previous
-        hosts = self._plane.hosts
-        self._next_launch = max([0, *(g + 1 for g in hosts.generations_reported())])
-        if previous is None:
-            self._save_state()
-            return
-        self._next_launch = max(self._next_launch, previous.launches())
-        self._done.update(previous.done)
-        if previous.standby is not None:
-            standby = self._adopt(previous.standby)
-            if standby is not None and standby.poll() is None:
-                self.standby = standby
-                self._events.emit(
-                    EventType.ELASTIC_STANDBY_START,
-                    pid=standby.pid,
-                    host=standby.host,
-                    adopted=True,
-                    **pids_field(standby),
-                )
-                self._say(f"standby adopted ({standby.describe()}, still running)")
-        for slice_id, launch in sorted(previous.slices.items()):
-            worker = self._adopt(launch)
-            if worker is None:
-                continue  # its agent is gone: started afresh
-            if all(m.poll() == 0 for m in worker.members):
-                self._done.add(slice_id)
-                continue
+        """Adopts what an earlier supervisor of this job left running (`elastic_takeover`)."""
+        found = elastic_takeover.take_over(self._previous, self._plane.hosts)
+        self._next_launch = found.next_launch
+        self._done.update(found.done)
+        if found.ended:
+            self._say(f"ended processes of this job it does not take over: pids {found.ended}")
+        self.standby = found.standby
+        if self.standby is not None:
+            self._events.emit(
+                EventType.ELASTIC_STANDBY_START,
+                pid=self.standby.pid,
+                host=self.standby.host,
+                adopted=True,
+                **pids_field(self.standby),
+            )
+            self._say(f"standby adopted ({self.standby.describe()}, still running)")
+        for slice_id, worker in found.slices.items():
             self.workers[slice_id] = worker
             self.adopted.append(slice_id)
             self._events.emit(
@@ -528,18 +523,54 @@ class ElasticSupervisor(SupervisorCore):
             self._say(f"slice {slice_id} adopted ({worker.describe()}, still running)")
         self._save_state()
 
-    def _adopt(self, launch: int) -> SliceProcesses | None:
-        """The processes of `launch` the agents registered, None when none did."""
-        hosts = self._plane.hosts
-        reported = hosts.reported(launch)
-        if not reported:
+    def _replace(self, slice_id: int, now: float) -> SupervisorResult | None:
+        """Replaces lost slice `slice_id` by the standby when one runs, else cold on a free host;
+        tries again after the restart delay when no host is free or the start fails (a failure).
+        The job's result when it must end: too many failures, or no host for too long."""
+        if self._standby_ready():
+            self._replacements += 1
+            self._assign_standby(slice_id)
             return None
-        return SliceProcesses(hosts.adopt(launch, reported), launch)
+        try:
+            if self.start_slice(slice_id):
+                self._replacements += 1
+                self._no_host_since.pop(slice_id, None)
+                return None
+            self._no_host_since.setdefault(slice_id, now)
+        except OSError as e:
+            ended = self._start_failed(f"slice {slice_id}", e)
+            if ended is not None:
+                return ended
+        timeout_s = float(self._config.coordinator.startup_timeout_s)
+        if now - self._no_host_since.get(slice_id, now) > timeout_s:
+            reason = f"no free host for slice {slice_id} within {timeout_s:g} s"
+            return self._finish(ExitCode.FAILED, f"{reason} (coordinator.startup_timeout_s)")
+        self._restart_at[slice_id] = now + self._restart_delay_s
+        return None
 
-    def _say_lost_hosts(self) -> None:
-        """Says which hosts were found lost (their slices' processes count as gone)."""
+    def _end_on_lost_host(self, worker: SliceProcesses) -> None:
+        """Ends a slice (or standby) whose host was found lost: presumed dead, it may run on (a
+        frozen agent), and must not beside its replacement. By pid: the hosts are this machine's."""
+        if self._plane.hosts.is_lost(worker.host):
+            end_by_pid(worker)
+
+    def _start_failed(self, who: str, error: OSError) -> SupervisorResult | None:
+        """Counts a start its agent could not make (its host just lost, say) as a failure; the
+        job's result when there are too many."""
+        self._failures += 1
+        self._say(f"{who} could not start: {error}")
+        if self._failures > self._max_restarts:
+            return self._finish(ExitCode.FAILED, f"{self._failures} slice failures")
+        return None
+
+    def _after_lost_hosts(self) -> None:
+        """Each host found lost gets a fresh agent (the lost one ended first, by pid)."""
         for record, cause, silent_s in self._plane.hosts.newly_lost():
-            self._say(f"host {record.name} lost: {cause} for {silent_s:.2f}s")
+            self._say(f"host {record.name} lost: {cause} for {silent_s:.2f}s; a new agent starts")
+            for worker in [*self.workers.values(), self.standby]:
+                if worker is not None and worker.host == record.name:
+                    self._end_on_lost_host(worker)
+            self._plane.replace_agent(record.slice)
 
     def _report_reconnected(self) -> None:
         self._reconnected = True
@@ -555,18 +586,11 @@ class ElasticSupervisor(SupervisorCore):
         self._say(f"slices {first['slices']} back in a quorum {after_s:.2f} s after the takeover")
 
     def _save_state(self) -> None:
-        elastic_state.write_state(
-            self._workdir,
-            elastic_state.ElasticState(
-                address=self.quorum.address,
-                supervisor_pid=os.getpid(),
-                token_sha256=elastic_state.token_digest(self._token),
-                slices={s: w.launch for s, w in self.workers.items() if w.returncode is None},
-                done=sorted(self._done),
-                standby=None if self.standby is None else self.standby.launch,
-                next_launch=self._next_launch,
-            ),
+        running = {s: w for s, w in self.workers.items() if w.returncode is None}
+        state = elastic_state.snapshot(
+            self.quorum.address, self._token, running, self.standby, self._done, self._next_launch
         )
+        elastic_state.write_state(self._workdir, state)
 
     def _stop_all(self) -> None:
         """Ends every slice and the standby still running (through their agents)."""

@@ -15,6 +15,7 @@ replaced as a whole. One process is the single-process slice (no coordinator of 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -36,8 +37,8 @@ def output_file(process: int) -> str:
 
 def runtime_env(processes: int, host_address: str = "127.0.0.1") -> list[dict[str, str]]:
     """The environment of each process of a slice started now on the host at `host_address`: its
-    place in the slice's own JAX runtime (a coordinator on a fresh port), nothing for a
-    single-process slice."""
+    place in the slice's own JAX runtime (a coordinator on a fresh port, found free on this
+    machine: elastic mode's hosts are this machine's), nothing for a single-process slice."""
     if processes == 1:
         return [{}]
     address = f"{host_address}:{free_port()}"
@@ -113,6 +114,14 @@ class SliceProcesses:
         if self.returncode is None:
             codes = [m.poll() for m in self.members]
             self.returncode = next((c for c in codes if c not in (None, 0)), codes[0])
+
+
+def end_by_pid(worker: SliceProcesses) -> None:
+    """Ends every process of the slice (SIGKILL to its process group) by its pid, for processes
+    whose agent cannot be reached (its host found lost): only on the agent's machine."""
+    for pid in worker.pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def pids_field(worker: SliceProcesses) -> dict[str, list[int]]:

@@ -109,6 +109,12 @@ class HostPlane:
         if self._local is not None:
             self._local.poll()
 
+    def replace_agent(self, slice_id: int) -> None:
+        """On the local cluster, ends the agent of `slice_id`'s host (found lost: frozen, or
+        gone) and starts a fresh one; with external agents, their launcher's job."""
+        if self._local is not None:
+            self._local.replace(slice_id)
+
     def ready_slices(self) -> set[int]:
         self.tick()
         return self.hosts.ready_slices(self._cluster.processes_per_slice)

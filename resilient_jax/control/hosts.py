@@ -50,7 +50,7 @@ class HostRecord:
     standby_pids: list[int] = dataclasses.field(default_factory=list)  # as last heard
     lost: bool = False
     # (generation, process) -> (pid, exit code or None) as the agent registered them
-    reported: dict[tuple[int, int], tuple[int, int | None]] = dataclasses.field(
+    reported: dict[tuple[int, int], tuple[int | None, int | None]] = dataclasses.field(
         default_factory=dict
     )
 
@@ -157,7 +157,17 @@ class HostRegistry:
                 record.standby_pids = [p for p in message.standbys if isinstance(p, int)]
             worker = None
             if isinstance(message, (ap.Started, ap.WorkerExit)):
-                worker = self._workers.get((message.generation, message.process))
+                key = (message.generation, message.process)
+                worker = self._workers.get(key)
+                if worker is not None and worker.host != name:
+                    worker = None  # the same numbers on another host: not this worker
+                # What the host runs, as `adopt` reads it: a worker that starts or ends before
+                # a restarted supervisor adopts it is adopted as it is now.
+                if isinstance(message, ap.WorkerExit):
+                    known_pid = record.reported.get(key, (None, None))[0]
+                    record.reported[key] = (message.pid or known_pid, message.exit_code)
+                elif message.pid is not None:
+                    record.reported.setdefault(key, (message.pid, None))
         if isinstance(message, ap.Started) and worker is not None:
             worker.pid = message.pid
             worker.from_standby = message.standby

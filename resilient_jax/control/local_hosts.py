@@ -123,6 +123,7 @@ class LocalHosts:
         self._children: list[subprocess.Popen[bytes]] = []
         self._adopted: list[int] = []  # pids of agents an earlier supervisor started
         self._reboots: dict[int, float] = {}  # slice -> when its host comes back (monotonic)
+        self._agents: dict[int, int] = {}  # slice -> pid of its host's agent now
         self._follower: _LogFollower | None = None
 
     def survivors(self) -> dict[int, int]:
@@ -156,6 +157,7 @@ class LocalHosts:
         for slice_id in self._slices:
             if slice_id in survivors:
                 self._adopted.append(survivors[slice_id])
+                self._agents[slice_id] = survivors[slice_id]
                 path = self._path(host_name(slice_id), LOG_FILE)
                 self._follower.follow(path, os.path.getsize(path) if os.path.exists(path) else 0)
             else:
@@ -164,6 +166,15 @@ class LocalHosts:
     def reboot_after(self, slice_id: int, delay_s: float) -> None:
         """The host of `slice_id` (lost) gets a fresh agent `delay_s` from now."""
         self._reboots[slice_id] = time.monotonic() + delay_s
+
+    def replace(self, slice_id: int) -> None:
+        """Ends the agent of `slice_id`'s host (SIGKILL to its process group, by pid) and starts
+        a fresh one."""
+        pid = self._agents.get(slice_id)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        self._spawn(slice_id)
 
     def poll(self) -> None:
         """Starts the agents of hosts whose reboot is due."""
@@ -244,6 +255,7 @@ class LocalHosts:
                 start_new_session=True,
             )
         self._children.append(popen)
+        self._agents[slice_id] = popen.pid
         record = {"pid": popen.pid, "token_sha256": _digest(self._token)}
         tmp = self._path(name, AGENT_FILE + ".tmp")
         with open(tmp, "w") as f:

@@ -3,11 +3,12 @@
 A standby's start-up is work nobody waits for: elastic mode's standby slice (Python imports, the
 JAX runtime, loading the job's executables, a first run of its gradient-sums program: about 20 s
 of CPU for tiny_cpu), the restart path's standby workers (imports: about 2 CPU-s each, right after
-a generation starts). At normal priority it takes the training's CPU for those seconds. So its
-spawner (the elastic supervisor; a host agent, `processes.spawn_standby`) puts it under SCHED_IDLE
-(it runs only on CPU no other thread wants) until it is given its role, and puts every thread of
-it back under the spawner's own policy (the one its workers inherit) before it sends the role:
-the takeover and the training run at full priority.
+a generation starts). At normal priority it takes the training's CPU for those seconds. So it is
+put under SCHED_IDLE (it runs only on CPU no other thread wants) until it is given its role, and
+every thread of it back under its lowerer's own policy (the one the workers inherit) before the
+role is sent: the takeover and the training run at full priority. The restart path's agent does
+both for its standbys (`processes.spawn_standby`); elastic mode's supervisor does both for the
+standby slice its local agent started (by pid, as soon as the agent reports it started).
 
 A thread's policy alone does not do it where the kernel groups tasks by session (autogroup,
 /proc/sys/kernel/sched_autogroup_enabled): the CPU is first shared fairly between the groups, and
@@ -18,7 +19,7 @@ still counts: the kernel preempts a SCHED_IDLE thread at once for a woken thread
 nice of the threads would not help: it too counts only inside the group.)
 
 The policy belongs to each thread, and a thread inherits its creator's at creation. Set right
-after the spawn, while Python has not started a thread of its own, every thread the standby later
+after the spawn (within milliseconds, long before its imports end), every thread the standby later
 creates (XLA's pools, gloo's) inherits it; `set_policy` goes over /proc/<pid>/task again until a
 pass finds nothing left to change, so a thread created meanwhile by one not yet changed is caught.
 Taking a thread out of SCHED_IDLE needs CAP_SYS_NICE or an RLIMIT_NICE of 20 (sched(7)); where that

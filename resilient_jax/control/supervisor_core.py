@@ -62,6 +62,7 @@ class SupervisorCore(abc.ABC):
         self._stop = StopRequests(poll_s)
         self._events: EventLog | None = None  # set by `open`
         self._plane: HostPlane | None = None  # the hosts' agents, made by `open`
+        self._verdict_given = False
         self._start_time = 0.0
 
     def request_stop(self, signum: int) -> None:
@@ -88,6 +89,8 @@ class SupervisorCore(abc.ABC):
                     self._close()
                 finally:
                     if self._plane is not None:  # its agents end what is left of the workers
+                        if not self._verdict_given:  # an error in the supervisor itself
+                            self._plane.end("the supervisor failed")
                         self._plane.close()
         finally:
             restore_handlers()  # even if closing failed: no signal may reach a run that ended
@@ -106,7 +109,7 @@ class SupervisorCore(abc.ABC):
             raise Refused(ExitCode.BAD_INPUT, str(e)) from e
         except (OSError, ValueError) as e:
             raise Refused(ExitCode.BAD_INPUT, f"cannot listen: {e}") from e
-        return attach.await_hosts(
+        reason = attach.await_hosts(
             self._plane.hosts,
             slices,
             processes_per_slice,
@@ -115,9 +118,13 @@ class SupervisorCore(abc.ABC):
             self._stop.sleep,
             self._plane.tick,
         )
+        if reason and self._stop.requested:
+            raise Refused(ExitCode.INTERRUPTED, reason)
+        return reason
 
     def _finish(self, exit_code: int, reason: str) -> SupervisorResult:
         """The run's verdict: its workers stopped, its `stop` event and line, its result."""
+        self._verdict_given = True
         self._end(reason)
         if self._plane is not None:
             self._plane.end(reason)  # the agents leave
