@@ -34,12 +34,17 @@ def _sleeper(seconds: float) -> list[str]:
 def test_a_lost_host_has_its_slice_ended_and_replaced_and_gets_a_new_agent(tmp_path):
     """host1's agent is killed while slice 1 runs: the slice's process, out of every agent's
     reach now, is ended by its pid at once, host1 gets a fresh agent, and slice 1 is started
-    again there (the first start of slice 1 would run 60 s; the second finishes in 1)."""
+    again there (its first start would run 60 s; the second finishes in 1). Slice 0 runs until
+    the replacement has started."""
+    finish = tmp_path / "finish"
     starts = {0: 0, 1: 0}
 
     def argv(slice_id: int, _: str) -> list[str]:
         starts[slice_id] += 1
-        return _sleeper(8.0 if slice_id == 0 else 60.0 if starts[1] == 1 else 1.0)
+        if slice_id == 0:
+            wait = f"import os, time\nwhile not os.path.exists({str(finish)!r}): time.sleep(0.05)"
+            return [sys.executable, "-c", wait]
+        return _sleeper(60.0 if starts[1] == 1 else 1.0)
 
     supervisor = ElasticSupervisor(
         stand_in_elastic_config(2),
@@ -50,18 +55,21 @@ def test_a_lost_host_has_its_slice_ended_and_replaced_and_gets_a_new_agent(tmp_p
         restart_delay_s=0.2,
         token=TOKEN,
     )
-
-    def kill_host1_agent() -> dict:
-        starts = wait_for_events(str(tmp_path), "elastic_slice_start", 2)
-        (first,) = [e["pid"] for e in starts if e["slice"] == 1]
-        with open(tmp_path / "logs" / "host1" / "agent.json") as f:
-            agent = json.load(f)["pid"]
-        os.kill(agent, signal.SIGKILL)
-        wait_for_events(str(tmp_path), "elastic_slice_start", 3)  # its replacement started
-        return {"agent": agent, "first": first, "gone_at_replacement": process_gone(first)}
-
     seen: dict = {}
-    thread = threading.Thread(target=lambda: seen.update(kill_host1_agent()))
+
+    def kill_host1_agent() -> None:
+        try:
+            starts = wait_for_events(str(tmp_path), "elastic_slice_start", 2)
+            (seen["first"],) = [e["pid"] for e in starts if e["slice"] == 1]
+            with open(tmp_path / "logs" / "host1" / "agent.json") as f:
+                seen["agent"] = json.load(f)["pid"]
+            os.kill(seen["agent"], signal.SIGKILL)
+            wait_for_events(str(tmp_path), "elastic_slice_start", 3)  # its replacement started
+            seen["gone_at_replacement"] = process_gone(seen["first"])
+        finally:
+            finish.touch()  # slice 0 finishes, whatever happened
+
+    thread = threading.Thread(target=kill_host1_agent)
     thread.start()
     result = supervisor.run(time_limit_s=60)
     thread.join()

@@ -277,8 +277,9 @@ def test_a_worker_that_ends_before_a_restarted_supervisor_adopts_it_is_adopted_e
         (adopted,) = registry.adopt(7, registry.reported(7))
         assert (adopted.pid, adopted.poll()) == (4242, 3)
         # The same numbers reported by another host are not this worker's.
-        other = {**line(agent_protocol.WorkerExit(7, 0, 9, pid=5151)), "host": "h1"}
-        registry.on_message(conn, other)
+        other = _Connection()
+        registry.on_message(other, {**line(agent_protocol.Register(slice=1)), "host": "h1"})
+        registry.on_message(other, {**line(agent_protocol.WorkerExit(7, 0, 9)), "host": "h1"})
         assert adopted.poll() == 3
     finally:
         registry.close()

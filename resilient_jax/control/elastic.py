@@ -17,18 +17,16 @@ last quorum while it is away (`elastic.trainer`), their agents keep them running
 `coordinator.orphan_timeout_s`, and one started again on the workdir with the run token takes
 them over (`elastic_takeover`): same quorum address, no slice restarted.
 
-With `elastic.standby` (the default) it also keeps one warm standby slice: a slice's processes
-started ahead on the spare host that wait, idle, at the join point (`<workdir>/standby/`: their
-output and events until they are given a slice). A lost slice's identity goes to it at once (no
-restart delay: it heals and joins within about a second), and a new standby is started on the
-host the lost slice left; only when none is running is a replacement started cold. A standby that
-dies is started again; at the run's end it is ended with the others. Until it is given a slice
-the standby runs under SCHED_IDLE (`elastic.standby_idle_cpu`, `standby_cpu`): on a host shared
-with the slices its start-up takes only the CPU they leave idle.
+With `elastic.standby` (the default) it keeps one warm standby slice: processes started ahead
+on the spare host, waiting idle at the join point (`<workdir>/standby/` until given a slice). A
+lost slice's identity goes to it at once (it heals and joins within about a second), and the next
+standby starts on the host the lost slice left; only with none running is a replacement started
+cold. Until given a slice it runs under SCHED_IDLE (`elastic.standby_idle_cpu`, `standby_cpu`).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import secrets
 import signal
@@ -51,7 +49,7 @@ from resilient_jax.control import (
     standby_cpu,
 )
 from resilient_jax.control.cluster import ClusterSpec
-from resilient_jax.control.elastic_slice import SliceProcesses, end_by_pid, pids_field
+from resilient_jax.control.elastic_slice import SliceProcesses, pids_field
 from resilient_jax.control.host_plane import HostPlane
 from resilient_jax.control.quorum import QuorumServer
 from resilient_jax.control.refusals import RefusalReports
@@ -127,6 +125,7 @@ class ElasticSupervisor(SupervisorCore):
         self._reconnected = False
         self._restart_at: dict[int, float] = {}
         self._no_host_since: dict[int, float] = {}  # replacements waiting for a free host
+        self._agents_replaced: collections.Counter[int] = collections.Counter()  # by host
         self._done: set[int] = set()
         self._next_launch = 0
         self._replacements = 0
@@ -311,7 +310,7 @@ class ElasticSupervisor(SupervisorCore):
                 code = worker.poll()
                 if code is None:
                     continue
-                self._end_on_lost_host(worker)
+                self._plane.end_presumed_dead(worker.host)
                 del self.workers[slice_id]
                 ended = self._after_exit(slice_id, code, now)
                 if ended is not None:
@@ -436,7 +435,7 @@ class ElasticSupervisor(SupervisorCore):
             code = self.standby.poll()
             if code is None:
                 return None
-            self._end_on_lost_host(self.standby)
+            self._plane.end_presumed_dead(self.standby.host)
             pid, self.standby = self.standby.pid, None
             self._save_state()
             self._failures += 1
@@ -528,16 +527,19 @@ class ElasticSupervisor(SupervisorCore):
         tries again after the restart delay when no host is free or the start fails (a failure).
         The job's result when it must end: too many failures, or no host for too long."""
         if self._standby_ready():
+            self._no_host_since.pop(slice_id, None)
             self._replacements += 1
             self._assign_standby(slice_id)
             return None
         try:
             if self.start_slice(slice_id):
-                self._replacements += 1
                 self._no_host_since.pop(slice_id, None)
+                self._replacements += 1
                 return None
             self._no_host_since.setdefault(slice_id, now)
         except OSError as e:
+            if slice_id in self.workers:
+                raise  # started, and only its bookkeeping failed (a full disk): not a start
             ended = self._start_failed(f"slice {slice_id}", e)
             if ended is not None:
                 return ended
@@ -547,12 +549,6 @@ class ElasticSupervisor(SupervisorCore):
             return self._finish(ExitCode.FAILED, f"{reason} (coordinator.startup_timeout_s)")
         self._restart_at[slice_id] = now + self._restart_delay_s
         return None
-
-    def _end_on_lost_host(self, worker: SliceProcesses) -> None:
-        """Ends a slice (or standby) whose host was found lost: presumed dead, it may run on (a
-        frozen agent), and must not beside its replacement. By pid: the hosts are this machine's."""
-        if self._plane.hosts.is_lost(worker.host):
-            end_by_pid(worker)
 
     def _start_failed(self, who: str, error: OSError) -> SupervisorResult | None:
         """Counts a start its agent could not make (its host just lost, say) as a failure; the
@@ -564,12 +560,15 @@ class ElasticSupervisor(SupervisorCore):
         return None
 
     def _after_lost_hosts(self) -> None:
-        """Each host found lost gets a fresh agent (the lost one ended first, by pid)."""
+        """Each host found lost gets a fresh agent (its workers and the lost agent ended first,
+        by pid), up to `max_restarts` times."""
         for record, cause, silent_s in self._plane.hosts.newly_lost():
+            self._plane.end_presumed_dead(record.name)
+            replaced = self._agents_replaced[record.slice] = self._agents_replaced[record.slice] + 1
+            if replaced > self._max_restarts:
+                self._say(f"host {record.name} lost ({cause}) {replaced} times: left out")
+                continue
             self._say(f"host {record.name} lost: {cause} for {silent_s:.2f}s; a new agent starts")
-            for worker in [*self.workers.values(), self.standby]:
-                if worker is not None and worker.host == record.name:
-                    self._end_on_lost_host(worker)
             self._plane.replace_agent(record.slice)
 
     def _report_reconnected(self) -> None:

@@ -15,7 +15,6 @@ replaced as a whole. One process is the single-process slice (no coordinator of 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -114,14 +113,6 @@ class SliceProcesses:
         if self.returncode is None:
             codes = [m.poll() for m in self.members]
             self.returncode = next((c for c in codes if c not in (None, 0)), codes[0])
-
-
-def end_by_pid(worker: SliceProcesses) -> None:
-    """Ends every process of the slice (SIGKILL to its process group) by its pid, for processes
-    whose agent cannot be reached (its host found lost): only on the agent's machine."""
-    for pid in worker.pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
 
 
 def pids_field(worker: SliceProcesses) -> dict[str, list[int]]:

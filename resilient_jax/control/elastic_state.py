@@ -136,7 +136,7 @@ def read_state(workdir: str) -> ElasticState | None:
             next_launch=int(data["next_launch"]),
             processes={
                 int(launch): [[int(pid), int(started)] for pid, started in records]
-                for launch, records in data["processes"].items()
+                for launch, records in data.get("processes", {}).items()
             },
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -9,9 +9,11 @@ supervisor, which listens there again so running workers' heartbeats reach it) f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -109,6 +111,15 @@ class HostPlane:
         if self._local is not None:
             self._local.poll()
 
+    def end_presumed_dead(self, host: str) -> None:
+        """On the local cluster, ends (by pid) the workers of `host`, found lost, that were taken
+        for gone: they may run on (a frozen agent), and must not beside their replacements."""
+        if self._local is None:
+            return
+        for pid in self.hosts.presumed_dead(host):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
     def replace_agent(self, slice_id: int) -> None:
         """On the local cluster, ends the agent of `slice_id`'s host (found lost: frozen, or
         gone) and starts a fresh one; with external agents, their launcher's job."""
@@ -142,8 +153,10 @@ class HostPlane:
         self.hosts.broadcast(ap.Fence(generation))
 
     def end(self, reason: str) -> None:
-        """The run is over: agents stop their workers and leave."""
+        """The run is over: agents stop their workers and leave (and, told to, are no longer
+        watched: one that leaves is not a host lost)."""
         self.hosts.broadcast(ap.End(0, reason))
+        self.hosts.close()
 
     def inject_fault(self, slice_id: int, kind: Any, duration_s: float | None) -> None:
         """Has the agents of the slice's hosts act out a host fault; on the local cluster a lost

@@ -295,6 +295,10 @@ class HostRegistry:
                         lost.append((record, "silent", now - record.last_seen))
                 for record, _, _ in lost:
                     record.lost = True
+                    # Its workers count as gone from now on, even once the host is back.
+                    for worker in self._workers.values():
+                        if worker.host == record.name and worker.exit_code is None:
+                            worker.exit_code, worker.presumed_dead = -signal.SIGKILL, True
                 self._lost_queue.extend(lost)
             for record, cause, silent_s in lost:
                 self._events.emit(
@@ -341,6 +345,16 @@ class HostRegistry:
     def host_names(self, slice_id: int) -> list[str]:
         with self._lock:
             return sorted(r.name for r in self._hosts.values() if r.slice == slice_id)
+
+    def presumed_dead(self, host: str) -> list[int]:
+        """Pids of the workers of `host` taken for gone when it was found lost (no exit heard:
+        they may run on, out of any agent's reach)."""
+        with self._lock:
+            return [
+                w.pid
+                for w in self._workers.values()
+                if w.host == host and w.presumed_dead and w.pid is not None
+            ]
 
     def worker_pids(self) -> list[int]:
         """Pids of every worker started through the registry that no agent saw exit, and of the

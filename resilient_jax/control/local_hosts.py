@@ -174,6 +174,12 @@ class LocalHosts:
         if pid is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
+            for popen in [p for p in self._children if p.pid == pid]:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    popen.wait(timeout=5.0)  # reaped: its pid is not ended again at close
+                self._children.remove(popen)
+            if pid in self._adopted:
+                self._adopted.remove(pid)
         self._spawn(slice_id)
 
     def poll(self) -> None:

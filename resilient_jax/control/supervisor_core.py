@@ -124,10 +124,10 @@ class SupervisorCore(abc.ABC):
 
     def _finish(self, exit_code: int, reason: str) -> SupervisorResult:
         """The run's verdict: its workers stopped, its `stop` event and line, its result."""
-        self._verdict_given = True
         self._end(reason)
         if self._plane is not None:
             self._plane.end(reason)  # the agents leave
+        self._verdict_given = True
         assert self._events is not None
         self._events.emit(EventType.STOP, reason=reason, exit_code=exit_code, **self._stop_fields())
         self._say(f"stop (exit {int(exit_code)}): {reason}")
