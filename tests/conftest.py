@@ -338,6 +338,7 @@ def supervise_tiny_cpu(
 
     config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
     config.update_from_flattened_dict(overrides)
+    config.coordinator.probe_jax = False  # as in ELASTIC_SMALL, for every elastic run here
     log = io.StringIO()
     argv = [
         sys.executable,
@@ -453,6 +454,7 @@ def supervise_elastic(
 
     config = runpy.run_path(os.path.join(REPO, "configs", "tiny_cpu.py"))["get_config"]()
     config.update_from_flattened_dict(overrides)
+    config.coordinator.probe_jax = False  # as in ELASTIC_SMALL, for every elastic run here
 
     def argv(slice_id: int, slice_dir: str) -> list[str]:
         flags = as_flags(overrides)
@@ -488,6 +490,9 @@ def supervise_elastic(
 # An elastic run of the SMALL model that writes a parameter digest every step, no checkpoints.
 ELASTIC_SMALL = {
     **SMALL,
+    # The hosts' health probe without its JAX start (3 hosts: seconds of CPU per run; tests of the
+    # probe run it).
+    "coordinator.probe_jax": False,
     "elastic.enabled": True,
     "elastic.check_every_steps": 1,
     "checkpoint.every_steps": 0,
