@@ -93,18 +93,25 @@ def _start(
     stdin: int,
     sink: OutputSink,
     prefix: Callable[[], str],
-) -> tuple[subprocess.Popen[bytes], threading.Thread]:
+    output: str | None = None,
+) -> tuple[subprocess.Popen[bytes], threading.Thread | None]:
     """Starts a process in its own session (so it is ended by PID with its children), its output
-    pumped into `sink` under the current `prefix()`."""
-    popen = subprocess.Popen(
-        list(argv),
-        env=dict(env),
-        cwd=cwd,
-        stdin=stdin,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    pumped into `sink` under the current `prefix()`, or appended to the file `output` (then no
+    reader thread)."""
+    if output is not None:
+        os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
+    with open(output, "ab") if output is not None else contextlib.nullcontext() as log:
+        popen = subprocess.Popen(
+            list(argv),
+            env=dict(env),
+            cwd=cwd,
+            stdin=stdin,
+            stdout=subprocess.PIPE if log is None else log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    if log is not None:
+        return popen, None
     assert popen.stdout is not None
     reader = threading.Thread(
         target=sink.pump, args=(popen.stdout, prefix), name="rj-output", daemon=True
@@ -127,21 +134,8 @@ def spawn(
 ) -> WorkerProcess:
     """Starts a worker, its output into `sink` under `prefix`, or appended to the file `output`
     (an elastic slice's: no pipe through the agent, whose output mixes every worker's)."""
-    if output is None:
-        popen, reader = _start(argv, env, cwd, subprocess.DEVNULL, sink, lambda: prefix)
-        return WorkerProcess(process, slice_id, generation, popen, clock(), reader)
-    os.makedirs(os.path.dirname(output) or ".", exist_ok=True)
-    with open(output, "ab") as log:
-        popen = subprocess.Popen(
-            list(argv),
-            env=dict(env),
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # ended by PID with its children
-        )
-    return WorkerProcess(process, slice_id, generation, popen, clock(), None)
+    popen, reader = _start(argv, env, cwd, subprocess.DEVNULL, sink, lambda: prefix, output)
+    return WorkerProcess(process, slice_id, generation, popen, clock(), reader)
 
 
 @dataclasses.dataclass
@@ -190,6 +184,7 @@ def spawn_standby(
     left idle would starve)."""
     prefix = ["[standby] "]
     popen, reader = _start(argv, env, cwd, subprocess.PIPE, sink, lambda: prefix[0])
+    assert reader is not None  # its output goes through the sink
     idle = idle_cpu and _may_raise_threads()
     if idle:  # the group's write tried once: an agent's loop must not wait out the rate limit
         standby_cpu.lower(popen.pid, group_tries=1)
