@@ -404,39 +404,37 @@ class HostRegistry:
                 adopted.append(worker)
         return adopted
 
+    def _reports(self) -> list[tuple[str, int, int, int | None, int | None]]:
+        """Every worker the connected hosts' agents registered or reported since, running or
+        exited: (host, generation, process, pid, exit code)."""
+        with self._lock:
+            return [
+                (record.name, g, p, pid, code)
+                for record in self._hosts.values()
+                if not record.lost and record.conn is not None
+                for (g, p), (pid, code) in record.reported.items()
+            ]
+
     def reported(self, generation: int) -> list[tuple[str, int, int]]:
         """The workers of `generation` the connected agents registered, running or exited:
         (host, process, pid), by process."""
-        with self._lock:
-            found = [
-                (record.name, p, pid)
-                for record in self._hosts.values()
-                if not record.lost and record.conn is not None
-                for (g, p), (pid, _) in record.reported.items()
-                if g == generation and pid is not None
-            ]
+        found = [
+            (h, p, pid)
+            for h, g, p, pid, _ in self._reports()
+            if g == generation and pid is not None
+        ]
         return sorted(found, key=lambda r: r[1])
 
     def generations_reported(self) -> set[int]:
         """Every generation of which a connected agent registered a worker."""
-        with self._lock:
-            return {
-                g
-                for record in self._hosts.values()
-                if not record.lost and record.conn is not None
-                for g, _ in record.reported
-            }
+        return {g for _, g, _, _, _ in self._reports()}
 
     def running_reported(self) -> dict[int, list[tuple[str, int, int]]]:
         """Running workers the agents registered, by generation: (host, process, pid)."""
         out: dict[int, list[tuple[str, int, int]]] = {}
-        with self._lock:
-            for record in self._hosts.values():
-                if record.lost or record.conn is None:
-                    continue
-                for (g, p), (pid, code) in record.reported.items():
-                    if code is None:
-                        out.setdefault(g, []).append((record.name, p, pid))
+        for host, g, p, pid, code in self._reports():
+            if code is None:
+                out.setdefault(g, []).append((host, p, pid))
         return out
 
     def set_standbys(self, command: ap.Standbys) -> None:
