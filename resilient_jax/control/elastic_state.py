@@ -70,14 +70,9 @@ class ElasticState:
     slices: dict[int, int]  # slice -> the launch running it
     done: list[int]  # slices that finished the run (exit 0)
     standby: int | None = None  # the warm standby's launch, if one runs
-    next_launch: int = 0  # the number the next launch gets
+    next_launch: int = 0  # the number the next launch gets (saved before it starts)
     # launch -> [pid, start time] of each of its processes (slices' and the standby's)
     processes: dict[int, list[list[int]]] = dataclasses.field(default_factory=dict)
-
-    def launches(self) -> int:
-        """How many launch numbers are spoken for."""
-        recorded = [*self.slices.values(), *([self.standby] if self.standby is not None else [])]
-        return max([self.next_launch, *(launch + 1 for launch in recorded)])
 
 
 def snapshot(

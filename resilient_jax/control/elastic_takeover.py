@@ -34,7 +34,7 @@ def take_over(previous: elastic_state.ElasticState | None, hosts: HostRegistry) 
     found = Takeover(next_launch=max([0, *(g + 1 for g in reported)]))
     adopted: set[int] = set()
     if previous is not None:
-        found.next_launch = max(found.next_launch, previous.launches())
+        found.next_launch = max(found.next_launch, previous.next_launch)
         found.done.update(previous.done)
         if previous.standby is not None and previous.standby in reported:
             standby = _adopt(hosts, previous.standby)
@@ -55,9 +55,9 @@ def take_over(previous: elastic_state.ElasticState | None, hosts: HostRegistry) 
                 found.ended += elastic_state.end_recorded(records)
     for launch in sorted(reported - adopted):
         for worker in _adopt(hosts, launch).members:
-            if worker.poll() is None:
+            if worker.poll() is None and worker.pid is not None:
                 worker.signal(signal.SIGKILL, group=True)
-                found.ended += [worker.pid] if worker.pid is not None else []
+                found.ended.append(worker.pid)
     return found
 
 
